@@ -1,0 +1,149 @@
+"""Selective, mmap'd reading of Hugging Face safetensors checkpoints.
+
+Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`) checkpoints,
+original per-expert names (`model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`),
+bf16/fp16/fp32 and FP8 e4m3 with block `weight_scale_inv` (dequantisation multiplies; edge
+blocks may be partial, e.g. the 576-row kv_a_proj_with_mqa of DeepSeek-V3).
+
+Every tensor is read on its own through `safe_open` (an mmap of the file), so an attention
+worker never touches expert bytes and an expert worker reads only the experts of its slots.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w [M, N] fp8, scale_inv [ceil(M/bm), ceil(N/bn)] fp32 -> fp32 [M, N] = w * scale of its block."""
+    bm, bn = block
+    m, n = w.shape
+    if scale_inv.shape != ((m + bm - 1) // bm, (n + bn - 1) // bn):
+        raise ValueError(
+            f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(w.shape)} "
+            f"with {bm}x{bn} blocks"
+        )
+    scale = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
+    return w.float() * scale
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `dequantize_fp8_blocks` (used to write FP8 test checkpoints).
+
+    w [M, N] -> (fp8 e4m3 [M, N], scale_inv fp32 [ceil(M/bm), ceil(N/bn)]), scale = amax/448.
+    """
+    bm, bn = block
+    m, n = w.shape
+    gm, gn = (m + bm - 1) // bm, (n + bn - 1) // bn
+    padded = torch.zeros(gm * bm, gn * bn, dtype=torch.float32)
+    padded[:m, :n] = w.float()
+    blocks = padded.view(gm, bm, gn, bn)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / 448.0
+    q = (blocks / scale[:, None, :, None]).view(gm * bm, gn * bn)[:m, :n]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+class CheckpointReader:
+    """Name -> tensor access over one or many safetensors files, one tensor at a time."""
+
+    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None):
+        self.model_dir = Path(model_dir)
+        self.fp8_block = fp8_block or (128, 128)
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._file_of = {name: self.model_dir / f for name, f in weight_map.items()}
+        else:
+            files = sorted(self.model_dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {self.model_dir}")
+            self._file_of = {}
+            for f in files:
+                with safe_open(f, framework="pt") as h:
+                    for name in h.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                        self._file_of[name] = f
+        self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
+        self.names_read: list[str] = []  # every tensor read, in order (for accounting and tests)
+
+    @classmethod
+    def for_config(cls, model_dir: str | Path, cfg: ModelConfig) -> CheckpointReader:
+        return cls(model_dir, cfg.fp8_block_size)
+
+    def names(self) -> Iterable[str]:
+        return self._file_of.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def _handle(self, path: Path):
+        h = self._handles.get(path)
+        if h is None:
+            h = self._handles[path] = safe_open(path, framework="pt")
+        return h
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The stored tensor, as stored (no dequantisation)."""
+        try:
+            path = self._file_of[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} not in checkpoint {self.model_dir}") from None
+        t = self._handle(path).get_tensor(name)
+        self.bytes_read += t.numel() * t.element_size()
+        self.names_read.append(name)
+        return t
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor, FP8 blocks dequantised, converted to `dtype` when given."""
+        t = self.raw(name)
+        if t.dtype in FP8_DTYPES:
+            scale_name = name + "_scale_inv"
+            if scale_name not in self:
+                raise KeyError(f"FP8 tensor {name!r} has no {scale_name!r}")
+            t = dequantize_fp8_blocks(t, self.raw(scale_name), self.fp8_block)
+        return t.to(dtype) if dtype is not None else t
+
+    def get_optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        return self.get(name, dtype) if name in self else None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def expert_name(layer: int, expert: int, proj: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+
+
+def is_routed_expert_tensor(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def load_expert_weights(
+    reader: CheckpointReader, layer: int, experts: list[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed weights of `experts` (logical ids, in slot order) of one MoE layer.
+
+    Returns w13 [S, 2I, H] (gate rows then up rows) and w2 [S, H, I], in `dtype`.
+    Only these experts' tensors are read.
+    """
+    if not experts:
+        raise ValueError("load_expert_weights needs at least one expert")
+    first_gate = reader.get(expert_name(layer, experts[0], "gate"), dtype)
+    inter, hidden = first_gate.shape
+    w13 = torch.empty(len(experts), 2 * inter, hidden, dtype=dtype)
+    w2 = torch.empty(len(experts), hidden, inter, dtype=dtype)
+    for s, e in enumerate(experts):
+        w13[s, :inter] = first_gate if s == 0 else reader.get(expert_name(layer, e, "gate"), dtype)
+        w13[s, inter:] = reader.get(expert_name(layer, e, "up"), dtype)
+        w2[s] = reader.get(expert_name(layer, e, "down"), dtype)
+    return w13, w2

@@ -1,0 +1,145 @@
+"""DeepSeek-V3 model math as plain torch functions.
+
+Shapes use T = tokens in the (flattened) batch, H = hidden size, N = attention heads,
+E = routed experts, K = experts per token, L = context length, C = kv_lora_rank,
+R = qk_rope_head_dim, D = qk_nope_head_dim, V = v_head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig, rope_inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[..., d] -> [..., d]; computed in fp32, cast back before the weight multiply (as HF)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """Dense SwiGLU MLP. x [T, H], gate/up [I, H], down [H, I] -> [T, H]."""
+    return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+
+
+class Rope:
+    """Rotary embedding (plain or YaRN) for the qk_rope_head_dim part of q and k.
+
+    With `interleave` (DeepSeek-V3 weights) pairs (x[2i], x[2i+1]) are rotated by frequency i and
+    the output keeps that interleaved layout (as DeepSeek's own code and vLLM/SGLang do; HF
+    de-interleaves, which gives the same scores). Without it, the neox rotate-half form is used.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        inv_freq, self.attention_factor = rope_inv_freq(cfg)
+        self.inv_freq = inv_freq.to(device)
+        self.interleave = cfg.rope_interleave
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, R/2] in `dtype` (computed in fp32, like HF)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return (
+            (freqs.cos() * self.attention_factor).to(dtype),
+            (freqs.sin() * self.attention_factor).to(dtype),
+        )
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, ..., R] with cos/sin [T, R/2] -> rotated x, same shape and layout."""
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Router
+# ---------------------------------------------------------------------------------------------
+def route(
+    x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE gate. x [T, H], gate_w [E, H], bias [E] (fp32) or None.
+
+    Returns (topk_idx [T, K] int64 logical experts, topk_weight [T, K] fp32).
+    V3 (sigmoid, noaux_tc): the biased scores pick the top-`topk_group` groups (group score =
+    sum of its top-2) and the top-K experts inside them; the weights are the *unbiased* scores,
+    normalised (+1e-20) when norm_topk_prob, times routed_scaling_factor.
+    V2 (softmax, greedy / group_limited_greedy): group score = max, masked with 0.
+    """
+    T, E, G = x.shape[0], cfg.n_routed_experts, cfg.n_group
+    logits = F.linear(x.float(), gate_w.float())
+    if cfg.scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+        choice = scores + bias if bias is not None else scores
+    else:
+        scores = logits.softmax(dim=-1)
+        choice = scores
+
+    grouped = cfg.topk_method in ("noaux_tc", "group_limited_greedy") and G > 1
+    if grouped:
+        per_group = choice.view(T, G, E // G)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = per_group.topk(2, dim=-1).values.sum(-1)
+            fill = float("-inf")
+        else:
+            group_scores = per_group.max(dim=-1).values
+            fill = 0.0
+        group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        expert_mask = group_mask.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+        choice = choice.masked_fill(~expert_mask, fill)
+
+    topk_idx = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+    topk_weight = scores.gather(1, topk_idx)
+    if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+        topk_weight = topk_weight / (topk_weight.sum(-1, keepdim=True) + 1e-20)
+    return topk_idx, topk_weight * cfg.routed_scaling_factor
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts: a grouped FFN over packed expert weights
+# ---------------------------------------------------------------------------------------------
+def grouped_expert_ffn(
+    x: torch.Tensor,
+    slot: torch.Tensor,
+    weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """Weighted sum of expert outputs per token ("dispatch + combine" in one process).
+
+    x [T, H]; slot [T, K] int64 index into the packed experts (-1 = skip); weight [T, K] fp32;
+    w13 [S, 2I, H] (gate rows then up rows); w2 [S, H, I]. Returns [T, H] in x's dtype,
+    accumulated in fp32 over the K choices.
+    Pairs are sorted by slot so each expert runs one matmul over its tokens.
+    """
+    T, K = slot.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    flat_slot = slot.reshape(-1)
+    valid = flat_slot >= 0
+    if not bool(valid.any()):
+        return out.to(x.dtype)
+    pair = torch.nonzero(valid).squeeze(1)
+    order = torch.argsort(flat_slot[pair], stable=True)
+    pair = pair[order]
+    sorted_slot = flat_slot[pair]
+    token = pair // K
+    xs = x[token]
+    experts, counts = torch.unique_consecutive(sorted_slot, return_counts=True)
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist(), strict=True):
+        rows = xs[start : start + n]
+        gate_up = F.linear(rows, w13[e])
+        g, u = gate_up.chunk(2, dim=-1)
+        ys[start : start + n] = F.linear(F.silu(g) * u, w2[e])
+        start += n
+    w = weight.reshape(-1)[pair].unsqueeze(1)
+    out.index_add_(0, token, ys.float() * w)
+    return out.to(x.dtype)

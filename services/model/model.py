@@ -1,0 +1,355 @@
+"""The attention side of DeepSeek-V3: embeddings, MLA over the paged latent cache, dense MLPs,
+the MoE gate, shared experts, final norm and LM head. Routed experts are *not* here: at every
+MoE layer the forward pass hands the routed tokens to an expert backend (local packed experts
+in `LocalEngine`, gRPC expert workers in the cluster) through two generator messages:
+
+    handle = yield ExpertDispatch(layer, x, topk_idx, topk_weight)   # backend starts the work
+    ... shared experts run here, overlapping the routed work ...
+    routed = yield ExpertCombine(handle)                             # backend returns [T, H]
+
+A driver (`run_step`, or the ping-pong scheduler of the attention worker) answers them, so the
+model math stays free of threads, RPCs and event loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import CheckpointReader
+from .config import ModelConfig
+from .kv_cache import BLOCK_SIZE
+from .layers import Rope, rms_norm, route, swiglu
+
+NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, DeepSeek)
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages between the forward pass and an expert backend
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ExpertDispatch:
+    layer: int  # decoder layer index
+    x: torch.Tensor  # [T, H] post-attention-norm hidden states
+    topk_idx: torch.Tensor  # [T, K] int64 logical experts
+    topk_weight: torch.Tensor  # [T, K] fp32 routing weights (scaling factor applied)
+
+
+@dataclass
+class ExpertCombine:
+    handle: Any  # whatever the backend returned for the matching ExpertDispatch
+
+
+class ExpertBackend(Protocol):
+    def dispatch(self, msg: ExpertDispatch) -> Any: ...
+
+    def combine(self, msg: ExpertCombine) -> torch.Tensor: ...
+
+
+StepGen = Generator[ExpertDispatch | ExpertCombine, Any, torch.Tensor]
+
+
+def run_step(step: StepGen, experts: ExpertBackend) -> torch.Tensor:
+    """Drive one forward pass to completion against `experts`; returns its result."""
+    try:
+        msg = next(step)
+        while True:
+            reply = experts.dispatch(msg) if isinstance(msg, ExpertDispatch) else experts.combine(msg)
+            msg = step.send(reply)
+    except StopIteration as stop:
+        return stop.value
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch layout for one step
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class StepBatch:
+    """Tokens of one step, flattened over sequences (prefill chunks and decodes mixed).
+
+    input_ids [T] int64, positions [T] int64, slot_mapping [T] int64 (flat cache row
+    block*64+offset each token's latent is written to), query_lens [B] (python ints, tokens of
+    each sequence in this step), seq_lens [B] int32 (context length after this step),
+    block_table [B, max_blocks] int32, logits_index [B'] int64 (rows of T to compute logits for).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: list[int]
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    logits_index: torch.Tensor
+
+    @staticmethod
+    def build(
+        chunks: list[tuple[list[int], int, list[int], bool]], device: torch.device | str = "cpu"
+    ) -> StepBatch:
+        """chunks: per sequence (token_ids of this step, start position, cache block ids,
+        wants_logits)."""
+        ids, pos, slots, qlens, slens, logits_index = [], [], [], [], [], []
+        max_blocks = max(len(c[2]) for c in chunks)
+        table = torch.zeros(len(chunks), max(max_blocks, 1), dtype=torch.int32)
+        t = 0
+        for b, (tokens, start, blocks, want) in enumerate(chunks):
+            n = len(tokens)
+            if start + n > len(blocks) * BLOCK_SIZE:
+                raise ValueError(f"sequence {b}: {start + n} tokens do not fit {len(blocks)} blocks")
+            ids.extend(tokens)
+            positions = range(start, start + n)
+            pos.extend(positions)
+            slots.extend(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions)
+            qlens.append(n)
+            slens.append(start + n)
+            table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            t += n
+            if want:
+                logits_index.append(t - 1)
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        return StepBatch(
+            input_ids=as_long(ids),
+            positions=as_long(pos),
+            slot_mapping=as_long(slots),
+            query_lens=qlens,
+            seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
+            block_table=table.to(device),
+            logits_index=as_long(logits_index),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class MLAWeights:
+    """One layer's MLA weights. `kv_b` [N*(D+V), C]; q either via q_a/q_b (q_lora) or q_proj."""
+
+    kv_a: torch.Tensor  # [C+R, H]
+    kv_a_norm: torch.Tensor  # [C]
+    kv_b: torch.Tensor  # [N*(D+V), C]
+    o: torch.Tensor  # [H, N*V]
+    q_a: torch.Tensor | None = None  # [q_lora, H]
+    q_a_norm: torch.Tensor | None = None  # [q_lora]
+    q_b: torch.Tensor | None = None  # [N*(D+R), q_lora]
+    q_proj: torch.Tensor | None = None  # [N*(D+R), H]
+    q_a_bias: torch.Tensor | None = None
+    kv_a_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: MLAWeights
+    # dense MLP (layers < first_k_dense_replace) or MoE shared experts
+    mlp_gate: torch.Tensor | None = None
+    mlp_up: torch.Tensor | None = None
+    mlp_down: torch.Tensor | None = None
+    # MoE gate
+    router: torch.Tensor | None = None  # [E, H]
+    router_bias: torch.Tensor | None = None  # [E] fp32 e_score_correction_bias
+    is_moe: bool = False
+
+
+def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    get, opt = reader.get, reader.get_optional
+    attn = MLAWeights(
+        kv_a=get(a + "kv_a_proj_with_mqa.weight", dtype),
+        kv_a_norm=get(a + "kv_a_layernorm.weight", dtype),
+        kv_b=get(a + "kv_b_proj.weight", dtype),
+        o=get(a + "o_proj.weight", dtype),
+        kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias", dtype),
+        o_bias=opt(a + "o_proj.bias", dtype),
+    )
+    if cfg.q_lora_rank:
+        attn.q_a = get(a + "q_a_proj.weight", dtype)
+        attn.q_a_norm = get(a + "q_a_layernorm.weight", dtype)
+        attn.q_b = get(a + "q_b_proj.weight", dtype)
+        attn.q_a_bias = opt(a + "q_a_proj.bias", dtype)
+    else:
+        attn.q_proj = get(a + "q_proj.weight", dtype)
+    layer = LayerWeights(
+        input_norm=get(p + "input_layernorm.weight", dtype),
+        post_norm=get(p + "post_attention_layernorm.weight", dtype),
+        attn=attn,
+        is_moe=cfg.is_moe_layer(i),
+    )
+    mlp = p + ("mlp.shared_experts." if layer.is_moe else "mlp.")
+    if layer.is_moe:
+        layer.router = get(p + "mlp.gate.weight", dtype)
+        layer.router_bias = opt(p + "mlp.gate.e_score_correction_bias", torch.float32)
+    if not layer.is_moe or cfg.n_shared_experts:
+        layer.mlp_gate = get(mlp + "gate_proj.weight", dtype)
+        layer.mlp_up = get(mlp + "up_proj.weight", dtype)
+        layer.mlp_down = get(mlp + "down_proj.weight", dtype)
+    return layer
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA
+# ---------------------------------------------------------------------------------------------
+def mla_forward(
+    x: torch.Tensor,
+    w: MLAWeights,
+    cfg: ModelConfig,
+    rope: Rope,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    cache: torch.Tensor,
+    batch: StepBatch,
+) -> torch.Tensor:
+    """x [T, H] -> [T, H]. Writes this step's latent rows into `cache` [blocks, 64, 1, C+R].
+
+    Decode rows (query_len 1) use the absorbed form against the paged cache: q_nope @ W_UK gives
+    a 512-wide latent query, scores against [c_kv | k_pe] rows, the softmax-weighted c_kv is
+    projected by W_UV. Prefill chunks use the naive form (expand c_kv through kv_b_proj into
+    per-head K/V, causal over the whole context). The number of heads is read from the weight
+    shapes, so a rank of attention tensor parallelism passes its head slice.
+    """
+    T = x.shape[0]
+    D, R, C, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    if w.q_proj is not None:
+        q = F.linear(x, w.q_proj)
+    else:
+        q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, NORM_EPS_LATENT), w.q_b)
+    q = q.view(T, -1, D + R)
+    N = q.shape[1]
+    cos, sin = cos_sin
+    q_nope, q_pe = q[..., :D], rope.apply(q[..., D:], cos, sin)
+
+    kv = F.linear(x, w.kv_a, w.kv_a_bias)
+    c_kv = rms_norm(kv[:, :C], w.kv_a_norm, NORM_EPS_LATENT)
+    k_pe = rope.apply(kv[:, C:], cos, sin)
+    flat_cache = cache.view(-1, C + R)
+    flat_cache[batch.slot_mapping] = torch.cat((c_kv, k_pe), dim=-1).to(cache.dtype)
+
+    kv_b = w.kv_b.view(N, D + V, C)
+    out = torch.empty(T, N, V, dtype=x.dtype, device=x.device)
+    scale = cfg.softmax_scale
+    qlens = batch.query_lens
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+
+    decode = [b for b, n in enumerate(qlens) if n == 1]
+    if decode:
+        rows = torch.tensor([starts[b] for b in decode], device=x.device)
+        sel = torch.tensor(decode, device=x.device)
+        table = batch.block_table[sel].long()
+        ctx = cache[table].view(len(decode), -1, C + R)  # [Bd, Lmax, C+R]
+        q_lat = torch.einsum("bnd,ndc->bnc", q_nope[rows], kv_b[:, :D])
+        q_full = torch.cat((q_lat, q_pe[rows]), dim=-1)  # [Bd, N, C+R]
+        scores = torch.bmm(q_full, ctx.transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
+        lmax = ctx.shape[1]
+        pad = torch.arange(lmax, device=x.device)[None, :] >= batch.seq_lens[sel].long()[:, None]
+        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(x.dtype)
+        o_lat = torch.bmm(probs, ctx[..., :C])  # [Bd, N, C]
+        out[rows] = torch.einsum("bnc,nvc->bnv", o_lat, kv_b[:, D:])
+
+    for b, n in enumerate(qlens):
+        if n == 1:
+            continue
+        L = int(batch.seq_lens[b])
+        blocks = batch.block_table[b, : (L + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
+        ctx = cache[blocks].view(-1, C + R)[:L]  # [L, C+R]
+        kv_full = F.linear(ctx[:, :C], w.kv_b).view(L, N, D + V)
+        k = torch.cat((kv_full[..., :D], ctx[:, None, C:].expand(L, N, R)), dim=-1)  # [L, N, D+R]
+        v = kv_full[..., D:]  # [L, N, V]
+        s0 = starts[b]
+        qb = torch.cat((q_nope[s0 : s0 + n], q_pe[s0 : s0 + n]), dim=-1)  # [n, N, D+R]
+        scores = torch.einsum("qnd,knd->nqk", qb, k).float() * scale
+        qpos = torch.arange(L - n, L, device=x.device)
+        causal = torch.arange(L, device=x.device)[None, :] > qpos[:, None]
+        scores.masked_fill_(causal[None], float("-inf"))
+        probs = scores.softmax(dim=-1).to(x.dtype)
+        out[s0 : s0 + n] = torch.einsum("nqk,knv->qnv", probs, v)
+
+    return F.linear(out.view(T, N * V), w.o, w.o_bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model (attention side)
+# ---------------------------------------------------------------------------------------------
+class DeepseekV3:
+    """Everything but the routed experts, with weights as plain tensors."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
+        self.dtype, self.device = dtype, torch.device(device)
+        self.rope = Rope(cfg, self.device)
+
+    @classmethod
+    def load(
+        cls,
+        reader: CheckpointReader,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        progress=None,
+    ) -> DeepseekV3:
+        """Read the attention-side weights; no routed-expert tensor is touched."""
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            layers.append(_load_layer(reader, cfg, i, dtype))
+            if progress is not None:
+                progress(i + 1, cfg.num_hidden_layers)
+        embed = reader.get("model.embed_tokens.weight", dtype)
+        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        model = cls(cfg, embed, layers, reader.get("model.norm.weight", dtype), reader.get(head_name, dtype), dtype)
+        return model.to(device)
+
+    def to(self, device: torch.device | str) -> DeepseekV3:
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+
+        def move_fields(obj):
+            for k, v in vars(obj).items():
+                if isinstance(v, torch.Tensor):
+                    setattr(obj, k, move(v))
+
+        for layer in self.layers:
+            move_fields(layer)
+            move_fields(layer.attn)
+        self.embed, self.norm, self.lm_head = move(self.embed), move(self.norm), move(self.lm_head)
+        self.device = device
+        self.rope = Rope(self.cfg, device)
+        return self
+
+    def forward(self, batch: StepBatch, latent_cache: torch.Tensor) -> StepGen:
+        """One step. latent_cache [layers, blocks, 64, 1, C+R]. Yields expert messages at every
+        MoE layer; returns fp32 logits [len(batch.logits_index), vocab]."""
+        cfg = self.cfg
+        h = F.embedding(batch.input_ids, self.embed)
+        cos_sin = self.rope.cos_sin(batch.positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            h = h + mla_forward(x, layer.attn, cfg, self.rope, cos_sin, latent_cache[i], batch)
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            if not layer.is_moe:
+                h = h + swiglu(x, layer.mlp_gate, layer.mlp_up, layer.mlp_down)
+                continue
+            topk_idx, topk_weight = route(x, layer.router, layer.router_bias, cfg)
+            handle = yield ExpertDispatch(i, x, topk_idx, topk_weight)
+            shared = swiglu(x, layer.mlp_gate, layer.mlp_up, layer.mlp_down) if layer.mlp_gate is not None else 0
+            routed = yield ExpertCombine(handle)
+            h = h + (routed + shared)
+        last = h[batch.logits_index]
+        return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()

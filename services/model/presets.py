@@ -1,0 +1,263 @@
+"""`moe-cluster init-model`: write a Hugging Face-format DeepSeek-V3 checkpoint with random weights.
+
+Everything is randomised, biases and norm weights included (transformers initialises norms to 1
+and the router bias to 0, which would leave those code paths untested). The checkpoint uses the
+original per-expert tensor names, writes `scoring_func`/`topk_method` like DeepSeek's own
+configs, and ships a byte-level `tokenizer.json`, so it loads in transformers and other engines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import quantize_fp8_blocks
+
+_YARN = {
+    "type": "yarn",
+    "factor": 40,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+}
+
+_COMMON = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "rope_scaling": _YARN,
+    "max_position_embeddings": 163840,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "num_nextn_predict_layers": 0,
+    "initializer_range": 0.02,
+}
+
+PRESETS: dict[str, dict] = {
+    # seconds to load and run: unit, oracle and cluster tests
+    "tiny": {
+        **_COMMON,
+        "vocab_size": 384,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+    },
+    # ~84M parameters, 8 MoE layers x 64 experts, top-6 of 8 groups: benchmarks
+    "small": {
+        **_COMMON,
+        "vocab_size": 4096,
+        "hidden_size": 384,
+        "intermediate_size": 1024,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 9,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 128,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 1,
+        "n_group": 8,
+        "topk_group": 4,
+    },
+}
+
+SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+
+
+def random_weights(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors under the original DeepSeek-V3 names for HF config dict `hf`.
+
+    Linear weights ~ N(0, 1/fan_in) so activations keep their scale through depth; the LM head
+    is scaled so logits spread over a few units (well separated greedy choices).
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) * (gain / math.sqrt(in_f))
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.2 * torch.randn(n, generator=g)
+
+    H, N = hf["hidden_size"], hf["num_attention_heads"]
+    D, R, V = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+    C, Q = hf["kv_lora_rank"], hf.get("q_lora_rank")
+    E, I_moe = hf["n_routed_experts"], hf["moe_intermediate_size"]
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(hf["vocab_size"], H, generator=g),
+        "model.norm.weight": norm(H),
+        "lm_head.weight": linear(hf["vocab_size"], H, gain=4.0),
+    }
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        w[p + "input_layernorm.weight"] = norm(H)
+        w[p + "post_attention_layernorm.weight"] = norm(H)
+        if Q:
+            w[a + "q_a_proj.weight"] = linear(Q, H)
+            w[a + "q_a_layernorm.weight"] = norm(Q)
+            w[a + "q_b_proj.weight"] = linear(N * (D + R), Q)
+        else:
+            w[a + "q_proj.weight"] = linear(N * (D + R), H)
+        w[a + "kv_a_proj_with_mqa.weight"] = linear(C + R, H)
+        w[a + "kv_a_layernorm.weight"] = norm(C)
+        w[a + "kv_b_proj.weight"] = linear(N * (D + V), C)
+        w[a + "o_proj.weight"] = linear(H, N * V)
+        if hf.get("attention_bias"):
+            if Q:
+                w[a + "q_a_proj.bias"] = 0.1 * torch.randn(Q, generator=g)
+            w[a + "kv_a_proj_with_mqa.bias"] = 0.1 * torch.randn(C + R, generator=g)
+            w[a + "o_proj.bias"] = 0.1 * torch.randn(H, generator=g)
+        if i < hf["first_k_dense_replace"]:
+            inter = hf["intermediate_size"]
+            w[p + "mlp.gate_proj.weight"] = linear(inter, H)
+            w[p + "mlp.up_proj.weight"] = linear(inter, H)
+            w[p + "mlp.down_proj.weight"] = linear(H, inter)
+            continue
+        w[p + "mlp.gate.weight"] = linear(E, H)
+        w[p + "mlp.gate.e_score_correction_bias"] = 0.1 * torch.randn(E, generator=g)
+        for e in range(E):
+            x = f"{p}mlp.experts.{e}."
+            w[x + "gate_proj.weight"] = linear(I_moe, H)
+            w[x + "up_proj.weight"] = linear(I_moe, H)
+            w[x + "down_proj.weight"] = linear(H, I_moe)
+        if hf.get("n_shared_experts"):
+            inter = I_moe * hf["n_shared_experts"]
+            w[p + "mlp.shared_experts.gate_proj.weight"] = linear(inter, H)
+            w[p + "mlp.shared_experts.up_proj.weight"] = linear(inter, H)
+            w[p + "mlp.shared_experts.down_proj.weight"] = linear(H, inter)
+    return w
+
+
+FP8_SKIP = ("embed_tokens", "lm_head", "layernorm", "norm.weight", "mlp.gate.")
+
+
+def quantize_checkpoint_fp8(
+    weights: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128)
+) -> dict[str, torch.Tensor]:
+    """FP8 e4m3 block-quantise every linear weight as DeepSeek does (not embeddings, LM head,
+    norms or the router), adding `<name>_scale_inv` tensors."""
+    out = {}
+    for name, t in weights.items():
+        if t.dim() == 2 and name.endswith(".weight") and not any(s in name for s in FP8_SKIP):
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t, block)
+        else:
+            out[name] = t
+    return out
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A byte-level tokenizer: ids 0-3 special, then 256 byte tokens, then reserved specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    if vocab_size < len(SPECIAL_TOKENS) + 256:
+        raise ValueError("vocab_size too small for a byte-level tokenizer")
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(ByteLevel.alphabet(), key=lambda c: ord(c)):
+        vocab[ch] = len(vocab)
+    reserved = [f"<｜reserved_{i}｜>" for i in range(vocab_size - len(vocab))]
+    for t in reserved:
+        vocab[t] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS + reserved)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": SPECIAL_TOKENS[0],
+                "eos_token": SPECIAL_TOKENS[1],
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "model_max_length": 163840,
+            },
+            indent=2,
+        )
+    )
+
+
+def save_safetensors(weights: dict[str, torch.Tensor], out: Path, shards: int = 1) -> None:
+    """One model.safetensors, or `shards` files plus model.safetensors.index.json."""
+    if shards <= 1:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), {"format": "pt"})
+        return
+    names = list(weights)
+    weight_map = {}
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i::shards]
+        save_file({k: weights[k].contiguous() for k in part}, str(out / fname), {"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())}}
+    (out / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}, indent=2))
+
+
+def init_model(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    fp8: bool = False,
+    overrides: dict | None = None,
+    tokenizer: bool = True,
+    shards: int = 1,
+) -> Path:
+    """Write config.json, safetensors (per-expert names; `shards` > 1 writes
+    model-0000i-of-0000n.safetensors + model.safetensors.index.json) and a tokenizer."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = {**PRESETS[preset], **(overrides or {}), "torch_dtype": "float32"}
+    weights = random_weights(hf, seed)
+    if fp8:
+        weights = quantize_checkpoint_fp8(weights)
+        hf["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+        hf["torch_dtype"] = "bfloat16"
+    save_safetensors(weights, out, shards)
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"]}, indent=2)
+    )
+    if tokenizer:
+        write_tokenizer(out, hf["vocab_size"])
+    return out

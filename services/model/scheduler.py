@@ -1,0 +1,249 @@
+"""Continuous-batching scheduler: waiting/running queues, chunked prefill mixed with decodes,
+and the paged latent cache's block accounting. Pure Python: no tensors but the per-request
+sampling generator, no Ray.
+
+Each step: every running sequence that is decoding gets its one token; then sequences that are
+still prefilling get chunks; then waiting requests are admitted (first come, first served) while
+`max_num_seqs`, the `max_num_batched_tokens` budget and free cache blocks allow. A request is
+admitted only if the blocks for all its current tokens fit; decodes take one more block every
+64 tokens, and when none is free the newest running sequence is preempted (its blocks freed,
+recomputed later from its tokens).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .kv_cache import BlockAllocator, blocks_needed
+from .sampling import SamplingParams, TokenLogprobs
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 429/503)."""
+
+
+class RequestError(ValueError):
+    """A request that can never be served as asked (HTTP 400)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose latent rows are in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # stop | length | abort | error
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.generator is None:
+            self.generator = self.params.make_generator()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    max_waiting: int = 1024
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
+        if self.max_model_len < 2 or self.max_waiting < 1:
+            raise ValueError("need max_model_len >= 2 and max_waiting >= 1")
+
+
+@dataclass
+class Chunk:
+    seq: Sequence
+    start: int  # first position of this step's tokens
+    num_tokens: int
+
+    @property
+    def wants_logits(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, num_blocks: int, eos_token_ids: tuple[int, ...] = ()):
+        cfg.validate()
+        self.cfg = cfg
+        self.allocator = BlockAllocator(num_blocks)
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ---- admission ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a request; raises RequestError if it can never run, QueueFullError if full."""
+        n = len(seq.prompt_ids)
+        if n == 0:
+            raise RequestError("prompt", "the prompt is empty")
+        if n + seq.params.max_tokens > self.cfg.max_model_len:
+            raise RequestError(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the context "
+                f"length {self.cfg.max_model_len}",
+            )
+        if blocks_needed(n + seq.params.max_tokens) > self.allocator.num_blocks:
+            raise RequestError("max_tokens", "the request does not fit in the KV cache")
+        if seq.request_id in self._by_id:
+            raise RequestError("request_id", f"duplicate request id {seq.request_id!r}")
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
+        self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a request now (reason 'abort') and free its blocks; None if unknown/finished."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        self.finish(seq, "abort")
+        return seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        self._by_id.pop(seq.request_id, None)
+
+    def _free(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> list[Chunk]:
+        budget = self.cfg.max_num_batched_tokens
+        chunks: list[Chunk] = []
+
+        # 1. decodes (one token each), allocating a block every 64 tokens; preempt if needed
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.num_tokens - seq.num_computed != 1:
+                continue
+            if not self._ensure_blocks(seq, seq.num_tokens):
+                continue  # seq itself was preempted
+            chunks.append(Chunk(seq, seq.num_computed, 1))
+            budget -= 1
+
+        # 2. prefills already running (chunked)
+        for seq in self.running:
+            remaining = seq.num_tokens - seq.num_computed
+            if remaining > 1 and budget > 0:
+                n = min(remaining, budget)
+                chunks.append(Chunk(seq, seq.num_computed, n))
+                budget -= n
+
+        # 3. admit waiting requests, first come first served
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            need = blocks_needed(seq.num_tokens)
+            if not self.allocator.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.block_ids = self.allocator.allocate(need)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens, budget)
+            chunks.append(Chunk(seq, 0, n))
+            budget -= n
+        return chunks
+
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's blocks to hold num_tokens, preempting newer sequences if needed.
+        Returns False if seq itself had to be preempted."""
+        need = blocks_needed(num_tokens) - len(seq.block_ids)
+        while need > 0 and not self.allocator.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_ids += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- after the model ran ------------------------------------------------------------
+    def update(
+        self, chunks: list[Chunk], tokens: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> list[Sequence]:
+        """Advance the scheduled sequences; `tokens`/`logprobs` hold one entry per chunk that
+        wanted logits, in chunk order. Returns the sequences that got a new token."""
+        sampled = iter(zip(tokens, logprobs, strict=True))
+        out = []
+        for c in chunks:
+            seq = c.seq
+            wanted = c.wants_logits
+            if seq.status is not SeqStatus.RUNNING:  # aborted while the step ran
+                if wanted:
+                    next(sampled)
+                continue
+            seq.num_computed += c.num_tokens
+            if not wanted:
+                continue
+            token, lp = next(sampled)
+            seq.output_ids.append(token)
+            seq.output_logprobs.append(lp)
+            out.append(seq)
+            p = seq.params
+            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+                self.finish(seq, "stop")
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+                self.finish(seq, "length")
+        return out
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free

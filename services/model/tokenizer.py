@@ -1,0 +1,107 @@
+"""Tokenizer, incremental detokenisation with stop strings, and chat templates.
+
+A checkpoint without `tokenizer.json` runs in token-id mode (like vLLM's skip_tokenizer_init):
+`Tokenizer.from_dir` returns None and callers must pass token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+# Used when the checkpoint's tokenizer_config.json has no chat_template: DeepSeek-V3's turn markers.
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, bos_token: str | None, eos_token: str | None, chat_template: str):
+        self._tok = tok
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_id = tok.token_to_id(bos_token) if bos_token else None
+        self.chat_template = chat_template
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            return None
+        cfg_path = model_dir / "tokenizer_config.json"
+        tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+
+        def token_str(v):
+            return v.get("content") if isinstance(v, dict) else v
+
+        return cls(
+            HFTokenizer.from_file(str(path)),
+            token_str(tcfg.get("bos_token")),
+            token_str(tcfg.get("eos_token")),
+            tcfg.get("chat_template") or DEFAULT_CHAT_TEMPLATE,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+class Detokenizer:
+    """Turns a growing list of output token ids into text deltas, and finds stop strings.
+
+    Text that may still change (an incomplete UTF-8 sequence) or may be the start of a stop
+    string is held back until it is certain.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.sent = 0  # characters already emitted
+        self.text = ""
+
+    def step(self, output_ids: list[int], final: bool) -> tuple[str, bool]:
+        """Returns (new text, stopped). When stopped, the text ends before the stop string."""
+        self.text = self.tokenizer.decode(output_ids)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.sent - len(s) + 1))
+            if at >= 0:
+                self.text = self.text[:at]
+                return self._emit(len(self.text)), True
+        stable = len(self.text) if final else len(self.text.rstrip("\ufffd")) - self.hold
+        return self._emit(stable), False
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        delta = self.text[self.sent : upto]
+        self.sent = upto
+        return delta

@@ -1,0 +1,15 @@
+import os
+
+import pytest
+import torch
+
+# one intra-op thread per test process: the suite runs beside Ray workers on 2 cores
+torch.set_num_threads(int(os.environ.get("MOE_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The `tiny` preset written by our generator (with tokenizer)."""
+    from services.model.presets import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)

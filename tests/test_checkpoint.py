@@ -1,0 +1,108 @@
+import json
+
+import pytest
+import torch
+
+from services.model.checkpoint import (
+    CheckpointReader,
+    dequantize_fp8_blocks,
+    is_routed_expert_tensor,
+    quantize_fp8_blocks,
+)
+from services.model.config import ModelConfig
+from services.model.engine import EngineConfig, LocalEngine
+from services.model.model import DeepseekV3
+from services.model.moe import PackedExperts
+from services.model.presets import init_model, random_weights, save_safetensors
+from services.model.sampling import SamplingParams
+
+from .hf_oracle import generate_with_logits
+
+
+@pytest.mark.parametrize("shape", [(576, 7168 // 8), (300, 200), (128, 256), (5, 7)])
+def test_fp8_block_dequant_handles_partial_blocks(shape):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g) * torch.linspace(0.01, 3, shape[1])
+    q, scale = quantize_fp8_blocks(w)
+    assert scale.shape == ((shape[0] + 127) // 128, (shape[1] + 127) // 128)
+    deq = dequantize_fp8_blocks(q, scale, (128, 128))
+    # the same multiply, block by block
+    for bi in range(scale.shape[0]):
+        for bj in range(scale.shape[1]):
+            blk = (slice(bi * 128, (bi + 1) * 128), slice(bj * 128, (bj + 1) * 128))
+            assert torch.equal(deq[blk], q[blk].float() * scale[bi, bj])
+    # e4m3 keeps ~2 significant bits of mantissa precision per block scale
+    assert (deq - w).abs().max() <= 0.07 * w.abs().max()
+
+
+def test_fp8_scale_shape_mismatch_is_an_error():
+    q, scale = quantize_fp8_blocks(torch.randn(300, 200))
+    with pytest.raises(ValueError, match="scale_inv shape"):
+        dequantize_fp8_blocks(q, scale[:1], (128, 128))
+
+
+def test_fp8_checkpoint_matches_its_dequantised_weights(tmp_path):
+    """An FP8 block-quantised checkpoint (shards splitting weights from their scales) gives the
+    same tokens and logits as an fp32 checkpoint holding the dequantised weights."""
+    fp8_dir = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, shards=3)
+    reader = CheckpointReader.for_config(fp8_dir, ModelConfig.from_dir(fp8_dir))
+    assert reader.raw("model.layers.1.mlp.experts.0.gate_proj.weight").dtype == torch.float8_e4m3fn
+    assert reader.raw("model.embed_tokens.weight").dtype == torch.float32
+    deq = {
+        name: reader.get(name, torch.float32) for name in reader.names() if not name.endswith("_scale_inv")
+    }
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    save_safetensors(deq, ref_dir)
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    del cfg["quantization_config"]
+    (ref_dir / "config.json").write_text(json.dumps(cfg))
+
+    prompts = [[0, 5, 9, 33, 2], list(range(2, 90))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    a, la = generate_with_logits(LocalEngine(EngineConfig(model=str(fp8_dir))), prompts, params)
+    b, lb = generate_with_logits(LocalEngine(EngineConfig(model=str(ref_dir))), prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(la, lb, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_sharded_checkpoint_equals_single_file(tmp_path):
+    one = init_model(tmp_path / "one", "tiny", seed=1)
+    many = init_model(tmp_path / "many", "tiny", seed=1, shards=4)
+    assert (many / "model.safetensors.index.json").is_file()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[0, 7, 8, 9]]
+    a = LocalEngine(EngineConfig(model=str(one))).generate(prompts, params)
+    b = LocalEngine(EngineConfig(model=str(many))).generate(prompts, params)
+    assert a[0].token_ids == b[0].token_ids
+
+
+def test_loading_is_selective(tiny_model):
+    cfg = ModelConfig.from_dir(tiny_model)
+    reader = CheckpointReader.for_config(tiny_model, cfg)
+    DeepseekV3.load(reader, cfg)
+    assert reader.names_read and not any(is_routed_expert_tensor(n) for n in reader.names_read)
+
+    reader = CheckpointReader.for_config(tiny_model, cfg)
+    layer = cfg.moe_layers[0]
+    packed = PackedExperts.load(reader, {layer: [3, 7, 3]}, torch.float32)
+    assert packed.w13[layer].shape == (3, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    assert packed.w2[layer].shape == (3, cfg.hidden_size, cfg.moe_intermediate_size)
+    assert all(f"mlp.experts.{e}." in n for n in reader.names_read for e in [n.split(".")[5]])
+    assert {int(n.split(".")[5]) for n in reader.names_read} == {3, 7}
+    weights = random_weights(json.loads((tiny_model / "config.json").read_text()), seed=0)
+    torch.testing.assert_close(
+        packed.w13[layer][1, : cfg.moe_intermediate_size],
+        weights[f"model.layers.{layer}.mlp.experts.7.gate_proj.weight"],
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_missing_tensor_names_the_tensor(tiny_model):
+    reader = CheckpointReader(tiny_model)
+    with pytest.raises(KeyError, match="model.layers.99"):
+        reader.get("model.layers.99.input_layernorm.weight")
+    with pytest.raises(FileNotFoundError):
+        CheckpointReader(tiny_model / "nowhere")
