@@ -26,7 +26,9 @@ def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-token-ids wants comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--prompt-token-ids wants comma-separated integers, got {text!r}"
+        ) from None
     if not ids:
         raise argparse.ArgumentTypeError("--prompt-token-ids is empty")
     return ids
@@ -110,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return args.fn(args)
 
 

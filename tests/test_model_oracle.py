@@ -63,7 +63,9 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def oracle(request, tmp_path_factory):
-    path = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), seed=len(request.param), **CONFIGS[request.param])
+    path = make_hf_checkpoint(
+        tmp_path_factory.mktemp(request.param), seed=len(request.param), **CONFIGS[request.param]
+    )
     hf = load_hf(path)
     prompts = _prompts(hf.config.vocab_size, seed=1)
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]

@@ -36,7 +36,9 @@ def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     return w.float() * scale
 
 
-def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blocks(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `dequantize_fp8_blocks` (used to write FP8 test checkpoints).
 
     w [M, N] -> (fp8 e4m3 [M, N], scale_inv fp32 [ceil(M/bm), ceil(N/bn)]), scale = amax/448.

@@ -184,7 +184,9 @@ class ModelConfig:
             num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
             n_group=int(hf.get("n_group") or 1),
             topk_group=int(hf.get("topk_group") or 1),
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(
+                hf.get("routed_scaling_factor", 2.5 if model_type == "deepseek_v3" else 1.0)
+            ),
             norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "deepseek_v3")),
             scoring_func=hf.get("scoring_func") or default_scoring,
             topk_method=hf.get("topk_method") or default_topk,
@@ -259,7 +261,9 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     if rs.attention_factor is not None:
         attention_factor = float(rs.attention_factor)
     elif rs.mscale and rs.mscale_all_dim:
-        attention_factor = yarn_get_mscale(rs.factor, rs.mscale) / yarn_get_mscale(rs.factor, rs.mscale_all_dim)
+        attention_factor = yarn_get_mscale(rs.factor, rs.mscale) / yarn_get_mscale(
+            rs.factor, rs.mscale_all_dim
+        )
     else:
         attention_factor = yarn_get_mscale(rs.factor)
 

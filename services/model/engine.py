@@ -19,7 +19,7 @@ from .kv_cache import PagedLatentCache, blocks_needed
 from .model import DeepseekV3, ExpertBackend, StepBatch, StepGen, run_step
 from .moe import LocalExperts
 from .sampling import SamplingParams, TokenLogprobs, sample
-from .scheduler import Chunk, RequestError, Scheduler, SchedulerConfig, Sequence, SeqStatus
+from .scheduler import Chunk, RequestError, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from .tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,9 @@ class EngineConfig:
     def kv_blocks(self, cfg: ModelConfig, max_model_len: int) -> int:
         if self.num_kv_blocks:
             return self.num_kv_blocks
-        per_block = PagedLatentCache.bytes_per_block(cfg.num_hidden_layers, cfg.latent_dim, parse_dtype(self.dtype))
+        per_block = PagedLatentCache.bytes_per_block(
+            cfg.num_hidden_layers, cfg.latent_dim, parse_dtype(self.dtype)
+        )
         wanted = self.max_num_seqs * blocks_needed(max_model_len)
         return max(1, min(wanted, int(self.kv_cache_gib * 2**30) // per_block))
 
@@ -111,7 +113,9 @@ class Engine:
         params.validate()
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+            raise RequestError(
+                "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
+            )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer; this model runs in token-id mode")
         seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
@@ -217,5 +221,9 @@ class LocalEngine(Engine):
         super().__init__(cfg, model, experts, engine_cfg, Tokenizer.from_dir(model_dir))
         log.info(
             "LocalEngine: %s, %d layers (%d MoE), dtype %s, %d KV blocks",
-            model_dir, cfg.num_hidden_layers, cfg.num_moe_layers, dtype, self.cache.num_blocks,
+            model_dir,
+            cfg.num_hidden_layers,
+            cfg.num_moe_layers,
+            dtype,
+            self.cache.num_blocks,
         )

@@ -105,6 +105,27 @@ def route(
 # ---------------------------------------------------------------------------------------------
 # Routed experts: a grouped FFN over packed expert weights
 # ---------------------------------------------------------------------------------------------
+def _expert_mlp_grouped_mm(xs, offs, w13, w2):
+    """One grouped matmul per projection over all experts (torch >= 2.9, CPU and GPU)."""
+    g, u = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    return F.grouped_mm(F.silu(g) * u, w2.transpose(1, 2), offs=offs)
+
+
+def _expert_mlp_loop(xs, offs, w13, w2):
+    """Fallback: one matmul pair per expert that has tokens."""
+    ys = torch.empty(xs.shape[0], w2.shape[1], dtype=xs.dtype, device=xs.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            g, u = F.linear(xs[start:end], w13[e]).chunk(2, dim=-1)
+            ys[start:end] = F.linear(F.silu(g) * u, w2[e])
+        start = end
+    return ys
+
+
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
 def grouped_expert_ffn(
     x: torch.Tensor,
     slot: torch.Tensor,
@@ -117,29 +138,20 @@ def grouped_expert_ffn(
     x [T, H]; slot [T, K] int64 index into the packed experts (-1 = skip); weight [T, K] fp32;
     w13 [S, 2I, H] (gate rows then up rows); w2 [S, H, I]. Returns [T, H] in x's dtype,
     accumulated in fp32 over the K choices.
-    Pairs are sorted by slot so each expert runs one matmul over its tokens.
+    (token, choice) pairs are sorted by slot and the SwiGLU FFN runs as one grouped matmul per
+    projection over all slots (offsets = cumulative tokens per slot).
     """
     T, K = slot.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_slot = slot.reshape(-1)
-    valid = flat_slot >= 0
-    if not bool(valid.any()):
+    pair = torch.nonzero(flat_slot >= 0).squeeze(1)
+    if pair.numel() == 0:
         return out.to(x.dtype)
-    pair = torch.nonzero(valid).squeeze(1)
-    order = torch.argsort(flat_slot[pair], stable=True)
-    pair = pair[order]
-    sorted_slot = flat_slot[pair]
+    pair = pair[torch.argsort(flat_slot[pair], stable=True)]
     token = pair // K
-    xs = x[token]
-    experts, counts = torch.unique_consecutive(sorted_slot, return_counts=True)
-    ys = torch.empty_like(xs)
-    start = 0
-    for e, n in zip(experts.tolist(), counts.tolist(), strict=True):
-        rows = xs[start : start + n]
-        gate_up = F.linear(rows, w13[e])
-        g, u = gate_up.chunk(2, dim=-1)
-        ys[start : start + n] = F.linear(F.silu(g) * u, w2[e])
-        start += n
-    w = weight.reshape(-1)[pair].unsqueeze(1)
-    out.index_add_(0, token, ys.float() * w)
+    counts = torch.bincount(flat_slot[pair], minlength=w13.shape[0])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    mlp = _expert_mlp_grouped_mm if _HAS_GROUPED_MM else _expert_mlp_loop
+    ys = mlp(x[token], offs, w13, w2)
+    out.index_add_(0, token, ys.float() * weight.reshape(-1)[pair].unsqueeze(1))
     return out.to(x.dtype)

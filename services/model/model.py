@@ -311,7 +311,9 @@ class DeepseekV3:
                 progress(i + 1, cfg.num_hidden_layers)
         embed = reader.get("model.embed_tokens.weight", dtype)
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        model = cls(cfg, embed, layers, reader.get("model.norm.weight", dtype), reader.get(head_name, dtype), dtype)
+        model = cls(
+            cfg, embed, layers, reader.get("model.norm.weight", dtype), reader.get(head_name, dtype), dtype
+        )
         return model.to(device)
 
     def to(self, device: torch.device | str) -> DeepseekV3:
@@ -348,7 +350,9 @@ class DeepseekV3:
                 continue
             topk_idx, topk_weight = route(x, layer.router, layer.router_bias, cfg)
             handle = yield ExpertDispatch(i, x, topk_idx, topk_weight)
-            shared = swiglu(x, layer.mlp_gate, layer.mlp_up, layer.mlp_down) if layer.mlp_gate is not None else 0
+            shared = (
+                swiglu(x, layer.mlp_gate, layer.mlp_up, layer.mlp_down) if layer.mlp_gate is not None else 0
+            )
             routed = yield ExpertCombine(handle)
             h = h + (routed + shared)
         last = h[batch.logits_index]

@@ -214,7 +214,9 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 def save_safetensors(weights: dict[str, torch.Tensor], out: Path, shards: int = 1) -> None:
     """One model.safetensors, or `shards` files plus model.safetensors.index.json."""
     if shards <= 1:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), {"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), {"format": "pt"}
+        )
         return
     names = list(weights)
     weight_map = {}
@@ -224,7 +226,9 @@ def save_safetensors(weights: dict[str, torch.Tensor], out: Path, shards: int = 
         save_file({k: weights[k].contiguous() for k in part}, str(out / fname), {"format": "pt"})
         weight_map.update(dict.fromkeys(part, fname))
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())}}
-    (out / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}, indent=2))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({**index, "weight_map": weight_map}, indent=2)
+    )
 
 
 def init_model(

@@ -104,6 +104,8 @@ def sample(
             top = torch.topk(lp[row], n) if n else None
             logprobs[i] = TokenLogprobs(
                 token_logprob=float(lp[row, out_tokens[i]]),
-                top=list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else [],
+                top=list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                if top is not None
+                else [],
             )
     return out_tokens, logprobs

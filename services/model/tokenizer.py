@@ -91,11 +91,10 @@ class Detokenizer:
     def step(self, output_ids: list[int], final: bool) -> tuple[str, bool]:
         """Returns (new text, stopped). When stopped, the text ends before the stop string."""
         self.text = self.tokenizer.decode(output_ids)
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.sent - len(s) + 1))
-            if at >= 0:
-                self.text = self.text[:at]
-                return self._emit(len(self.text)), True
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, self.sent - len(s) + 1))) >= 0]
+        if hits:  # stop at the earliest stop string
+            self.text = self.text[: min(hits)]
+            return self._emit(len(self.text)), True
         stable = len(self.text) if final else len(self.text.rstrip("\ufffd")) - self.hold
         return self._emit(stable), False
 

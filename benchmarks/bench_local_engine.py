@@ -1,0 +1,153 @@
+"""LocalEngine vs transformers `generate` on the `small` preset, same machine, same run.
+
+Decode tokens/s at batch 1, 8, 32 (greedy, 64 new tokens): decode time = time(64 new tokens)
+- time(1 new token) for both engines, so prefill is excluded the same way. Also the achieved
+weight-read bandwidth at batch 1 (bytes of the weights a decode step must read / step time)
+against a measured memory-copy bandwidth of this machine.
+
+    python -m benchmarks.bench_local_engine [--model DIR] [--out benchmarks/results/local_engine.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from services.model.config import ModelConfig
+from services.model.engine import EngineConfig, LocalEngine
+from services.model.presets import init_model
+from services.model.sampling import SamplingParams
+
+NEW_TOKENS = 64
+PROMPT_LEN = 16
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return [[0] + torch.randint(4, vocab, (PROMPT_LEN - 1,), generator=g).tolist() for _ in range(batch)]
+
+
+def time_ours(engine: LocalEngine, batch: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    engine.generate(batch, params)
+    return time.perf_counter() - t
+
+
+@torch.no_grad()
+def time_hf(model, batch: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(batch)
+    t = time.perf_counter()
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return time.perf_counter() - t
+
+
+def decode_tps(fn, batch, repeats: int) -> float:
+    fn(batch, 2)  # warm up
+    t1 = min(fn(batch, 1) for _ in range(repeats))
+    t64 = min(fn(batch, NEW_TOKENS) for _ in range(repeats))
+    return len(batch) * (NEW_TOKENS - 1) / (t64 - t1)
+
+
+def active_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+    """Weight bytes one decode token must read: attention side + shared + top-k routed experts."""
+    H, N = cfg.hidden_size, cfg.num_attention_heads
+    D, R, V, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q = (H * cfg.q_lora_rank + cfg.q_lora_rank * N * (D + R)) if cfg.q_lora_rank else H * N * (D + R)
+    attn = q + H * (C + R) + N * (D + V) * C + N * V * H
+    expert = 3 * H * cfg.moe_intermediate_size
+    total = cfg.num_hidden_layers * attn + H * cfg.vocab_size  # + LM head (embedding is a row gather)
+    for layer in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(layer):
+            total += (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert + cfg.n_routed_experts * H
+        else:
+            total += 3 * H * cfg.intermediate_size
+    return total * dtype_bytes
+
+
+def memcpy_bandwidth() -> float:
+    a = torch.empty(64 * 2**20, dtype=torch.float32)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(10))
+    return 2 * a.numel() * 4 / best  # bytes read + written per second
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="checkpoint dir (default: generate the small preset)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/local_engine.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else init_model(Path(tempfile.mkdtemp()) / "small", "small")
+    cfg = ModelConfig.from_dir(model_dir)
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # sdpa + grouped_mm
+    engine = LocalEngine(EngineConfig(model=str(model_dir), max_num_seqs=64))
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        batch = prompts(b, cfg.vocab_size)
+        ours = decode_tps(lambda p, n: time_ours(engine, p, n), batch, args.repeats)
+        ref = decode_tps(lambda p, n: time_hf(hf, p, n), batch, args.repeats)
+        rows.append({"batch": b, "local_engine_tok_s": ours, "transformers_tok_s": ref, "speedup": ours / ref})
+        print(f"batch {b:3d}: LocalEngine {ours:8.1f} tok/s  transformers {ref:8.1f} tok/s  x{ours / ref:.2f}")
+
+    step_s = 1.0 / rows[0]["local_engine_tok_s"] if rows[0]["batch"] == 1 else None
+    active = active_bytes_per_token(cfg)
+    bw = memcpy_bandwidth()
+    result = {
+        "benchmark": "local_engine_vs_transformers",
+        "model": "small preset" if not args.model else str(model_dir),
+        "dtype": "float32",
+        "new_tokens": NEW_TOKENS,
+        "prompt_len": PROMPT_LEN,
+        "threads": args.threads,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads()},
+        "torch": torch.__version__,
+        "rows": rows,
+        "batch1_weight_read": {
+            "active_bytes_per_token": active,
+            "achieved_GB_s": active / step_s / 1e9 if step_s else None,
+            "memcpy_GB_s": bw / 1e9,
+            "fraction_of_memcpy": (active / step_s) / bw if step_s else None,
+        },
+        "targets": {"batch32_speedup>=2": None, "batch1_speedup>=1": None},
+    }
+    by_batch = {r["batch"]: r["speedup"] for r in rows}
+    result["targets"] = {
+        "batch32_speedup>=2": by_batch.get(32, 0) >= 2 if 32 in by_batch else None,
+        "batch1_speedup>=1": by_batch.get(1, 0) >= 1 if 1 in by_batch else None,
+    }
+    print(json.dumps(result["batch1_weight_read"], indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

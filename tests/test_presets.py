@@ -1,0 +1,75 @@
+"""`moe-cluster init-model` checkpoints: loadable by transformers, equal outputs, tokenizer."""
+
+import json
+
+import pytest
+import torch
+
+from services.model.config import ModelConfig
+from services.model.engine import EngineConfig, LocalEngine
+from services.model.presets import init_model
+from services.model.sampling import SamplingParams
+from services.model.tokenizer import Detokenizer, Tokenizer
+
+from .hf_oracle import generate_with_logits, hf_greedy, load_hf
+
+
+def test_tiny_preset_matches_transformers(tiny_model):
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    assert cfg["scoring_func"] == "sigmoid" and cfg["topk_method"] == "noaux_tc"
+    hf = load_hf(tiny_model)
+    prompts = [[0, 17, 99, 250], list(range(3, 80))]
+    engine = LocalEngine(EngineConfig(model=str(tiny_model)))
+    outs, logits = generate_with_logits(
+        engine, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
+    for prompt, out, ours in zip(prompts, outs, logits, strict=True):
+        tokens, ref = hf_greedy(hf, prompt, 16)
+        assert out.token_ids == tokens
+        assert (ours - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_small_preset_shape_and_transformers_loading(tmp_path):
+    path = init_model(tmp_path / "small", "small")
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.num_moe_layers >= 8 and cfg.n_routed_experts == 64 and cfg.num_experts_per_tok in (6, 8)
+    assert cfg.n_group > 1
+    hf = load_hf(path)
+    n_params = sum(p.numel() for p in hf.parameters())
+    assert 50e6 <= n_params <= 100e6, n_params
+    with torch.no_grad():
+        logits = hf(torch.tensor([[0, 5, 6]])).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_byte_level_tokenizer_round_trips(tiny_model):
+    tok = Tokenizer.from_dir(tiny_model)
+    text = "Hello, wörld! 你好 🙂\n\tend"
+    ids = tok.encode(text)
+    assert ids[0] == 0 and tok.decode(ids) == text
+    assert all(i < 384 for i in ids)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat.endswith("<｜Assistant｜>") and "hi" in chat
+
+
+def test_detokenizer_streams_whole_characters_and_holds_back_stop_prefixes(tiny_model):
+    tok = Tokenizer.from_dir(tiny_model)
+    ids = tok.encode("ab 你好 cd STOP ef", add_bos=False)
+    detok = Detokenizer(tok, ["STOP"])
+    pieces, stopped = [], False
+    for n in range(1, len(ids) + 1):
+        piece, stopped = detok.step(ids[:n], final=n == len(ids))
+        assert "\ufffd" not in piece
+        pieces.append(piece)
+        if stopped:
+            break
+    assert stopped and "".join(pieces) == "ab 你好 cd "
+
+
+def test_token_id_mode_without_tokenizer(tmp_path):
+    path = init_model(tmp_path / "noid", "tiny", tokenizer=False)
+    engine = LocalEngine(EngineConfig(model=str(path)))
+    assert engine.tokenizer is None
+    out = engine.generate([[0, 5, 6]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.text == ""
