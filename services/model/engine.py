@@ -8,6 +8,7 @@ result is compared to.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from .checkpoint import CheckpointReader
 from .config import ModelConfig, parse_dtype
 from .kv_cache import PagedLatentCache, blocks_needed
-from .model import DeepseekV3, ExpertBackend, StepBatch, StepGen, run_step
+from .model import DeepseekV3, ExpertBackend, StepBatch, StepGen, run_interleaved
 from .moe import LocalExperts
 from .sampling import SamplingParams, TokenLogprobs, sample
 from .scheduler import Chunk, RequestError, Scheduler, SchedulerConfig, SeqStatus, Sequence
@@ -37,6 +38,8 @@ class EngineConfig:
     kv_cache_gib: float = 2.0  # upper bound for the default num_kv_blocks
     max_waiting: int = 1024
     num_threads: int | None = None  # torch intra-op threads (None: leave torch's default)
+    micro_batches: int = 1  # 2 = ping-pong: one micro-batch's expert calls overlap the other's attention
+    attn_tp: int = 1  # attention tensor parallelism (head slices, replicated latent cache)
 
     def scheduler_config(self, cfg: ModelConfig) -> SchedulerConfig:
         return SchedulerConfig(
@@ -68,6 +71,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error"
 
 
 @dataclass
@@ -82,6 +86,24 @@ class Completion:
     logprobs: list[TokenLogprobs | None]
 
 
+def split_micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
+    """Split a step's chunks, in order, into up to n contiguous parts of about equal tokens."""
+    if n <= 1 or len(chunks) < 2:
+        return [chunks]
+    n = min(n, len(chunks))
+    total = sum(c.num_tokens for c in chunks)
+    parts, current, done = [], [], 0
+    for i, c in enumerate(chunks):
+        current.append(c)
+        done += c.num_tokens
+        left_chunks, left_parts = len(chunks) - i - 1, n - len(parts) - 1
+        if left_parts and (done * n >= total * (len(parts) + 1) or left_chunks == left_parts):
+            parts.append(current)
+            current = []
+    parts.append(current)
+    return [p for p in parts if p]
+
+
 class Engine:
     def __init__(
         self,
@@ -93,6 +115,8 @@ class Engine:
     ):
         self.cfg, self.model, self.experts, self.engine_cfg = cfg, model, experts, engine_cfg
         self.tokenizer = tokenizer
+        if engine_cfg.attn_tp != model.attn_tp:
+            model.set_attn_tp(engine_cfg.attn_tp)
         sched_cfg = engine_cfg.scheduler_config(cfg)
         num_blocks = engine_cfg.kv_blocks(cfg, sched_cfg.max_model_len)
         self.scheduler = Scheduler(sched_cfg, num_blocks, cfg.eos_token_ids)
@@ -134,11 +158,14 @@ class Engine:
         return self.scheduler.has_work()
 
     # ---- one step -----------------------------------------------------------------------
-    def prepare(self) -> tuple[list[Chunk], StepBatch | None]:
+    def prepare(self) -> tuple[list[Chunk], list[StepBatch]]:
+        """Schedule a step: its chunks, and one StepBatch per micro-batch (none if idle)."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            return chunks, None
-        return chunks, self.build_batch(chunks)
+            return chunks, []
+        return chunks, [
+            self.build_batch(part) for part in split_micro_batches(chunks, self.engine_cfg.micro_batches)
+        ]
 
     def build_batch(self, chunks: list[Chunk]) -> StepBatch:
         return StepBatch.build(
@@ -179,12 +206,16 @@ class Engine:
             outputs.append(out)
         return outputs
 
+    def run_model(self, batches: list[StepBatch]) -> torch.Tensor:
+        """Forward the micro-batches (interleaved at expert waits); logits in chunk order."""
+        logits = run_interleaved([self.forward(b) for b in batches], self.experts)
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
     def step(self) -> list[RequestOutput]:
-        chunks, batch = self.prepare()
-        if batch is None:
+        chunks, batches = self.prepare()
+        if not batches:
             return []
-        logits = run_step(self.forward(batch), self.experts)
-        return self.finish_step(chunks, logits)
+        return self.finish_step(chunks, self.run_model(batches))
 
     # ---- offline batch ------------------------------------------------------------------
     def generate(
@@ -205,25 +236,32 @@ class Engine:
         return [acc[rid] for rid in ids]
 
 
+def load_engine(
+    engine_cfg: EngineConfig,
+    make_experts: Callable[[ModelConfig, CheckpointReader, torch.dtype], ExpertBackend] | None = None,
+) -> tuple[ModelConfig, DeepseekV3, ExpertBackend, Tokenizer | None]:
+    """Read a checkpoint for an engine: the attention side, the expert backend (default: every
+    routed expert in process) and the tokenizer (None in token-id mode)."""
+    if engine_cfg.num_threads:
+        torch.set_num_threads(engine_cfg.num_threads)
+    model_dir = Path(engine_cfg.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    dtype = parse_dtype(engine_cfg.dtype)
+    reader = CheckpointReader.for_config(model_dir, cfg)
+    model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device)
+    if make_experts is None:
+        experts = LocalExperts.load_all(reader, cfg, dtype).to(engine_cfg.device)
+    else:
+        experts = make_experts(cfg, reader, dtype)
+    reader.close()
+    return cfg, model, experts, Tokenizer.from_dir(model_dir)
+
+
 class LocalEngine(Engine):
     """The whole model in one process: attention side + all routed experts."""
 
-    def __init__(self, engine_cfg: EngineConfig, progress=None):
-        if engine_cfg.num_threads:
-            torch.set_num_threads(engine_cfg.num_threads)
-        model_dir = Path(engine_cfg.model)
-        cfg = ModelConfig.from_dir(model_dir)
-        dtype = parse_dtype(engine_cfg.dtype)
-        reader = CheckpointReader.for_config(model_dir, cfg)
-        model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device)
-        experts = LocalExperts.load_all(reader, cfg, dtype, progress).to(engine_cfg.device)
-        reader.close()
-        super().__init__(cfg, model, experts, engine_cfg, Tokenizer.from_dir(model_dir))
-        log.info(
-            "LocalEngine: %s, %d layers (%d MoE), dtype %s, %d KV blocks",
-            model_dir,
-            cfg.num_hidden_layers,
-            cfg.num_moe_layers,
-            dtype,
-            self.cache.num_blocks,
-        )
+    def __init__(self, engine_cfg: EngineConfig):
+        cfg, model, experts, tokenizer = load_engine(engine_cfg)
+        super().__init__(cfg, model, experts, engine_cfg, tokenizer)
+        log.info("LocalEngine: %s, %d layers (%d MoE), %d KV blocks", engine_cfg.model,
+                 self.cfg.num_hidden_layers, self.cfg.num_moe_layers, self.cache.num_blocks)  # fmt: skip

@@ -55,13 +55,36 @@ StepGen = Generator[ExpertDispatch | ExpertCombine, Any, torch.Tensor]
 
 def run_step(step: StepGen, experts: ExpertBackend) -> torch.Tensor:
     """Drive one forward pass to completion against `experts`; returns its result."""
-    try:
-        msg = next(step)
-        while True:
-            reply = experts.dispatch(msg) if isinstance(msg, ExpertDispatch) else experts.combine(msg)
-            msg = step.send(reply)
-    except StopIteration as stop:
-        return stop.value
+    return run_interleaved([step], experts)[0]
+
+
+def run_interleaved(steps: list[StepGen], experts: ExpertBackend) -> list[torch.Tensor]:
+    """Drive several forward passes (micro-batches), switching at every expert wait.
+
+    Each micro-batch runs until it must wait for its routed experts (after it has dispatched
+    them and computed its shared experts); then the next one runs. With two micro-batches this
+    is the ping-pong schedule: one's expert RPCs are in flight while the other's attention runs.
+    Returns each pass's result, in order.
+    """
+    results: list[torch.Tensor | None] = [None] * len(steps)
+    waiting: dict[int, ExpertCombine] = {}
+
+    def advance(i: int, reply) -> None:
+        step = steps[i]
+        try:
+            msg = next(step) if reply is None else step.send(reply)
+            while isinstance(msg, ExpertDispatch):
+                msg = step.send(experts.dispatch(msg))
+            waiting[i] = msg
+        except StopIteration as stop:
+            results[i] = stop.value
+
+    for i in range(len(steps)):
+        advance(i, None)
+    while waiting:
+        for i in sorted(waiting):
+            advance(i, experts.combine(waiting.pop(i)))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +215,34 @@ def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch
     return layer
 
 
+def shard_heads(w: MLAWeights, cfg: ModelConfig, rank: int, tp: int) -> MLAWeights:
+    """The MLA weights of attention tensor-parallel rank `rank` of `tp`: a contiguous slice of
+    the heads in q_b/q_proj, kv_b and o (columns); the latent projections are replicated (every
+    rank holds the full latent cache); o's bias goes to rank 0 so the sum over ranks adds it once."""
+    N = cfg.num_attention_heads
+    if N % tp:
+        raise ValueError(f"attn_tp={tp} does not divide num_attention_heads={N}")
+    heads = slice(rank * N // tp, (rank + 1) * N // tp)
+    D, R, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+
+    def rows(t: torch.Tensor | None, per_head: int) -> torch.Tensor | None:
+        return None if t is None else t.view(N, per_head, -1)[heads].reshape(-1, t.shape[-1]).contiguous()
+
+    return MLAWeights(
+        kv_a=w.kv_a,
+        kv_a_norm=w.kv_a_norm,
+        kv_b=rows(w.kv_b, D + V),
+        o=w.o.view(w.o.shape[0], N, V)[:, heads].reshape(w.o.shape[0], -1).contiguous(),
+        q_a=w.q_a,
+        q_a_norm=w.q_a_norm,
+        q_b=rows(w.q_b, D + R),
+        q_proj=rows(w.q_proj, D + R),
+        q_a_bias=w.q_a_bias,
+        kv_a_bias=w.kv_a_bias,
+        o_bias=w.o_bias if rank == 0 else None,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # MLA
 # ---------------------------------------------------------------------------------------------
@@ -293,6 +344,19 @@ class DeepseekV3:
         self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
         self.dtype, self.device = dtype, torch.device(device)
         self.rope = Rope(cfg, self.device)
+        self.attn_tp = 1
+        self.attn_shards: list[list[MLAWeights]] = []  # per layer, per TP rank (attn_tp > 1)
+
+    def set_attn_tp(self, tp: int) -> None:
+        """Split every layer's heads over `tp` ranks. In one process the ranks run one after the
+        other and their o_proj partial sums are added (the all-reduce); this is the correctness
+        path for CPU, on GPUs each rank is a device."""
+        self.attn_tp = tp
+        self.attn_shards = (
+            []
+            if tp == 1
+            else [[shard_heads(layer.attn, self.cfg, r, tp) for r in range(tp)] for layer in self.layers]
+        )
 
     @classmethod
     def load(
@@ -343,7 +407,14 @@ class DeepseekV3:
         cos_sin = self.rope.cos_sin(batch.positions, self.dtype)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            h = h + mla_forward(x, layer.attn, cfg, self.rope, cos_sin, latent_cache[i], batch)
+            if self.attn_tp == 1:
+                attn = mla_forward(x, layer.attn, cfg, self.rope, cos_sin, latent_cache[i], batch)
+            else:  # each rank writes the same latent rows into its (here: the shared) cache replica
+                attn = sum(
+                    mla_forward(x, w, cfg, self.rope, cos_sin, latent_cache[i], batch)
+                    for w in self.attn_shards[i]
+                )
+            h = h + attn
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             if not layer.is_moe:
                 h = h + swiglu(x, layer.mlp_gate, layer.mlp_up, layer.mlp_down)

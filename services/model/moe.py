@@ -78,3 +78,8 @@ class LocalExperts:
 
     def combine(self, msg: ExpertCombine) -> torch.Tensor:
         return msg.handle
+
+    def take_load(self) -> torch.Tensor:
+        """Routed-token counts [num_moe_layers, n_routed_experts] since the last call."""
+        load, self.load = self.load, torch.zeros_like(self.load)
+        return load

@@ -61,6 +61,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token: int) -> str:
+        """A readable, unique string for one token (for logprobs): its decoded text, or its
+        vocabulary entry when it alone is not valid UTF-8 (a fragment of a character)."""
+        text = self._tok.decode([token], skip_special_tokens=False)
+        return text if text and "\ufffd" not in text else (self._tok.id_to_token(token) or f"<{token}>")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment

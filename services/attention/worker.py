@@ -1,0 +1,313 @@
+"""The attention worker: an `Engine` (scheduler, paged latent cache, MLA, gate, shared experts,
+LM head, sampler) stepping on its own thread, with routed experts behind an expert backend
+(`RemoteExperts` over gRPC in the cluster).
+
+`AttentionService` is the pure shell around the engine thread (no Ray): requests and control
+commands enter through a queue and are applied at step boundaries, outputs leave through
+per-request asyncio queues. `AttentionWorker` is the Ray actor that wraps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+
+from services.attention.dispatch import DispatchConfig, RemoteExperts
+from services.attention.load_reporter import LoadReporter, LoadReporterConfig
+from services.model.engine import Engine, EngineConfig, RequestOutput, load_engine
+from services.model.moe import LocalExperts
+from services.model.placement import Placement
+from services.model.sampling import SamplingParams
+from services.model.scheduler import QueueFullError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionWorkerConfig:
+    engine: EngineConfig
+    worker_id: str = "attn-0"
+    redis_url: str | None = None  # load counts go here; None: counted, not reported
+    key_prefix: str = "moe"
+    load_flush_steps: int = 8  # hand counts to the Redis reporter every N steps
+    dispatch_timeout_s: float = 10.0
+    step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
+    idle_wait_s: float = 0.05
+
+
+@dataclass
+class StepTimes:
+    """Cumulative seconds per part of the step, and counters."""
+
+    steps: int = 0
+    tokens: int = 0
+    step_s: float = 0.0
+    expert_wait_s: float = 0.0  # time blocked in combine (routed experts not back yet)
+    failed_steps: int = 0
+
+
+@dataclass
+class _Command:
+    kind: str  # add | abort | placement | call
+    args: tuple = ()
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class AttentionService:
+    """Runs `engine` on a dedicated thread; thread-safe entry points for an asyncio caller."""
+
+    def __init__(self, cfg: AttentionWorkerConfig, engine: Engine, load_reporter=None):
+        self.cfg, self.engine, self.load_reporter = cfg, engine, load_reporter
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.times = StepTimes()
+        self.placement_version = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"{cfg.worker_id}-engine", daemon=True)
+        self._thread.start()
+
+    # ---- entry points (any thread) ------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> asyncio.Queue:
+        """Queue a request; returns the queue its RequestOutputs arrive on. Raises the engine's
+        RequestError / QueueFullError / ValueError for requests it refuses."""
+        out: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), out)
+        try:
+            await self._call("add", prompt_ids, params, request_id)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return out
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        q = await self.submit(prompt_ids, params, request_id)
+        finished = False
+        try:
+            while not finished:
+                out: RequestOutput = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # the consumer went away: free the request's blocks
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Command("abort", (request_id,)))
+
+    async def set_placement(self, placement, addresses) -> int:
+        """Switch the expert backend to a new placement at the next step boundary; returns when
+        no step uses the previous one any more."""
+        return await self._call("placement", placement, addresses)
+
+    async def run_in_loop(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps (stats, tests)."""
+        return await self._call("call", fn)
+
+    async def _call(self, kind: str, *args):
+        cmd = _Command(kind, args)
+        self._commands.put(cmd)
+        return await asyncio.wrap_future(cmd.done)
+
+    def stats(self) -> dict:
+        e = self.engine
+        sched = e.scheduler
+        return {
+            "worker_id": self.cfg.worker_id,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "kv_blocks_total": e.cache.num_blocks,
+            "kv_blocks_used": e.cache.num_blocks - sched.num_free_blocks,
+            "preemptions": sched.num_preemptions,
+            "placement_version": self.placement_version,
+            "times": asdict(self.times),
+            "load_reporter": self.load_reporter.stats() if self.load_reporter else None,
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self.load_reporter is not None:
+            self.load_reporter.close()
+
+    # ---- the engine thread --------------------------------------------------------------
+    def _apply(self, cmd: _Command) -> None:
+        try:
+            if cmd.kind == "add":
+                prompt_ids, params, request_id = cmd.args
+                cmd.done.set_result(self.engine.add_request(prompt_ids, params, request_id))
+            elif cmd.kind == "abort":
+                (request_id,) = cmd.args
+                if self.engine.abort(request_id):
+                    self._emit(RequestOutput(request_id, finished=True, finish_reason="abort"))
+                cmd.done.set_result(None)
+            elif cmd.kind == "placement":
+                placement, addresses = cmd.args
+                self.engine.experts.set_placement(placement, addresses)
+                self.placement_version = placement.version
+                cmd.done.set_result(placement.version)
+            elif cmd.kind == "call":
+                cmd.done.set_result(cmd.args[0](self.engine))
+        except Exception as e:  # refused request or bad command: report to the caller
+            cmd.done.set_exception(e)
+
+    def _emit(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        loop, q = stream
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+        except RuntimeError:  # the consumer's event loop is gone: nobody reads this request
+            self._streams.pop(out.request_id, None)
+            self.engine.abort(out.request_id)
+
+    def _loop(self) -> None:
+        failing_since: float | None = None
+        while not self._stop.is_set():
+            try:
+                block = not self.engine.has_unfinished()
+                cmd = (
+                    self._commands.get(timeout=self.cfg.idle_wait_s) if block else self._commands.get_nowait()
+                )
+                self._apply(cmd)
+                while True:  # drain everything queued before this step
+                    self._apply(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                self._step()
+                failing_since = None
+            except Exception as e:
+                self.times.failed_steps += 1
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > self.cfg.step_retry_s:
+                    log.error("%s: step failing for %.0fs, failing its requests: %s",
+                              self.cfg.worker_id, self.cfg.step_retry_s, e)  # fmt: skip
+                    self._fail_running(f"{type(e).__name__}: {e}")
+                    failing_since = None
+                else:
+                    log.warning("%s: step failed (%s); retrying", self.cfg.worker_id, e)
+                    time.sleep(0.05)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        engine = self.engine
+        chunks, batches = engine.prepare()
+        if not batches:
+            return
+        wait_before = getattr(engine.experts, "wait_seconds", 0.0)
+        logits = engine.run_model(batches)
+        outputs = engine.finish_step(chunks, logits)
+        times = self.times
+        times.steps += 1
+        times.tokens += sum(c.num_tokens for c in chunks)
+        times.step_s += time.perf_counter() - t0
+        times.expert_wait_s += getattr(engine.experts, "wait_seconds", 0.0) - wait_before
+        for out in outputs:
+            self._emit(out)
+        if self.load_reporter is not None and times.steps % self.cfg.load_flush_steps == 0:
+            self.load_reporter.add(engine.experts.take_load())
+
+    def _fail_running(self, message: str) -> None:
+        sched = self.engine.scheduler
+        for seq in list(sched.running) + list(sched.waiting):
+            sched.finish(seq, "error")
+            self._emit(RequestOutput(seq.request_id, finished=True, finish_reason="error", error=message))
+
+
+def output_to_dict(out: RequestOutput) -> dict:
+    """A RequestOutput as plain data for the control plane (Ray) to the router."""
+    d = asdict(out)
+    d["logprobs"] = [
+        None if lp is None else {"token_logprob": lp.token_logprob, "top": lp.top} for lp in out.logprobs
+    ]
+    return d
+
+
+def error_dict(e: Exception) -> dict:
+    """A refused request, as the first (and last) item of the output stream."""
+    status = 429 if isinstance(e, QueueFullError) else 400
+    return {"refused": {"status": status, "message": str(e), "param": getattr(e, "param", None)}}
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class AttentionWorker:
+    """Ray actor: loads the attention side of the model and serves requests as output streams.
+
+    Routed experts run on the expert workers of `placement` (gRPC), or in process when
+    `placement` is None (a single-process worker, for tests and laptops without expert workers).
+    """
+
+    def __init__(
+        self, cfg: AttentionWorkerConfig, placement: dict | None = None, addresses: dict | None = None
+    ):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+        def make_experts(mcfg, reader, dtype):
+            if placement is None:  # single process: every routed expert here
+                return LocalExperts.load_all(reader, mcfg, dtype).to(cfg.engine.device)
+            return RemoteExperts(mcfg, Placement.from_dict(placement), addresses,
+                                 DispatchConfig(timeout_s=cfg.dispatch_timeout_s))  # fmt: skip
+
+        mcfg, model, experts, tokenizer = load_engine(cfg.engine, make_experts)
+        engine = Engine(mcfg, model, experts, cfg.engine, tokenizer)
+        reporter = None
+        if cfg.redis_url:
+            reporter = LoadReporter(
+                LoadReporterConfig(redis_url=cfg.redis_url, key_prefix=cfg.key_prefix),
+                mcfg.num_moe_layers,
+                mcfg.n_routed_experts,
+            )
+        self.service = AttentionService(cfg, engine, reporter)
+        self.service.placement_version = 0 if placement is None else int(placement["version"])
+        self.cfg = cfg
+
+    async def generate(self, prompt_ids: list[int], params: dict, request_id: str):
+        """Stream of output dicts (call with num_returns="streaming"); a refused request yields
+        one {"refused": {"status", "message", "param"}} item."""
+        try:
+            q = await self.service.submit(prompt_ids, SamplingParams(**params), request_id)
+        except (ValueError, QueueFullError) as e:
+            yield error_dict(e)
+            return
+        finished = False
+        try:
+            while not finished:
+                out: RequestOutput = await q.get()
+                finished = out.finished
+                yield output_to_dict(out)
+        finally:
+            if not finished:  # the caller went away (client disconnect, cancellation)
+                self.service.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.service.abort(request_id)
+
+    async def set_placement(self, placement: dict, addresses: dict) -> int:
+        return await self.service.set_placement(Placement.from_dict(placement), addresses)
+
+    async def stats(self) -> dict:
+        return self.service.stats()
+
+    async def ready(self) -> dict:
+        s = self.service.stats()
+        return {"worker_id": self.cfg.worker_id, "placement_version": s["placement_version"],
+                "max_model_len": self.service.engine.max_model_len}  # fmt: skip
+
+    async def shutdown(self) -> None:
+        self.service.close()

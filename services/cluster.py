@@ -1,0 +1,230 @@
+"""Bring the whole cluster up (and down): Ray, Redis, expert workers + balancer, attention
+workers, and the Ray Serve router. Used by `moe-cluster up` and by the cluster tests.
+
+    cluster = Cluster.start(ClusterConfig(model="/path/to/ckpt", expert_workers=2))
+    ...  # OpenAI API on cluster.url
+    cluster.stop()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "moe-cluster"
+BALANCER_NAME = "moe-balancer"
+
+
+@dataclass
+class ClusterConfig:
+    """Everything `moe-cluster up` needs; the same keys in a YAML file (`--config`)."""
+
+    model: str | None = None  # checkpoint dir; None: the generated `tiny` preset
+    served_model_name: str | None = None  # default: the checkpoint dir's name
+    address: str | None = None  # Ray cluster to join; None: start a local one
+    host: str = "127.0.0.1"
+    port: int = 8000
+    attention_workers: int = 1
+    expert_workers: int = 2
+    redundant_experts: int = 0
+    redis_url: str | None = None  # None: start an embedded redis-server
+    key_prefix: str = "moe"
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_waiting: int = 512
+    micro_batches: int = 2  # ping-pong
+    attn_tp: int = 1
+    attention_threads: int = 1
+    expert_threads: int = 1
+    balancer_period_s: float = 30.0
+    balancer_window_buckets: int = 15
+    balancer_bucket_seconds: float = 2.0
+    balancer_min_gain: float = 0.02
+    api_key: str | None = None
+    num_cpus: int | None = None  # logical CPUs of a local Ray cluster (default: max(4, cores))
+    attention_resources: dict[str, float] = field(default_factory=dict)
+    expert_resources: dict[str, float] = field(default_factory=dict)
+    namespace: str = NAMESPACE
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> ClusterConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        return cls.from_dict({**data, **{k: v for k, v in overrides.items() if v is not None}})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown cluster settings: {', '.join(unknown)}")
+        cfg = cls(**data)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.attention_workers < 1 or self.expert_workers < 1:
+            raise ValueError("need at least one attention worker and one expert worker")
+        if self.redundant_experts < 0:
+            raise ValueError("redundant_experts must be >= 0")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} out of range")
+
+
+@dataclass
+class Cluster:
+    cfg: ClusterConfig
+    model_dir: str
+    url: str
+    redis: Any  # EmbeddedRedis or None
+    redis_url: str
+    balancer: Any
+    attention: dict[str, Any]
+    started_ray: bool
+
+    @classmethod
+    def start(cls, cfg: ClusterConfig, progress=None) -> Cluster:
+        from ray import serve
+
+        from services.attention.worker import AttentionWorker, AttentionWorkerConfig
+        from services.balancer.service import Balancer, BalancerConfig
+        from services.cli import default_model_dir
+        from services.model.config import ModelConfig
+        from services.model.engine import EngineConfig
+        from services.model.redis_store import EmbeddedRedis
+        from services.router.app import Router, RouterConfig
+
+        step = progress or (lambda msg: log.info(msg))
+        model_dir = str(Path(cfg.model).resolve()) if cfg.model else str(default_model_dir("tiny"))
+        model_cfg = ModelConfig.from_dir(model_dir)
+
+        step("starting Ray")
+        started_ray = not ray.is_initialized()
+        if started_ray:
+            if cfg.address:
+                ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
+            else:
+                ray.init(num_cpus=cfg.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.namespace,
+                         include_dashboard=False, log_to_driver=False)  # fmt: skip
+        redis = None
+        redis_url = cfg.redis_url
+        if not redis_url:
+            step("starting embedded Redis")
+            redis = EmbeddedRedis.start()
+            redis_url = redis.url
+
+        step(f"starting {cfg.expert_workers} expert workers and loading the placement")
+        balancer = Balancer.options(name=BALANCER_NAME, namespace=cfg.namespace).remote(
+            BalancerConfig(
+                model=model_dir,
+                expert_workers=cfg.expert_workers,
+                redundant_experts=cfg.redundant_experts,
+                redis_url=redis_url,
+                key_prefix=cfg.key_prefix,
+                namespace=cfg.namespace,
+                period_s=cfg.balancer_period_s,
+                window_buckets=cfg.balancer_window_buckets,
+                bucket_seconds=cfg.balancer_bucket_seconds,
+                min_gain=cfg.balancer_min_gain,
+                expert_dtype=cfg.dtype,
+                expert_threads=cfg.expert_threads,
+                expert_resources=cfg.expert_resources,
+            )
+        )
+        info = ray.get(balancer.start.remote())
+
+        step(f"starting {cfg.attention_workers} attention workers")
+        engine = EngineConfig(
+            model=model_dir,
+            dtype=cfg.dtype,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            max_waiting=cfg.max_waiting,
+            micro_batches=cfg.micro_batches,
+            attn_tp=cfg.attn_tp,
+            num_threads=cfg.attention_threads,
+        )
+        attention = {}
+        for i in range(cfg.attention_workers):
+            name = f"moe-attn-{i}"
+            wcfg = AttentionWorkerConfig(
+                engine=engine, worker_id=name, redis_url=redis_url, key_prefix=cfg.key_prefix
+            )
+            attention[name] = AttentionWorker.options(
+                name=name, namespace=cfg.namespace, resources=cfg.attention_resources or None
+            ).remote(wcfg, info["placement"], info["addresses"])
+        ready = ray.get([a.ready.remote() for a in attention.values()])
+        ray.get(balancer.register_attention.remote(list(attention)))
+
+        step(f"starting the OpenAI API on http://{cfg.host}:{cfg.port}")
+        serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
+        router_cfg = RouterConfig(
+            model_dir=model_dir,
+            served_model_name=cfg.served_model_name or Path(model_dir).name,
+            attention_workers=list(attention),
+            namespace=cfg.namespace,
+            balancer=BALANCER_NAME,
+            api_key=cfg.api_key,
+            max_model_len=ready[0]["max_model_len"],
+        )
+        serve.run(Router.bind(router_cfg), name="moe-cluster", route_prefix="/", blocking=False)
+        url = f"http://{cfg.host}:{cfg.port}"
+        cluster = cls(cfg, model_dir, url, redis, redis_url, balancer, attention, started_ray)
+        cluster.wait_ready()
+        log.info("cluster up: %s (%d MoE layers, placement v%d)", url, model_cfg.num_moe_layers,
+                 info["placement"]["version"])  # fmt: skip
+        return cluster
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url}/ready did not answer 200 within {timeout}s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        except Exception as e:  # noqa: BLE001 (best effort on the way down)
+            log.warning("serve shutdown: %s", e)
+        for actor in self.attention.values():
+            with contextlib.suppress(Exception):
+                ray.get(actor.shutdown.remote(), timeout=10)
+            ray.kill(actor)
+        with contextlib.suppress(Exception):
+            ray.get(self.balancer.shutdown.remote(), timeout=30)
+        ray.kill(self.balancer)
+        if self.redis is not None:
+            self.redis.stop()
+        if self.started_ray:
+            ray.shutdown()
+
+
+def connect(address: str = "auto", namespace: str = NAMESPACE):
+    """Attach to a running cluster; returns the balancer handle."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+    return ray.get_actor(BALANCER_NAME, namespace=namespace)

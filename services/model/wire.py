@@ -1,0 +1,337 @@
+"""Tensors on the wire: raw little-endian bytes + dtype name + shape (`proto/expert.proto`).
+
+Two ways in and out:
+
+* `tensor_to_proto` / `tensor_from_proto` work on the generated `expert_pb2.Tensor` message
+  (control paths, tests, any caller that already holds protobuf messages). protobuf copies the
+  bytes once into the message and once more when `.data` is read.
+* `encode_dispatch_request` / `decode_dispatch_request` (and the response pair) write and read
+  the protobuf wire format of `DispatchRequest` / `DispatchResponse` directly, so the data plane
+  copies each tensor once when sending (tensor memory -> the serialized `bytes` gRPC needs) and
+  never when receiving: decoded tensors are `torch.frombuffer` views of the received bytes.
+  The bytes are exactly what protobuf writes for the same message (field order, packed shape,
+  defaults omitted); the decoder accepts any valid encoding (any field order, unknown fields
+  skipped, unpacked shape) - tests check both directions against the generated classes.
+
+Copies per call, data plane: encode = payload bytes once (`DispatchRequest.nbytes()`),
+decode = 0. Decoded tensors share memory with an immutable `bytes` object: do not write into them
+(they may also be unaligned, which CPU kernels handle; `.to(device)` copies anyway).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from proto import expert_pb2
+except ImportError as e:  # proto-plus also installs a top-level `proto` package
+    import proto as _proto
+
+    raise ImportError(
+        f"`from proto import expert_pb2` failed: `proto` resolved to {getattr(_proto, '__file__', _proto)}; "
+        "run from the repository root (or put it first on sys.path)"
+    ) from e
+
+if sys.byteorder != "little":
+    raise ImportError("the tensor wire format is little-endian; this host is big-endian")
+
+# torch.frombuffer warns once per process about read-only buffers; received tensors are read-only
+# by contract, so spend that one warning here, silenced
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0\0\0\0", dtype=torch.float32)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+class WireError(ValueError):
+    """A message or tensor that does not decode: wrong dtype name, shape, byte length, framing."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise WireError(f"dtype {dtype} cannot go on the wire; supported: {sorted(DTYPES)}") from None
+
+
+# dtypes numpy lacks are exported through a same-width integer view
+_NUMPY_VIEW = {torch.bfloat16: torch.int16}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor as a flat memoryview, without copying (a non-contiguous tensor
+    is made contiguous first)."""
+    if t.device.type != "cpu":
+        raise WireError(f"tensor on {t.device}: move it to the CPU before sending")
+    dtype_name(t.dtype)
+    if t.numel() == 0:
+        return memoryview(b"")
+    t = t.contiguous()
+    view = _NUMPY_VIEW.get(t.dtype)
+    return memoryview((t if view is None else t.view(view)).numpy()).cast("B")
+
+
+def tensor_from_buffer(dtype: str, shape: Sequence[int], data: bytes | memoryview) -> torch.Tensor:
+    """A tensor viewing `data` (no copy), after checking dtype name, shape and byte length."""
+    torch_dtype = DTYPES.get(dtype)
+    if torch_dtype is None:
+        raise WireError(f"unknown dtype {dtype!r}; supported: {sorted(DTYPES)}")
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"negative dimension in shape {list(shape)}")
+    numel = math.prod(shape)
+    expected = numel * torch_dtype.itemsize
+    nbytes = memoryview(data).nbytes
+    if nbytes != expected:
+        raise WireError(f"{dtype} tensor of shape {list(shape)} needs {expected} bytes, got {nbytes}")
+    try:
+        if numel == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        return torch.frombuffer(data, dtype=torch_dtype).view(shape)
+    except RuntimeError as e:
+        raise WireError(f"{dtype} tensor of shape {list(shape)}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated-message helpers
+# ---------------------------------------------------------------------------------------------
+def tensor_to_proto(t: torch.Tensor, out: expert_pb2.Tensor | None = None) -> expert_pb2.Tensor:
+    """Fill (or create) an `expert_pb2.Tensor`; protobuf copies the bytes into the message."""
+    out = expert_pb2.Tensor() if out is None else out
+    out.dtype = dtype_name(t.dtype)
+    del out.shape[:]
+    out.shape.extend(t.shape)
+    out.data = tensor_bytes(t).tobytes()
+    return out
+
+
+def tensor_from_proto(msg: expert_pb2.Tensor) -> torch.Tensor:
+    """A tensor over the message's bytes (reading `.data` copies once, inside protobuf)."""
+    return tensor_from_buffer(msg.dtype, msg.shape, msg.data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch messages, encoded and decoded directly (the data plane)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DispatchRequest:
+    """`moecluster.expert.v1.DispatchRequest`. Missing tensors decode as None."""
+
+    layer: int
+    placement_version: int
+    hidden: torch.Tensor | None  # [T, H]
+    slot: torch.Tensor | None  # [T, K] int32, -1 = none
+    weight: torch.Tensor | None  # [T, K] float32
+
+    def nbytes(self) -> int:
+        """Tensor payload bytes (what encoding copies)."""
+        return sum(
+            t.numel() * t.element_size() for t in (self.hidden, self.slot, self.weight) if t is not None
+        )
+
+
+@dataclass
+class DispatchResponse:
+    """`moecluster.expert.v1.DispatchResponse`."""
+
+    output: torch.Tensor | None  # [T, H]
+    compute_seconds: float = 0.0
+
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n += 1 << 64  # int64 two's complement, as protobuf writes negative int64
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+_DTYPE_FIELD = {
+    dtype: _key(1, _LEN) + _varint(len(name)) + name.encode() for dtype, name in DTYPE_NAMES.items()
+}
+_SHAPE_KEY, _DATA_KEY = _key(2, _LEN), _key(3, _LEN)
+
+
+def _tensor_field(field: int, t: torch.Tensor) -> list:
+    """[header bytes, payload memoryview] of a Tensor submessage in field `field`."""
+    data = tensor_bytes(t)
+    head = _DTYPE_FIELD[t.dtype]
+    if t.dim():
+        dims = b"".join(map(_varint, t.shape))
+        head += _SHAPE_KEY + _varint(len(dims)) + dims
+    if data.nbytes:
+        head += _DATA_KEY + _varint(data.nbytes)
+    return [_key(field, _LEN) + _varint(len(head) + data.nbytes) + head, data]
+
+
+def encode_dispatch_request(req: DispatchRequest) -> bytes:
+    """Serialized DispatchRequest; copies each tensor's bytes once (into the result)."""
+    parts = []
+    if req.layer:
+        parts.append(_key(1, _VARINT) + _varint(req.layer))
+    if req.placement_version:
+        parts.append(_key(2, _VARINT) + _varint(req.placement_version))
+    for field, t in ((3, req.hidden), (4, req.slot), (5, req.weight)):
+        if t is not None:
+            parts += _tensor_field(field, t)
+    return b"".join(parts)
+
+
+def encode_dispatch_response(resp: DispatchResponse) -> bytes:
+    """Serialized DispatchResponse; copies the output's bytes once."""
+    parts = _tensor_field(1, resp.output) if resp.output is not None else []
+    seconds = struct.pack("<d", resp.compute_seconds)
+    if seconds != bytes(8):  # proto3 omits a double whose bits are all zero (-0.0 is written)
+        parts.append(_key(2, _I64) + seconds)
+    return b"".join(parts)
+
+
+def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    if pos < end and buf[pos] < 0x80:  # one byte: keys, small ints
+        return buf[pos], pos + 1
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise WireError("truncated or overlong varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value & ((1 << 64) - 1), pos
+        shift += 7
+
+
+def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, object]]:
+    """(field number, wire type, value) over buf[pos:end]; LEN values are (start, stop) spans."""
+    fields = []
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        field, wire_type = key >> 3, key & 7
+        if field == 0:
+            raise WireError("field number 0")
+        if wire_type == _VARINT:
+            value, pos = _read_varint(buf, pos, end)
+        elif wire_type == _LEN:
+            n, pos = _read_varint(buf, pos, end)
+            value, pos = (pos, pos + n), pos + n
+        elif wire_type == _I64:
+            value, pos = buf[pos : pos + 8], pos + 8
+        elif wire_type == _I32:
+            value, pos = buf[pos : pos + 4], pos + 4
+        else:
+            raise WireError(f"unsupported wire type {wire_type} (field {field})")
+        if pos > end:
+            raise WireError(f"field {field} runs past the end of its message")
+        fields.append((field, wire_type, value))
+    return fields
+
+
+def _expect(field: int, wire_type: int, expected: int, message: str) -> None:
+    if wire_type != expected:
+        raise WireError(f"{message} field {field} has wire type {wire_type}, expected {expected}")
+
+
+def _as_int64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _decode_tensor(buf: bytes, spans: list[tuple[int, int]], what: str) -> torch.Tensor:
+    """Decode a Tensor submessage (occurrences merged, as protobuf does) viewing `buf`."""
+    dtype, shape, data = "", [], (0, 0)
+    for start, stop in spans:
+        for field, wire_type, value in _fields(buf, start, stop):
+            if field == 1:
+                _expect(field, wire_type, _LEN, "Tensor")
+                dtype = bytes(buf[value[0] : value[1]]).decode("utf-8", errors="replace")
+            elif field == 2 and wire_type == _LEN:  # packed
+                pos, stop2 = value
+                while pos < stop2:
+                    d, pos = _read_varint(buf, pos, stop2)
+                    shape.append(_as_int64(d))
+            elif field == 2:
+                _expect(field, wire_type, _VARINT, "Tensor")
+                shape.append(_as_int64(value))
+            elif field == 3:
+                _expect(field, wire_type, _LEN, "Tensor")
+                data = value
+    try:
+        return tensor_from_buffer(dtype, shape, memoryview(buf)[data[0] : data[1]])
+    except WireError as e:
+        raise WireError(f"{what}: {e}") from None
+
+
+def decode_dispatch_request(buf: bytes) -> DispatchRequest:
+    """Parse a serialized DispatchRequest; tensors view `buf` (no copy)."""
+    layer = version = 0
+    tensors: dict[int, list[tuple[int, int]]] = {3: [], 4: [], 5: []}
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        if field == 1:
+            _expect(field, wire_type, _VARINT, "DispatchRequest")
+            layer = value & 0xFFFFFFFF
+        elif field == 2:
+            _expect(field, wire_type, _VARINT, "DispatchRequest")
+            version = value
+        elif field in tensors:
+            _expect(field, wire_type, _LEN, "DispatchRequest")
+            tensors[field].append(value)
+    hidden, slot, weight = (
+        _decode_tensor(buf, tensors[f], name) if tensors[f] else None
+        for f, name in ((3, "hidden"), (4, "slot"), (5, "weight"))
+    )
+    return DispatchRequest(layer, version, hidden, slot, weight)
+
+
+def decode_dispatch_response(buf: bytes) -> DispatchResponse:
+    """Parse a serialized DispatchResponse; the output views `buf` (no copy)."""
+    spans, seconds = [], 0.0
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        if field == 1:
+            _expect(field, wire_type, _LEN, "DispatchResponse")
+            spans.append(value)
+        elif field == 2:
+            _expect(field, wire_type, _I64, "DispatchResponse")
+            seconds = struct.unpack("<d", value)[0]
+    return DispatchResponse(_decode_tensor(buf, spans, "output") if spans else None, seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# gRPC names and channel options shared by expert workers and their clients
+# ---------------------------------------------------------------------------------------------
+EXPERT_SERVICE = "moecluster.expert.v1.Expert"
+DISPATCH_METHOD = f"/{EXPERT_SERVICE}/Dispatch"
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel/server options: message size limits raised for [T, H] tensors."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]

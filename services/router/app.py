@@ -1,0 +1,442 @@
+"""The router: a Ray Serve application with an OpenAI-compatible HTTP API.
+
+It tokenizes, picks an attention worker per request (least outstanding tokens), and relays the
+worker's output stream (one Ray streaming call per request) as JSON or Server-Sent Events.
+Every error is OpenAI's error JSON with the right status; a client that disconnects aborts its
+requests on their worker.
+"""
+
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+
+from services.model.tokenizer import Tokenizer
+
+from .metrics import RouterMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, new_id, now, parse, usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterConfig:
+    model_dir: str
+    served_model_name: str
+    attention_workers: list[str]  # Ray actor names
+    namespace: str = "moe-cluster"
+    balancer: str | None = None  # Ray actor name of the balancer (placement/loads for operators)
+    api_key: str | None = None
+    max_model_len: int = 4096
+    default_completion_max_tokens: int = 16
+    retry_after_s: int = 1
+    ready_timeout_s: float = 5.0
+    extra: dict = field(default_factory=dict)
+
+
+app = FastAPI(title="moe-cluster", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error")
+    return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
+
+@dataclass
+class _Sub:
+    """One generation (prompt x n) of a request."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: dict
+    request_id: str
+
+
+class RouterCore:
+    """Everything the HTTP routes do, without FastAPI/Serve (so it can be driven directly)."""
+
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
+        self.workers = {n: ray.get_actor(n, namespace=cfg.namespace) for n in cfg.attention_workers}
+        self.outstanding = dict.fromkeys(self.workers, 0)
+        self._rr = itertools.count()
+        self.metrics = RouterMetrics()
+
+    # ---- helpers ------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if not self.cfg.api_key:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {self.cfg.api_key}":
+            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
+
+    def check_model(self, model: str) -> None:
+        if model not in (self.cfg.served_model_name, self.cfg.model_dir):
+            raise APIError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
+        return self.tokenizer.encode(prompt)
+
+    def token_str(self, token: int) -> str:
+        return self.tokenizer.token_text(token) if self.tokenizer else f"token_id:{token}"
+
+    def pick_worker(self) -> str:
+        least = min(self.outstanding.values())
+        names = [n for n, v in self.outstanding.items() if v == least]
+        return names[next(self._rr) % len(names)]
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
+        if len(prompt_ids) + max_tokens > self.cfg.max_model_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.cfg.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def subrequests(self, prompts: list[list[int]], params, n: int, rid: str) -> list[_Sub]:
+        subs = []
+        for p, ids in enumerate(prompts):
+            self.check_length(ids, params.max_tokens)
+            for i in range(n):
+                d = dict(vars(params))
+                if params.seed is not None:
+                    d["seed"] = params.seed + i  # n samples from one seed: seed, seed+1, ...
+                subs.append(_Sub(p * n + i, p, ids, d, f"{rid}-{p * n + i}"))
+        return subs
+
+    async def run(self, sub: _Sub) -> AsyncIterator[dict]:
+        """The worker's output stream of one sub-request; aborts it if the consumer leaves."""
+        name = self.pick_worker()
+        cost = len(sub.prompt_ids) + sub.params["max_tokens"]
+        self.outstanding[name] += cost
+        actor = self.workers[name]
+        finished = False
+        try:
+            stream = actor.generate.options(num_returns="streaming").remote(
+                sub.prompt_ids, sub.params, sub.request_id
+            )
+            async for ref in stream:
+                out = await ref
+                if "refused" in out:
+                    err = out["refused"]
+                    finished = True
+                    retry = self.cfg.retry_after_s if err["status"] == 429 else None
+                    raise APIError(err["status"], err["message"], param=err.get("param"), retry_after=retry)
+                finished = out["finished"]
+                if out["finish_reason"] == "error":
+                    raise APIError(503, f"generation failed: {out['error']}", retry_after=self.cfg.retry_after_s)
+                yield out
+                if finished:
+                    return
+        except ray.exceptions.RayActorError as e:
+            finished = True
+            raise APIError(
+                503, f"attention worker {name} is unavailable", retry_after=self.cfg.retry_after_s
+            ) from e
+        finally:
+            self.outstanding[name] -= cost
+            if not finished:
+                actor.abort.remote(sub.request_id)
+
+    async def merged(self, subs: list[_Sub]) -> AsyncIterator[tuple[int, dict]]:
+        """All sub-request streams interleaved as they arrive: (sub index, output)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(sub: _Sub):
+            try:
+                async for out in self.run(sub):
+                    await queue.put((sub.index, out))
+            except BaseException as e:  # noqa: BLE001 (re-raised in the consumer)
+                await queue.put((sub.index, e))
+            finally:
+                await queue.put((sub.index, done))
+
+        tasks = [asyncio.create_task(pump(s)) for s in subs]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- response builders -----------------------------------------------------------------------
+def completion_logprobs(core: RouterCore, outs: list[dict], offset: int) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    for out in outs:
+        for tok, lp in zip(out["token_ids"], out["logprobs"], strict=True):
+            s = core.token_str(tok)
+            tokens.append(s)
+            lps.append(lp["token_logprob"] if lp else None)
+            tops.append({core.token_str(t): v for t, v in lp["top"]} if lp else None)
+            offsets.append(offset)
+            offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(core: RouterCore, outs: list[dict]) -> dict:
+    content = []
+    for out in outs:
+        for tok, lp in zip(out["token_ids"], out["logprobs"], strict=True):
+            if lp is None:
+                continue
+            s = core.token_str(tok)
+            content.append({
+                "token": s, "logprob": lp["token_logprob"], "bytes": list(s.encode()),
+                "top_logprobs": [{"token": core.token_str(t), "logprob": v, "bytes": list(core.token_str(t).encode())}
+                                 for t, v in lp["top"]],
+            })  # fmt: skip
+    return {"content": content}
+
+
+def prompt_tokens(subs: list[_Sub]) -> int:
+    """Prompt tokens of a request, each prompt counted once whatever n is."""
+    return sum({s.prompt_index: len(s.prompt_ids) for s in subs}.values())
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
+@serve.ingress(app)
+class Router:
+    def __init__(self, cfg: RouterConfig):
+        logging.basicConfig(level=logging.INFO)
+        self.core = RouterCore(cfg)
+
+    # ---- operational endpoints ----------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        try:
+            states = await asyncio.wait_for(
+                asyncio.gather(*[w.ready.remote() for w in self.core.workers.values()]),
+                self.core.cfg.ready_timeout_s,
+            )
+        except (TimeoutError, ray.exceptions.RayError) as e:
+            return JSONResponse({"status": "not ready", "reason": f"{type(e).__name__}"}, status_code=503)
+        return JSONResponse({"status": "ready", "attention_workers": states})
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        stats = await asyncio.gather(
+            *[w.stats.remote() for w in self.core.workers.values()], return_exceptions=True
+        )
+        balancer = await self._balancer_status()
+        text = self.core.metrics.render([s for s in stats if isinstance(s, dict)], balancer)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def _balancer_status(self) -> dict | None:
+        if not self.core.cfg.balancer:
+            return None
+        try:
+            actor = ray.get_actor(self.core.cfg.balancer, namespace=self.core.cfg.namespace)
+            return await asyncio.wait_for(actor.status.remote(), 5)
+        except (TimeoutError, ValueError, ray.exceptions.RayError):
+            return None
+
+    @app.get("/v1/experts")
+    async def experts(self, request: Request) -> JSONResponse:
+        self.core.check_auth(request)
+        status = await self._balancer_status()
+        if status is None:
+            raise APIError(503, "the balancer is not available")
+        return JSONResponse(status)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self.core.check_auth(request)
+        cfg = self.core.cfg
+        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": now(),
+                                            "owned_by": "moe-cluster", "root": cfg.model_dir,
+                                            "max_model_len": cfg.max_model_len}]}  # fmt: skip
+
+    # ---- completions --------------------------------------------------------------------
+    async def _body(self, request: Request) -> dict:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        core = self.core
+        core.check_auth(request)
+        req: CompletionRequest = parse(CompletionRequest, await self._body(request))
+        core.check_model(req.model)
+        req.check_unsupported()
+        params = req.sampling_params(core.cfg.default_completion_max_tokens, req.logprobs)
+        prompts = [core.encode(p) for p in req.prompts()]
+        rid = new_id("cmpl")
+        subs = core.subrequests(prompts, params, req.n, rid)
+        created = now()
+        head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+        core.metrics.request_started("completions")
+        if req.stream:
+            return self._stream(request, subs, head, chat=False, req=req)
+        outs = await self._collect(request, subs)
+        choices = []
+        for sub, seq in zip(subs, outs, strict=True):
+            choice = {"index": sub.index, "text": "".join(o["text"] for o in seq),
+                      "logprobs": completion_logprobs(core, seq, 0) if req.logprobs is not None else None,
+                      "finish_reason": seq[-1]["finish_reason"]}  # fmt: skip
+            if req.return_token_ids:
+                choice["token_ids"] = [t for o in seq for t in o["token_ids"]]
+                choice["prompt_token_ids"] = sub.prompt_ids
+            choices.append(choice)
+        return {**head, "choices": choices, "usage": self._usage(subs, outs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        core = self.core
+        core.check_auth(request)
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._body(request))
+        core.check_model(req.model)
+        if core.tokenizer is None:
+            raise APIError(400, "chat needs a tokenizer; this model runs in token-id mode", param="messages")
+        prompt_ids = core.tokenizer.encode(
+            core.tokenizer.apply_chat_template(req.chat_messages(), req.add_generation_prompt), add_bos=False
+        )
+        if req.max_completion_tokens is not None and req.max_tokens is None:
+            req.max_tokens = req.max_completion_tokens
+        default_max = max(1, core.cfg.max_model_len - len(prompt_ids))
+        params = req.sampling_params(default_max, req.num_logprobs())
+        rid = new_id("chatcmpl")
+        subs = core.subrequests([prompt_ids], params, req.n, rid)
+        head = {"id": rid, "object": "chat.completion", "created": now(), "model": req.model}
+        core.metrics.request_started("chat")
+        if req.stream:
+            return self._stream(
+                request, subs, {**head, "object": "chat.completion.chunk"}, chat=True, req=req
+            )
+        outs = await self._collect(request, subs)
+        choices = []
+        for sub, seq in zip(subs, outs, strict=True):
+            choice = {"index": sub.index,
+                      "message": {"role": "assistant", "content": "".join(o["text"] for o in seq)},
+                      "logprobs": chat_logprobs(core, seq) if req.logprobs else None,
+                      "finish_reason": seq[-1]["finish_reason"]}  # fmt: skip
+            if req.return_token_ids:
+                choice["token_ids"] = [t for o in seq for t in o["token_ids"]]
+            choices.append(choice)
+        return {**head, "choices": choices, "usage": self._usage(subs, outs)}
+
+    # ---- shared plumbing ----------------------------------------------------------------
+    def _usage(self, subs: list[_Sub], outs: list[list[dict]]) -> dict:
+        completion = sum(len(o["token_ids"]) for seq in outs for o in seq)
+        return usage(prompt_tokens(subs), completion)
+
+    async def _collect(self, request: Request, subs: list[_Sub]) -> list[list[dict]]:
+        """Run sub-requests to the end (aborting them if the client disconnects)."""
+        outs: list[list[dict]] = [[] for _ in subs]
+        started = time.monotonic()
+        first: set[int] = set()
+
+        async def consume():
+            async for index, out in self.core.merged(subs):
+                if index not in first:
+                    first.add(index)
+                    self.core.metrics.ttft.observe(time.monotonic() - started)
+                outs[index].append(out)
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    raise APIError(499, "client disconnected")
+            task.result()
+        except APIError as e:
+            self.core.metrics.request_finished(e.status)
+            raise
+        self._observe_tpot(outs, started)
+        self.core.metrics.request_finished(200)
+        return outs
+
+    def _observe_tpot(self, outs: list[list[dict]], started: float) -> None:
+        n = sum(len(o["token_ids"]) for seq in outs for o in seq)
+        if n > 1:
+            self.core.metrics.tpot.observe((time.monotonic() - started) / n)
+
+    def _stream(self, request: Request, subs: list[_Sub], head: dict, chat: bool, req) -> StreamingResponse:
+        core = self.core
+
+        async def events():
+            started = time.monotonic()
+            completion_tokens = 0
+            offsets = [0] * len(subs)
+            if chat:
+                for sub in subs:
+                    yield sse({**head, "choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})  # fmt: skip
+            status = 200
+            try:
+                async for index, out in core.merged(subs):
+                    if completion_tokens == 0:
+                        core.metrics.ttft.observe(time.monotonic() - started)
+                    completion_tokens += len(out["token_ids"])
+                    if chat:
+                        choice = {"index": index, "delta": {"content": out["text"]} if out["text"] else {},
+                                  "logprobs": chat_logprobs(core, [out]) if req.logprobs else None,
+                                  "finish_reason": out["finish_reason"]}  # fmt: skip
+                    else:
+                        choice = {"index": index, "text": out["text"],
+                                  "logprobs": completion_logprobs(core, [out], offsets[index]) if req.logprobs is not None else None,
+                                  "finish_reason": out["finish_reason"]}  # fmt: skip
+                        offsets[index] += len(out["text"])
+                    if req.return_token_ids:
+                        choice["token_ids"] = out["token_ids"]
+                    yield sse({**head, "choices": [choice]})
+                if req.include_usage_in_stream:
+                    yield sse({**head, "choices": [], "usage": usage(prompt_tokens(subs), completion_tokens)})
+            except APIError as e:
+                status = e.status
+                yield sse(e.body())
+            finally:
+                core.metrics.request_finished(status)
+                if completion_tokens > 1:
+                    core.metrics.tpot.observe((time.monotonic() - started) / completion_tokens)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def build_app(cfg: RouterConfig):
+    return Router.bind(cfg)

@@ -1,0 +1,80 @@
+"""Prometheus metrics of the router, plus gauges filled from worker/balancer stats at scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RouterMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "moe_requests", "HTTP generation requests by endpoint", ["endpoint"], registry=r
+        )
+        self.responses = Counter(
+            "moe_responses", "Finished generation requests by status", ["status"], registry=r
+        )
+        self.ttft = Histogram(
+            "moe_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "moe_time_per_output_token_seconds", "Time per output token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.running = Gauge("moe_requests_running", "Requests running", ["worker"], registry=r)
+        self.waiting = Gauge("moe_requests_waiting", "Requests waiting", ["worker"], registry=r)
+        self.kv_used = Gauge("moe_kv_blocks_used", "KV cache blocks in use", ["worker"], registry=r)
+        self.kv_total = Gauge("moe_kv_blocks_total", "KV cache blocks", ["worker"], registry=r)
+        self.steps = Gauge("moe_engine_steps", "Engine steps run", ["worker"], registry=r)
+        self.step_s = Gauge("moe_engine_step_seconds", "Cumulative engine step time", ["worker"], registry=r)
+        self.wait_s = Gauge(
+            "moe_expert_wait_seconds",
+            "Cumulative time steps waited for routed experts",
+            ["worker"],
+            registry=r,
+        )
+        self.dispatch_rpcs = Gauge("moe_dispatch_rpcs", "Dispatch RPCs sent", ["worker"], registry=r)
+        self.dropped = Gauge(
+            "moe_load_counts_dropped",
+            "Routed-token counts dropped (Redis down too long)",
+            ["worker"],
+            registry=r,
+        )
+        self.version = Gauge("moe_placement_version", "Placement version in use", ["worker"], registry=r)
+        self.balancedness = Gauge(
+            "moe_layer_balancedness", "Mean/max expert-worker load per MoE layer", ["layer"], registry=r
+        )
+        self.balancedness_all = Gauge(
+            "moe_balancedness", "Mean/max expert-worker load over all MoE layers", registry=r
+        )
+        self.migrations = Gauge("moe_migrations", "Expert re-placements completed", registry=r)
+        self.expert_workers = Gauge("moe_expert_workers", "Expert workers in the pool", registry=r)
+
+    def request_started(self, endpoint: str) -> None:
+        self.requests.labels(endpoint).inc()
+
+    def request_finished(self, status: int) -> None:
+        self.responses.labels(str(status)).inc()
+
+    def render(self, worker_stats: list[dict], balancer: dict | None) -> bytes:
+        for s in worker_stats:
+            w = s["worker_id"]
+            self.running.labels(w).set(s["running"])
+            self.waiting.labels(w).set(s["waiting"])
+            self.kv_used.labels(w).set(s["kv_blocks_used"])
+            self.kv_total.labels(w).set(s["kv_blocks_total"])
+            self.steps.labels(w).set(s["times"]["steps"])
+            self.step_s.labels(w).set(s["times"]["step_s"])
+            self.wait_s.labels(w).set(s["times"]["expert_wait_s"])
+            self.dispatch_rpcs.labels(w).set((s.get("dispatch") or {}).get("rpcs", 0))
+            self.dropped.labels(w).set((s.get("load_reporter") or {}).get("dropped_tokens", 0))
+            self.version.labels(w).set(s["placement_version"])
+        if balancer:
+            for layer, b in enumerate(balancer.get("balancedness_per_layer") or []):
+                self.balancedness.labels(str(layer)).set(b)
+            if balancer.get("balancedness") is not None:
+                self.balancedness_all.set(balancer["balancedness"])
+            self.migrations.set(balancer.get("migrations", 0))
+            self.expert_workers.set(len(balancer.get("workers", [])))
+        return generate_latest(self.registry)

@@ -1,0 +1,205 @@
+"""The OpenAI-compatible API, end to end: official `openai` client -> Ray Serve router ->
+attention worker -> gRPC expert workers, on a real local Ray cluster with an embedded Redis."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.model.engine import EngineConfig, LocalEngine
+from services.model.redis_store import free_port
+from services.model.sampling import SamplingParams
+
+pytestmark = pytest.mark.cluster
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    from services.cluster import Cluster, ClusterConfig
+
+    c = Cluster.start(
+        ClusterConfig(
+            model=str(tiny_model),
+            served_model_name="tiny",
+            port=free_port(),
+            expert_workers=2,
+            redundant_experts=4,
+            max_num_seqs=32,
+            balancer_period_s=0,
+            api_key=API_KEY,
+        )
+    )
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model):
+    return LocalEngine(EngineConfig(model=str(tiny_model)))
+
+
+def _greedy(local, prompt_ids, n):
+    return local.generate([prompt_ids], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+
+
+def test_models_and_health(cluster, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{cluster.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{cluster.url}/ready").status_code == 200
+
+
+def test_completion_equals_local_engine(client, local, tiny_model):
+    from services.model.tokenizer import Tokenizer
+
+    prompt = "The quick brown fox"
+    ids = Tokenizer.from_dir(tiny_model).encode(prompt)
+    expect = _greedy(local, ids, 24)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    choice = r.choices[0]
+    assert choice.token_ids == expect.token_ids and choice.text == expect.text
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 24
+
+
+def test_token_id_prompt_batch_and_streaming(client, local):
+    prompts = [[0, 5, 6, 7], [0, 99, 100]]
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    by_index = sorted(r.choices, key=lambda c: c.index)
+    assert [c.token_ids for c in by_index] == [_greedy(local, p, 10).token_ids for p in prompts]
+    stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=10, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == by_index[0].text
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_stream_and_not(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 12
+    parts = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    assert text == full.choices[0].message.content
+
+
+def test_n_seed_and_logprobs(client):
+    kw = dict(model="tiny", prompt=[0, 11, 12], max_tokens=8, temperature=1.0, seed=7, n=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    a = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+    b = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+    assert len(a) == 3 and [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert len({tuple(c.token_ids) for c in a}) > 1  # seed, seed+1, seed+2 differ
+    lp = client.completions.create(model="tiny", prompt=[0, 11, 12], max_tokens=4, temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True})  # fmt: skip
+    info = lp.choices[0].logprobs
+    assert len(info.tokens) == 4 and len(info.top_logprobs[0]) == 2
+    assert all(x <= 0 for x in info.token_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    text = base.choices[0].text
+    needle = text[6:8]
+    if not needle.strip("\ufffd"):
+        pytest.skip("generated text has no stable stop candidate")
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0, stop=[needle],
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.index(needle)]
+
+
+def test_errors_are_openai_json(cluster, client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="wrong", max_retries=0).models.list()
+    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 1.5}, {"max_tokens": 10**6}, {"n": 100}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="x", **bad)
+        assert e.value.status_code == 400 and e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt=[0, 10**7], max_tokens=2)
+
+
+def test_64_concurrent_streams_complete(cluster):
+    async def one(i, http):
+        body = {"model": "tiny", "prompt": [0, 4 + i % 50, 7], "max_tokens": 6 + i % 5, "temperature": 0,
+                "stream": True, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        tokens, done = 0, False
+        async with http.stream("POST", f"{cluster.url}/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {API_KEY}"}) as r:  # fmt: skip
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    tokens += len(json.loads(line[6:])["choices"][0]["token_ids"])
+        return done and tokens == 6 + i % 5
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*[one(i, http) for i in range(64)])
+
+    assert all(asyncio.run(main()))
+
+
+BAD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+                       st.text(max_size=20), st.lists(st.integers(-5, 10**7), max_size=5), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))  # fmt: skip
+FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
+          "stream", "messages", "stop_token_ids", "echo"]  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(st.dictionaries(st.sampled_from(FIELDS), BAD_VALUES, max_size=6), BAD_VALUES),
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))  # fmt: skip
+def test_bad_bodies_get_4xx_openai_errors(cluster, body, path):
+    if isinstance(body, dict) and "max_tokens" in body and isinstance(body["max_tokens"], int):
+        body["max_tokens"] = min(body["max_tokens"], 4)  # keep accidentally valid requests short
+    r = httpx.post(
+        f"{cluster.url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
+    )
+    if r.status_code == 200:
+        return  # an accidentally valid request
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+
+
+def test_still_healthy_after_bad_input(cluster, client, local):
+    raw = httpx.post(f"{cluster.url}/v1/completions", content=b"{not json",
+                     headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})  # fmt: skip
+    assert raw.status_code == 400 and raw.json()["error"]["message"]
+    assert httpx.get(f"{cluster.url}/health").status_code == 200
+    r = client.completions.create(model="tiny", prompt=[0, 5, 6, 7], max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert r.choices[0].token_ids == _greedy(local, [0, 5, 6, 7], 5).token_ids
+
+
+def test_metrics_and_experts_endpoints(cluster):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    text = httpx.get(f"{cluster.url}/metrics").text
+    for name in ("moe_requests_total", "moe_time_to_first_token_seconds", "moe_kv_blocks_used",
+                 "moe_placement_version", "moe_requests_running"):  # fmt: skip
+        assert name in text
+    experts = httpx.get(f"{cluster.url}/v1/experts", headers=auth).json()
+    assert experts["version"] >= 1 and len(experts["workers"]) == 2
