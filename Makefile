@@ -20,11 +20,11 @@ run: install
 	$(VENV)/bin/moe-cluster up
 
 test: install
-	$(VENV)/bin/ruff check services tests benchmarks
+	$(VENV)/bin/ruff check services tests benchmarks proto
 	$(PY) -m pytest -q tests
 
 lint: install
-	$(VENV)/bin/ruff check services tests benchmarks
+	$(VENV)/bin/ruff check services tests benchmarks proto
 	$(VENV)/bin/ruff format --check services tests benchmarks
 
 format: install
@@ -32,7 +32,7 @@ format: install
 	$(VENV)/bin/ruff format services tests benchmarks
 
 proto: install
-	$(PY) -m services.model.protogen
+	$(PY) proto/generate.py
 
 bench: install
 	$(VENV)/bin/moe-cluster bench all

@@ -162,7 +162,11 @@ class Cluster:
         for i in range(cfg.attention_workers):
             name = f"moe-attn-{i}"
             wcfg = AttentionWorkerConfig(
-                engine=engine, worker_id=name, redis_url=redis_url, key_prefix=cfg.key_prefix
+                engine=engine,
+                worker_id=name,
+                redis_url=redis_url,
+                key_prefix=cfg.key_prefix,
+                load_bucket_seconds=cfg.balancer_bucket_seconds,
             )
             attention[name] = AttentionWorker.options(
                 name=name, namespace=cfg.namespace, resources=cfg.attention_resources or None

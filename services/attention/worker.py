@@ -39,6 +39,7 @@ class AttentionWorkerConfig:
     redis_url: str | None = None  # load counts go here; None: counted, not reported
     key_prefix: str = "moe"
     load_flush_steps: int = 8  # hand counts to the Redis reporter every N steps
+    load_bucket_seconds: float = 2.0  # must match the balancer's bucket_seconds
     dispatch_timeout_s: float = 10.0
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
     idle_wait_s: float = 0.05
@@ -269,7 +270,7 @@ class AttentionWorker:
         reporter = None
         if cfg.redis_url:
             reporter = LoadReporter(
-                LoadReporterConfig(redis_url=cfg.redis_url, key_prefix=cfg.key_prefix),
+                LoadReporterConfig(cfg.redis_url, cfg.key_prefix, bucket_seconds=cfg.load_bucket_seconds),
                 mcfg.num_moe_layers,
                 mcfg.n_routed_experts,
             )

@@ -29,15 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    from proto import expert_pb2
-except ImportError as e:  # proto-plus also installs a top-level `proto` package
-    import proto as _proto
-
-    raise ImportError(
-        f"`from proto import expert_pb2` failed: `proto` resolved to {getattr(_proto, '__file__', _proto)}; "
-        "run from the repository root (or put it first on sys.path)"
-    ) from e
+from services.rpc import expert_pb2
 
 if sys.byteorder != "little":
     raise ImportError("the tensor wire format is little-endian; this host is big-endian")

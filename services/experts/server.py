@@ -1,0 +1,79 @@
+"""The expert worker's gRPC server: a grpc.aio server with the Expert service (servicer.py)
+and the standard grpc.health.v1 service, for one expert worker process."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from services.model import wire
+from services.model.config import ModelConfig, parse_dtype
+
+from .servicer import ExpertServicer, add_expert_service
+from .store import SlotStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExpertWorkerConfig:
+    model: str  # checkpoint directory (config.json + safetensors)
+    dtype: str = "float32"  # compute dtype; Dispatch hidden states must come in this dtype
+    num_threads: int | None = 1  # torch intra-op threads in the worker process (None: leave as is)
+    host: str | None = None  # None: the Ray node's IP inside an actor, else 127.0.0.1
+    port: int = 0  # 0: an ephemeral port
+    max_message_bytes: int = wire.MAX_MESSAGE_BYTES
+    max_versions: int = 3  # placement versions held at once (serving + loading)
+    max_concurrent_rpcs: int = 1024  # beyond this the server answers RESOURCE_EXHAUSTED
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ExpertServer:
+    """grpc.aio server (Expert + grpc.health.v1) for one expert worker. Start it inside a
+    running event loop."""
+
+    def __init__(self, cfg: ExpertWorkerConfig, host: str = "127.0.0.1"):
+        self.cfg = cfg
+        self.host = cfg.host or host
+        model_cfg = ModelConfig.from_dir(Path(cfg.model))
+        self.store = SlotStore(model_cfg, cfg.model, parse_dtype(cfg.dtype), cfg.max_versions)
+        self.servicer = ExpertServicer(self.store)
+        self.health = health_aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.address: str | None = None
+
+    async def start(self) -> str:
+        """Bind and start; returns "host:port"."""
+        if self.server is not None:
+            return self.address
+        server = grpc.aio.server(
+            options=wire.grpc_options(self.cfg.max_message_bytes),
+            maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs,
+        )
+        add_expert_service(server, self.servicer)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        port = server.add_insecure_port(format_address(self.host, self.cfg.port))
+        if port == 0:
+            raise RuntimeError(f"could not bind {format_address(self.host, self.cfg.port)}")
+        await server.start()
+        for service in ("", wire.EXPERT_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.server, self.address = server, format_address(self.host, port)
+        log.info("expert worker serving %s on %s (%s)", self.cfg.model, self.address, self.cfg.dtype)
+        return self.address
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self.server is None:
+            return
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        self.servicer.close()
+        self.server = None

@@ -1,0 +1,158 @@
+"""The `moecluster.expert.v1.Expert` gRPC methods over a `SlotStore` (grpc.aio handlers).
+
+`Dispatch` is registered with identity (de)serializers and decoded/encoded by
+`services.model.wire` (zero-copy receive, one copy on send); the expert compute runs in a thread
+so the event loop keeps answering health checks, Stats, LoadSlots and other Dispatch calls.
+`LoadSlots` reads weights in its own thread while `Dispatch` keeps serving the loaded versions.
+Request errors map to status codes (the worker keeps serving after any of them):
+
+    WireError, InvalidRequest  -> INVALID_ARGUMENT
+    VersionUnavailable         -> FAILED_PRECONDITION
+    VersionConflict            -> FAILED_PRECONDITION
+    TooManyVersions            -> RESOURCE_EXHAUSTED
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.model import wire
+from services.rpc import expert_pb2
+
+from .store import (
+    InvalidRequest,
+    SlotStore,
+    SlotStoreError,
+    StoreStats,
+    TooManyVersions,
+    VersionConflict,
+    VersionUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+_STATUS = [
+    (wire.WireError, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (VersionUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
+    (VersionConflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (TooManyVersions, grpc.StatusCode.RESOURCE_EXHAUSTED),
+]
+
+
+def status_of(error: Exception) -> grpc.StatusCode:
+    return next((code for kind, code in _STATUS if isinstance(error, kind)), grpc.StatusCode.INTERNAL)
+
+
+class ExpertServicer:
+    """The `moecluster.expert.v1.Expert` methods over one SlotStore (grpc.aio handlers)."""
+
+    def __init__(self, store: SlotStore):
+        self.store = store
+        self.compute_pool = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="expert-load")
+
+    def close(self) -> None:
+        self.compute_pool.shutdown(wait=False, cancel_futures=True)
+        self.loader.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, pool: ThreadPoolExecutor, context, fn, *args):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        except (SlotStoreError, wire.WireError) as e:
+            await context.abort(status_of(e), str(e))
+
+    # ---- data plane ---------------------------------------------------------------------
+    def compute(self, req: wire.DispatchRequest) -> wire.DispatchResponse:
+        """Run the experts for a decoded request (in the compute thread)."""
+        start = time.perf_counter()
+        out = self.store.forward(req.placement_version, req.layer, req.hidden, req.slot, req.weight)
+        return wire.DispatchResponse(out, time.perf_counter() - start)
+
+    async def Dispatch(self, request: bytes, context) -> bytes:
+        # decoding (zero-copy, ~50 us) and encoding (one copy of the output) stay on the event
+        # loop: handing them to the thread too costs more in GIL hand-offs than they take
+        try:
+            req = wire.decode_dispatch_request(request)
+        except wire.WireError as e:
+            await context.abort(status_of(e), str(e))
+        resp = await self._run(self.compute_pool, context, self.compute, req)
+        return wire.encode_dispatch_response(resp)
+
+    # ---- control ------------------------------------------------------------------------
+    async def LoadSlots(self, request: expert_pb2.LoadSlotsRequest, context) -> expert_pb2.LoadSlotsResponse:
+        experts = {}
+        for entry in request.layers:
+            if entry.layer in experts:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layer {entry.layer} listed twice")
+            experts[entry.layer] = list(entry.logical_expert)
+        report = await self._run(self.loader, context, self.store.load, request.version, experts)
+        log.info(
+            "loaded version %d: %d bytes read, %d reused, %.2fs",
+            report.version,
+            report.bytes_read,
+            report.bytes_reused,
+            report.seconds,
+        )
+        return expert_pb2.LoadSlotsResponse(
+            version=report.version,
+            bytes_read=report.bytes_read,
+            bytes_reused=report.bytes_reused,
+            seconds=report.seconds,
+        )
+
+    async def ReleaseSlots(self, request, context) -> expert_pb2.ReleaseSlotsResponse:
+        return expert_pb2.ReleaseSlotsResponse(loaded_versions=self.store.release(request.version))
+
+    async def Stats(self, request, context) -> expert_pb2.StatsResponse:
+        return stats_to_proto(self.store.stats())
+
+
+def stats_to_proto(stats: StoreStats) -> expert_pb2.StatsResponse:
+    return expert_pb2.StatsResponse(
+        current_version=stats.current_version,
+        loaded_versions=stats.loaded_versions,
+        loading_versions=stats.loading_versions,
+        versions=[
+            expert_pb2.VersionStats(
+                version=v,
+                layers=[
+                    expert_pb2.LayerStats(layer=layer, logical_expert=experts, tokens=tokens)
+                    for layer, (experts, tokens) in layers.items()
+                ],
+            )
+            for v, layers in stats.slots.items()
+        ],
+        dispatch_calls=stats.dispatch_calls,
+        weight_bytes=stats.weight_bytes,
+    )
+
+
+def add_expert_service(server: grpc.aio.Server, servicer: ExpertServicer) -> None:
+    """Register the Expert service on `server`; Dispatch carries raw bytes (see wire.py)."""
+    raw = lambda b: b  # noqa: E731
+    unary = grpc.unary_unary_rpc_method_handler
+    handlers = {
+        "Dispatch": unary(servicer.Dispatch, request_deserializer=raw, response_serializer=raw),
+        "LoadSlots": unary(
+            servicer.LoadSlots,
+            request_deserializer=expert_pb2.LoadSlotsRequest.FromString,
+            response_serializer=expert_pb2.LoadSlotsResponse.SerializeToString,
+        ),
+        "ReleaseSlots": unary(
+            servicer.ReleaseSlots,
+            request_deserializer=expert_pb2.ReleaseSlotsRequest.FromString,
+            response_serializer=expert_pb2.ReleaseSlotsResponse.SerializeToString,
+        ),
+        "Stats": unary(
+            servicer.Stats,
+            request_deserializer=expert_pb2.StatsRequest.FromString,
+            response_serializer=expert_pb2.StatsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.EXPERT_SERVICE, handlers),))

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC modules of proto/*.proto (regenerate: `make proto`)."""

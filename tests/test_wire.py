@@ -1,0 +1,149 @@
+"""Tensor wire format: round trips, byte-compatibility with the generated protobuf classes,
+zero-copy decoding, and clear errors for malformed tensors."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.model import wire
+from services.rpc import expert_pb2
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _random(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+
+def _buffer_range(b: bytes) -> tuple[int, int]:
+    start = np.frombuffer(b, dtype=np.uint8).ctypes.data
+    return start, start + len(b)
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("shape", [(3, 7), (1, 7168), (0, 5), (4,), ()], ids=str)
+def test_proto_tensor_round_trip(dtype, shape):
+    t = _random(shape, dtype)
+    msg = wire.tensor_to_proto(t)
+    assert msg.dtype == wire.dtype_name(dtype) and list(msg.shape) == list(shape)
+    back = wire.tensor_from_proto(expert_pb2.Tensor.FromString(msg.SerializeToString()))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_dispatch_round_trip_is_zero_copy_on_receive(dtype):
+    hidden = _random((9, 384), dtype)
+    slot = torch.tensor([[0, -1, 3]] * 9, dtype=torch.int32)
+    weight = torch.rand(9, 3)
+    req = wire.DispatchRequest(layer=3, placement_version=7, hidden=hidden, slot=slot, weight=weight)
+    data = wire.encode_dispatch_request(req)
+    back = wire.decode_dispatch_request(data)
+    assert (back.layer, back.placement_version) == (3, 7)
+    for got, want in ((back.hidden, hidden), (back.slot, slot), (back.weight, weight)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        lo, hi = _buffer_range(data)
+        assert lo <= got.data_ptr() and got.data_ptr() + got.numel() * got.element_size() <= hi, (
+            "decode copied"
+        )
+    assert req.nbytes() == hidden.numel() * hidden.element_size() + slot.numel() * 4 + weight.numel() * 4
+
+    resp = wire.decode_dispatch_response(wire.encode_dispatch_response(wire.DispatchResponse(hidden, 0.5)))
+    assert resp.compute_seconds == 0.5 and torch.equal(resp.output, hidden)
+
+
+def _pb_request(layer, version, hidden, slot, weight):
+    msg = expert_pb2.DispatchRequest(layer=layer, placement_version=version)
+    for name, t in (("hidden", hidden), ("slot", slot), ("weight", weight)):
+        if t is not None:
+            wire.tensor_to_proto(t, getattr(msg, name))
+    return msg
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layer=st.integers(0, 2**32 - 1),
+    version=st.integers(0, 2**64 - 1),
+    tokens=st.integers(0, 6),
+    hidden_size=st.integers(1, 40),
+    top_k=st.integers(0, 4),
+    dtype=st.sampled_from(FLOATS),
+    seconds=st.floats(allow_nan=False),
+    with_weight=st.booleans(),
+)
+def test_codec_matches_generated_classes(
+    layer, version, tokens, hidden_size, top_k, dtype, seconds, with_weight
+):
+    hidden = _random((tokens, hidden_size), dtype)
+    slot = torch.randint(-1, 8, (tokens, top_k), dtype=torch.int32)
+    weight = torch.rand(tokens, top_k) if with_weight else None
+    ours = wire.encode_dispatch_request(wire.DispatchRequest(layer, version, hidden, slot, weight))
+    theirs = _pb_request(layer, version, hidden, slot, weight).SerializeToString()
+    assert ours == theirs
+    back = wire.decode_dispatch_request(theirs)
+    assert (back.layer, back.placement_version) == (layer, version)
+    assert torch.equal(back.hidden, hidden) and torch.equal(back.slot, slot)
+    assert back.weight is None if weight is None else torch.equal(back.weight, weight)
+
+    resp = expert_pb2.DispatchResponse(output=wire.tensor_to_proto(hidden), compute_seconds=seconds)
+    assert wire.encode_dispatch_response(wire.DispatchResponse(hidden, seconds)) == resp.SerializeToString()
+    decoded = wire.decode_dispatch_response(resp.SerializeToString())
+    assert decoded.compute_seconds == seconds and torch.equal(decoded.output, hidden)
+
+
+def test_decoder_accepts_any_field_order_unknown_fields_and_unpacked_shape():
+    hidden = torch.randn(2, 3)
+    pieces = [
+        expert_pb2.DispatchRequest(hidden=wire.tensor_to_proto(hidden)).SerializeToString(),
+        b"\xf8\x07\x2a",  # unknown field 127 (varint 42)
+        expert_pb2.DispatchRequest(placement_version=5).SerializeToString(),
+        expert_pb2.DispatchRequest(layer=2).SerializeToString(),
+    ]
+    back = wire.decode_dispatch_request(b"".join(pieces))
+    assert (back.layer, back.placement_version) == (2, 5) and torch.equal(back.hidden, hidden)
+
+    data = hidden.numpy().tobytes()
+    unpacked = b"\x0a\x07float32" + b"\x10\x02\x10\x03" + b"\x1a" + bytes([len(data)]) + data
+    msg = b"\x1a" + bytes([len(unpacked)]) + unpacked
+    assert torch.equal(wire.decode_dispatch_request(msg).hidden, hidden)
+
+
+@pytest.mark.parametrize(
+    "dtype, shape, nbytes, message",
+    [
+        ("float64", [2], 16, "unknown dtype"),
+        ("", [2], 8, "unknown dtype"),
+        ("float32", [2, 3], 20, "needs 24 bytes, got 20"),
+        ("bfloat16", [4], 9, "needs 8 bytes, got 9"),
+        ("float32", [-1, 2], 8, "negative dimension"),
+        ("float32", [2**40, 2**40], 8, "needs"),
+    ],
+)
+def test_tensor_errors_are_clear(dtype, shape, nbytes, message):
+    with pytest.raises(wire.WireError, match=message):
+        wire.tensor_from_buffer(dtype, shape, b"\0" * nbytes)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\x08", "varint"),  # truncated varint
+        (b"\x1a\x05ab", "past the end"),  # LEN field longer than the message
+        (b"\x0b", "wire type 3"),  # group start: unsupported
+        (b"\x1a\x00" + b"\x08\x01", "hidden: unknown dtype ''"),  # empty Tensor message
+        (b"\x0a\x01x", "wire type 2, expected 0"),  # layer as bytes
+        (b"\x00", "field number 0"),
+    ],
+)
+def test_message_errors_are_clear(data, message):
+    with pytest.raises(wire.WireError, match=message):
+        wire.decode_dispatch_request(data)
+
+
+def test_unsupported_tensor_dtype_on_send():
+    with pytest.raises(wire.WireError, match="cannot go on the wire"):
+        wire.tensor_to_proto(torch.zeros(2, dtype=torch.float64))
