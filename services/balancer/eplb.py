@@ -13,9 +13,11 @@ B. The same steps, each improved:
    - an expert gets at most one replica per GPU of its node (a second one on a GPU cannot lower that
      GPU's load), replicas bigger than half a GPU's share are kept to at most one per GPU
      (``_spread_big_replicas``), and nearly uniform loads split evenly over GPUs (``_even_split``);
-   - after the greedy packing, local search swaps two replicas between the heaviest GPU of a node and
-     a lighter one while that lowers the heaviest GPU (``_refine_swaps``; swaps keep every
-     constraint), stopping where the layer's max cannot go lower anyway;
+   - the greedy packing counts each GPU's free slots as holding the mean remaining replica (GPUs that
+     took big replicas early must still take as many as the others);
+   - then local search swaps two replicas between the heaviest GPU of a node and a lighter one while
+     that lowers the heaviest GPU (``_refine_swaps``; swaps keep every constraint), stopping where the
+     layer's max cannot go lower anyway;
    - the node that makes a layer's heaviest GPU, if clearly above its lower bound, also tries a few
      other replica counts for its two hottest experts (``_other_counts``) and keeps the best.
 Finally nodes and GPUs are relabelled per layer (this changes no layer's loads) so that heavy GPUs of
