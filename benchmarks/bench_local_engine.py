@@ -42,7 +42,7 @@ def time_ours(engine: LocalEngine, batch: list[list[int]], new_tokens: int) -> f
 
 @torch.no_grad()
 def time_hf(model, batch: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(batch)
+    ids = torch.tensor(batch, device=model.device)
     t = time.perf_counter()
     model.generate(
         ids,
@@ -53,6 +53,8 @@ def time_hf(model, batch: list[list[int]], new_tokens: int) -> float:
         eos_token_id=None,
         pad_token_id=0,
     )
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t
 
 
@@ -99,6 +101,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="benchmarks/results/local_engine.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -107,15 +110,19 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # sdpa + grouped_mm
-    engine = LocalEngine(EngineConfig(model=str(model_dir), max_num_seqs=64))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(args.device)  # sdpa
+    engine = LocalEngine(EngineConfig(model=str(model_dir), max_num_seqs=64, device=args.device))
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         batch = prompts(b, cfg.vocab_size)
         ours = decode_tps(lambda p, n: time_ours(engine, p, n), batch, args.repeats)
         ref = decode_tps(lambda p, n: time_hf(hf, p, n), batch, args.repeats)
-        rows.append({"batch": b, "local_engine_tok_s": ours, "transformers_tok_s": ref, "speedup": ours / ref})
-        print(f"batch {b:3d}: LocalEngine {ours:8.1f} tok/s  transformers {ref:8.1f} tok/s  x{ours / ref:.2f}")
+        rows.append(
+            {"batch": b, "local_engine_tok_s": ours, "transformers_tok_s": ref, "speedup": ours / ref}
+        )
+        print(
+            f"batch {b:3d}: LocalEngine {ours:8.1f} tok/s  transformers {ref:8.1f} tok/s  x{ours / ref:.2f}"
+        )
 
     step_s = 1.0 / rows[0]["local_engine_tok_s"] if rows[0]["batch"] == 1 else None
     active = active_bytes_per_token(cfg)
@@ -127,7 +134,8 @@ def main() -> None:
         "new_tokens": NEW_TOKENS,
         "prompt_len": PROMPT_LEN,
         "threads": args.threads,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads()},
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "torch": torch.__version__,
         "rows": rows,
         "batch1_weight_read": {

@@ -85,6 +85,99 @@ class ClusterConfig:
 
 
 @dataclass
+class Backend:
+    """The Ray actors behind the router: the balancer (owning the expert workers) and the
+    attention workers, all named in `cfg.namespace`."""
+
+    model_dir: str
+    balancer: Any
+    attention: dict[str, Any]
+    max_model_len: int
+    placement_version: int
+
+
+def start_backend(
+    cfg: ClusterConfig, model_dir: str, redis_url: str, detached: bool = False, step=log.info
+) -> Backend:
+    """Start (or, with `detached`, find already running) balancer + expert workers and attention
+    workers. Detached actors outlive the caller: that is how `serve deploy` / KubeRay run them."""
+    from services.attention.worker import AttentionWorker, AttentionWorkerConfig
+    from services.balancer.service import Balancer, BalancerConfig
+    from services.model.engine import EngineConfig
+
+    lifetime = {"lifetime": "detached", "get_if_exists": True} if detached else {}
+    step(f"starting {cfg.expert_workers} expert workers and loading the placement")
+    balancer = Balancer.options(name=BALANCER_NAME, namespace=cfg.namespace, **lifetime).remote(
+        BalancerConfig(
+            model=model_dir,
+            expert_workers=cfg.expert_workers,
+            redundant_experts=cfg.redundant_experts,
+            redis_url=redis_url,
+            key_prefix=cfg.key_prefix,
+            namespace=cfg.namespace,
+            period_s=cfg.balancer_period_s,
+            window_buckets=cfg.balancer_window_buckets,
+            bucket_seconds=cfg.balancer_bucket_seconds,
+            min_gain=cfg.balancer_min_gain,
+            expert_dtype=cfg.dtype,
+            expert_threads=cfg.expert_threads,
+            expert_resources=cfg.expert_resources,
+            detached=detached,
+        )
+    )
+    info = ray.get(balancer.start.remote())
+
+    step(f"starting {cfg.attention_workers} attention workers")
+    engine = EngineConfig(
+        model=model_dir,
+        dtype=cfg.dtype,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+        max_waiting=cfg.max_waiting,
+        micro_batches=cfg.micro_batches,
+        attn_tp=cfg.attn_tp,
+        num_threads=cfg.attention_threads,
+    )
+    attention = {}
+    for i in range(cfg.attention_workers):
+        name = f"moe-attn-{i}"
+        wcfg = AttentionWorkerConfig(
+            engine=engine,
+            worker_id=name,
+            redis_url=redis_url,
+            key_prefix=cfg.key_prefix,
+            load_bucket_seconds=cfg.balancer_bucket_seconds,
+        )
+        attention[name] = AttentionWorker.options(
+            name=name, namespace=cfg.namespace, resources=cfg.attention_resources or None, **lifetime
+        ).remote(wcfg, info["placement"], info["addresses"])
+    ready = ray.get([a.ready.remote() for a in attention.values()])
+    ray.get(balancer.register_attention.remote(list(attention)))
+    return Backend(model_dir, balancer, attention, ready[0]["max_model_len"], info["placement"]["version"])
+
+
+def router_config(cfg: ClusterConfig, backend: Backend):
+    from services.router.app import RouterConfig
+
+    return RouterConfig(
+        model_dir=backend.model_dir,
+        served_model_name=cfg.served_model_name or Path(backend.model_dir).name,
+        attention_workers=list(backend.attention),
+        namespace=cfg.namespace,
+        balancer=BALANCER_NAME,
+        api_key=cfg.api_key,
+        max_model_len=backend.max_model_len,
+    )
+
+
+def resolve_model(cfg: ClusterConfig) -> str:
+    from services.cli import default_model_dir
+
+    return str(Path(cfg.model).resolve()) if cfg.model else str(default_model_dir("tiny"))
+
+
+@dataclass
 class Cluster:
     cfg: ClusterConfig
     model_dir: str
@@ -99,17 +192,11 @@ class Cluster:
     def start(cls, cfg: ClusterConfig, progress=None) -> Cluster:
         from ray import serve
 
-        from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-        from services.balancer.service import Balancer, BalancerConfig
-        from services.cli import default_model_dir
-        from services.model.config import ModelConfig
-        from services.model.engine import EngineConfig
         from services.model.redis_store import EmbeddedRedis
-        from services.router.app import Router, RouterConfig
+        from services.router.app import Router
 
         step = progress or (lambda msg: log.info(msg))
-        model_dir = str(Path(cfg.model).resolve()) if cfg.model else str(default_model_dir("tiny"))
-        model_cfg = ModelConfig.from_dir(model_dir)
+        model_dir = resolve_model(cfg)
 
         step("starting Ray")
         started_ray = not ray.is_initialized()
@@ -117,7 +204,7 @@ class Cluster:
             if cfg.address:
                 ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
             else:
-                ray.init(num_cpus=cfg.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.namespace,
+                ray.init(address="local", num_cpus=cfg.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.namespace,
                          include_dashboard=False, log_to_driver=False)  # fmt: skip
         redis = None
         redis_url = cfg.redis_url
@@ -125,72 +212,17 @@ class Cluster:
             step("starting embedded Redis")
             redis = EmbeddedRedis.start()
             redis_url = redis.url
-
-        step(f"starting {cfg.expert_workers} expert workers and loading the placement")
-        balancer = Balancer.options(name=BALANCER_NAME, namespace=cfg.namespace).remote(
-            BalancerConfig(
-                model=model_dir,
-                expert_workers=cfg.expert_workers,
-                redundant_experts=cfg.redundant_experts,
-                redis_url=redis_url,
-                key_prefix=cfg.key_prefix,
-                namespace=cfg.namespace,
-                period_s=cfg.balancer_period_s,
-                window_buckets=cfg.balancer_window_buckets,
-                bucket_seconds=cfg.balancer_bucket_seconds,
-                min_gain=cfg.balancer_min_gain,
-                expert_dtype=cfg.dtype,
-                expert_threads=cfg.expert_threads,
-                expert_resources=cfg.expert_resources,
-            )
-        )
-        info = ray.get(balancer.start.remote())
-
-        step(f"starting {cfg.attention_workers} attention workers")
-        engine = EngineConfig(
-            model=model_dir,
-            dtype=cfg.dtype,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len,
-            max_waiting=cfg.max_waiting,
-            micro_batches=cfg.micro_batches,
-            attn_tp=cfg.attn_tp,
-            num_threads=cfg.attention_threads,
-        )
-        attention = {}
-        for i in range(cfg.attention_workers):
-            name = f"moe-attn-{i}"
-            wcfg = AttentionWorkerConfig(
-                engine=engine,
-                worker_id=name,
-                redis_url=redis_url,
-                key_prefix=cfg.key_prefix,
-                load_bucket_seconds=cfg.balancer_bucket_seconds,
-            )
-            attention[name] = AttentionWorker.options(
-                name=name, namespace=cfg.namespace, resources=cfg.attention_resources or None
-            ).remote(wcfg, info["placement"], info["addresses"])
-        ready = ray.get([a.ready.remote() for a in attention.values()])
-        ray.get(balancer.register_attention.remote(list(attention)))
+        backend = start_backend(cfg, model_dir, redis_url, step=step)
 
         step(f"starting the OpenAI API on http://{cfg.host}:{cfg.port}")
         serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
-        router_cfg = RouterConfig(
-            model_dir=model_dir,
-            served_model_name=cfg.served_model_name or Path(model_dir).name,
-            attention_workers=list(attention),
-            namespace=cfg.namespace,
-            balancer=BALANCER_NAME,
-            api_key=cfg.api_key,
-            max_model_len=ready[0]["max_model_len"],
+        serve.run(
+            Router.bind(router_config(cfg, backend)), name="moe-cluster", route_prefix="/", blocking=False
         )
-        serve.run(Router.bind(router_cfg), name="moe-cluster", route_prefix="/", blocking=False)
         url = f"http://{cfg.host}:{cfg.port}"
-        cluster = cls(cfg, model_dir, url, redis, redis_url, balancer, attention, started_ray)
+        cluster = cls(cfg, model_dir, url, redis, redis_url, backend.balancer, backend.attention, started_ray)
         cluster.wait_ready()
-        log.info("cluster up: %s (%d MoE layers, placement v%d)", url, model_cfg.num_moe_layers,
-                 info["placement"]["version"])  # fmt: skip
+        log.info("cluster up: %s (placement v%d)", url, backend.placement_version)
         return cluster
 
     def wait_ready(self, timeout: float = 120.0) -> None:

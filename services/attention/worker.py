@@ -15,8 +15,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
 import ray
@@ -54,6 +55,7 @@ class StepTimes:
     step_s: float = 0.0
     expert_wait_s: float = 0.0  # time blocked in combine (routed experts not back yet)
     failed_steps: int = 0
+    max_step_s: float = 0.0
 
 
 @dataclass
@@ -71,6 +73,7 @@ class AttentionService:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.times = StepTimes()
+        self.step_trace: deque[tuple[float, float, int]] = deque(maxlen=20_000)  # (end time, seconds, seqs)
         self.placement_version = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{cfg.worker_id}-engine", daemon=True)
@@ -133,6 +136,7 @@ class AttentionService:
             "placement_version": self.placement_version,
             "times": asdict(self.times),
             "load_reporter": self.load_reporter.stats() if self.load_reporter else None,
+            "dispatch": asdict(e.experts.stats) if is_dataclass(getattr(e.experts, "stats", None)) else None,
         }
 
     def close(self) -> None:
@@ -217,7 +221,10 @@ class AttentionService:
         times = self.times
         times.steps += 1
         times.tokens += sum(c.num_tokens for c in chunks)
-        times.step_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        times.step_s += elapsed
+        times.max_step_s = max(times.max_step_s, elapsed)
+        self.step_trace.append((time.time(), elapsed, len(chunks)))
         times.expert_wait_s += getattr(engine.experts, "wait_seconds", 0.0) - wait_before
         for out in outputs:
             self._emit(out)
@@ -304,6 +311,10 @@ class AttentionWorker:
 
     async def stats(self) -> dict:
         return self.service.stats()
+
+    async def step_trace(self, since: float = 0.0) -> list[tuple[float, float, int]]:
+        """(wall-clock end, duration s, sequences) of recent steps that ended after `since`."""
+        return [t for t in self.service.step_trace if t[0] > since]
 
     async def ready(self) -> dict:
         s = self.service.stats()

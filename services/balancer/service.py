@@ -59,6 +59,7 @@ class BalancerConfig:
     expert_threads: int = 1
     expert_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"expert_node": 0.01}
     expert_host: str | None = None  # None: each worker's node IP
+    detached: bool = False  # expert workers outlive the process that started the cluster
 
 
 @dataclass
@@ -74,6 +75,7 @@ class MigrationRecord:
     total_s: float
     ok: bool
     error: str | None = None
+    started_at: float = 0.0  # wall clock (time.time())
 
 
 class BalancerCore:
@@ -102,7 +104,10 @@ class BalancerCore:
         wcfg = ExpertWorkerConfig(model=self.cfg.model, dtype=self.cfg.expert_dtype,
                                   num_threads=self.cfg.expert_threads, host=self.cfg.expert_host)  # fmt: skip
         actor = ExpertWorker.options(
-            name=f"moe-{wid}", namespace=self.cfg.namespace, resources=self.cfg.expert_resources or None
+            name=f"moe-{wid}",
+            namespace=self.cfg.namespace,
+            resources=self.cfg.expert_resources or None,
+            lifetime="detached" if self.cfg.detached else None,
         ).remote(wcfg)
         self.addresses[wid] = await actor.start.remote()
         self.nodes[wid] = await actor.node_id.remote()
@@ -122,7 +127,10 @@ class BalancerCore:
         return Pool.grouped({w: self.nodes[w] for w in self.workers})
 
     async def start(self) -> dict:
-        """Start the expert workers and load the first placement (or the persisted one)."""
+        """Start the expert workers and load the first placement (or the persisted one).
+        Idempotent: a running balancer answers with its current placement."""
+        if self.placement is not None:
+            return self.placement_info()
         await asyncio.gather(*[self._start_worker() for _ in range(self.cfg.expert_workers)])
         pool = self.pool()
         self.slots = slots_per_worker(self.model_cfg, pool.num_workers, self.cfg.redundant_experts)
@@ -231,8 +239,10 @@ class BalancerCore:
     async def _migrate(self, decision: Decision, leaving: list[str] = ()) -> MigrationRecord:
         new, old = decision.placement, self.placement
         t0 = time.monotonic()
+        started_at = time.time()
         record = MigrationRecord(new.version, decision.reason, decision.balancedness_before,
-                                 decision.balancedness_after, decision.moved_slots, 0, 0.0, 0.0, 0.0, False)  # fmt: skip
+                                 decision.balancedness_after, decision.moved_slots, 0, 0.0, 0.0, 0.0, False,
+                                 started_at=started_at)  # fmt: skip
         addresses = {w: self.addresses[w] for w in new.workers}
         try:  # (a) load the new version everywhere, old keeps serving
             replies = await asyncio.to_thread(load_placement, new, addresses, self.model_cfg.moe_layers)
@@ -340,7 +350,7 @@ class Balancer:
 
     async def start(self) -> dict:
         info = await self.core.start()
-        if self.core.cfg.period_s > 0:
+        if self.core.cfg.period_s > 0 and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._periodic())
         return info
 
@@ -370,6 +380,9 @@ class Balancer:
 
     async def worker_stats(self) -> dict:
         return await self.core.worker_stats()
+
+    async def migration_log(self) -> list[dict]:
+        return [asdict(m) for m in self.core.migrations]
 
     async def shutdown(self) -> None:
         if self._task:

@@ -151,7 +151,9 @@ def grouped_expert_ffn(
     token = pair // K
     counts = torch.bincount(flat_slot[pair], minlength=w13.shape[0])
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    mlp = _expert_mlp_grouped_mm if _HAS_GROUPED_MM else _expert_mlp_loop
+    # torch's grouped_mm runs fp32 and bf16 on CPU, but only bf16 on CUDA
+    grouped = _HAS_GROUPED_MM and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
+    mlp = _expert_mlp_grouped_mm if grouped else _expert_mlp_loop
     ys = mlp(x[token], offs, w13, w2)
     out.index_add_(0, token, ys.float() * weight.reshape(-1)[pair].unsqueeze(1))
     return out.to(x.dtype)

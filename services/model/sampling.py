@@ -77,7 +77,7 @@ def sample(
     Logprobs are those of the model's distribution (log_softmax of the raw logits), as vLLM
     reports by default; the sampled token comes from the temperature/top-k/top-p-processed one.
     """
-    logits = logits.float()
+    logits = logits.float().cpu()  # per-request generators live on the CPU
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.greedy:

@@ -1,0 +1,176 @@
+"""Decode throughput and per-step time breakdown of the disaggregated path vs LocalEngine.
+
+`small` preset; the cluster path is one attention engine (this process, like an attention
+worker's engine thread) + 2 expert workers (Ray actors, gRPC); batch 1/8/32/64; ping-pong
+(2 micro-batches) off vs on; LocalEngine (all experts in process) in the same run.
+
+Breakdown per decode step (seconds, mean): attention = MLA (projections + paged attention),
+gate = router, dispatch = choosing replicas + encoding + starting RPCs, expert_wait = blocked in
+combine waiting for expert workers, other = the rest (norms, shared experts, dense MLP, LM head,
+sampling, scheduling).
+
+    python -m benchmarks.bench_attention [--out benchmarks/results/attention.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+import torch
+
+import services.model.model as model_mod
+from services.attention.dispatch import RemoteExperts
+from services.balancer.policy import Pool, initial_placement, slots_per_worker
+from services.experts.client import load_placement
+from services.experts.server import ExpertWorkerConfig
+from services.experts.worker import ExpertWorker
+from services.model.engine import Engine, EngineConfig, LocalEngine, load_engine
+from services.model.presets import init_model
+from services.model.sampling import SamplingParams
+
+PROMPT_LEN = 16
+DECODE_STEPS = 16
+
+
+class Timers:
+    """Accumulates time spent in the model's MLA and router, and in the expert backend."""
+
+    def __init__(self):
+        self.t = dict.fromkeys(("attention", "gate", "dispatch", "expert_wait"), 0.0)
+
+    def wrap(self, name, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.t[name] += time.perf_counter() - t0
+
+        return timed
+
+    def reset(self):
+        for k in self.t:
+            self.t[k] = 0.0
+
+
+@contextmanager
+def instrumented(timers: Timers, experts):
+    mla, route = model_mod.mla_forward, model_mod.route
+    dispatch, combine = experts.dispatch, experts.combine
+    model_mod.mla_forward, model_mod.route = timers.wrap("attention", mla), timers.wrap("gate", route)
+    experts.dispatch, experts.combine = timers.wrap("dispatch", dispatch), timers.wrap("expert_wait", combine)
+    try:
+        yield
+    finally:
+        model_mod.mla_forward, model_mod.route = mla, route
+        experts.dispatch, experts.combine = dispatch, combine
+
+
+def measure(engine: Engine, batch: int, vocab: int, timers: Timers) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=DECODE_STEPS + 2, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([0] + torch.randint(4, vocab, (PROMPT_LEN - 1,), generator=g).tolist(), params)
+    engine.step()  # prefill (and warm-up)
+    engine.step()
+    timers.reset()
+    with instrumented(timers, engine.experts):
+        t0 = time.perf_counter()
+        for _ in range(DECODE_STEPS):
+            engine.step()
+        elapsed = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    step = elapsed / DECODE_STEPS
+    parts = {k: v / DECODE_STEPS for k, v in timers.t.items()}
+    parts["other"] = step - sum(parts.values())
+    return {"batch": batch, "step_s": step, "tok_s": batch / step, "breakdown_s": parts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="checkpoint dir (default: generate the small preset)")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--expert-workers", type=int, default=2)
+    ap.add_argument("--attention-threads", type=int, default=1)
+    ap.add_argument("--local-threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/attention.json")
+    args = ap.parse_args()
+    model_dir = args.model or str(init_model(Path(tempfile.mkdtemp()) / "small", "small"))
+    batches = [int(b) for b in args.batches.split(",")]
+    timers = Timers()
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    workers = [ExpertWorker.options(num_cpus=0).remote(ExpertWorkerConfig(model=model_dir, num_threads=1))
+               for _ in range(args.expert_workers)]  # fmt: skip
+    addresses = {f"expert-{i}": a for i, a in enumerate(ray.get([w.start.remote() for w in workers]))}
+    rows = {"local": [], "cluster_pingpong_off": [], "cluster_pingpong_on": []}
+    try:
+        torch.set_num_threads(args.local_threads)
+        local = LocalEngine(EngineConfig(model=model_dir, max_num_seqs=max(batches)))
+        for b in batches:
+            rows["local"].append(measure(local, b, local.cfg.vocab_size, timers))
+            print("local", rows["local"][-1], flush=True)
+        del local
+
+        torch.set_num_threads(args.attention_threads)
+        placement = None
+        for name, micro in (("cluster_pingpong_off", 1), ("cluster_pingpong_on", 2)):
+            ecfg = EngineConfig(model=model_dir, max_num_seqs=max(batches), micro_batches=micro)
+
+            def make_experts(cfg, reader, dtype):
+                nonlocal placement
+                if placement is None:
+                    pool = Pool(tuple(addresses), ("node",) * len(addresses))
+                    placement = initial_placement(cfg, pool, slots_per_worker(cfg, len(addresses), 0))
+                    load_placement(placement, addresses, cfg.moe_layers)
+                return RemoteExperts(cfg, placement, addresses)
+
+            cfg, model, experts, tok = load_engine(ecfg, make_experts)
+            engine = Engine(cfg, model, experts, ecfg, tok)
+            for b in batches:
+                rows[name].append(measure(engine, b, cfg.vocab_size, timers))
+                print(name, rows[name][-1], flush=True)
+            experts.close()
+    finally:
+        for w in workers:
+            ray.kill(w)
+        ray.shutdown()
+
+    def at(name, b):
+        return next(r for r in rows[name] if r["batch"] == b)
+
+    summary = {}
+    if 32 in batches:
+        on, off, loc = at("cluster_pingpong_on", 32), at("cluster_pingpong_off", 32), at("local", 32)
+        summary = {
+            "batch32_cluster_step_over_local": on["step_s"] / loc["step_s"],
+            "batch32_pingpong_speedup": off["step_s"] / on["step_s"],
+            "target_cluster_step<=1.5x_local": on["step_s"] / loc["step_s"] <= 1.5,
+            "target_pingpong>=1.2x": off["step_s"] / on["step_s"] >= 1.2,
+        }
+    result = {
+        "benchmark": "attention_worker_decode",
+        "model": "small preset" if not args.model else model_dir,
+        "expert_workers": args.expert_workers,
+        "attention_threads": args.attention_threads,
+        "local_threads": args.local_threads,
+        "decode_steps": DECODE_STEPS,
+        "prompt_len": PROMPT_LEN,
+        "machine_cores": torch.get_num_threads(),
+        "rows": rows,
+        "summary": summary,
+    }
+    print(json.dumps(summary, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

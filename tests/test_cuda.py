@@ -1,0 +1,29 @@
+"""The same engine on a CUDA device (skipped without one; CI has none)."""
+
+import pytest
+import torch
+
+from services.model.engine import EngineConfig, LocalEngine
+from services.model.sampling import SamplingParams
+
+from .hf_oracle import generate_with_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_cuda_engine_matches_cpu(tiny_model, micro_batches):
+    prompts = [[0, 5, 6, 7], list(range(3, 90)), [0] + [9] * 40]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cpu, cpu_logits = generate_with_logits(LocalEngine(EngineConfig(model=str(tiny_model))), prompts, params)
+    gpu_engine = LocalEngine(EngineConfig(model=str(tiny_model), device="cuda", micro_batches=micro_batches))
+    gpu, gpu_logits = generate_with_logits(gpu_engine, prompts, params)
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    for a, b in zip(gpu_logits, cpu_logits, strict=True):
+        assert (a.cpu() - b).abs().max() <= 1e-3  # TF32-free fp32 on GPU, different reduction order
+
+
+def test_cuda_bf16_grouped_mm_path(tiny_model):
+    engine = LocalEngine(EngineConfig(model=str(tiny_model), device="cuda", dtype="bfloat16"))
+    out = engine.generate([[0, 5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
