@@ -116,7 +116,8 @@ def cmd_up(args) -> int:
     )
     print("Ctrl-C stops everything.", flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ray replaces the default SIGINT handling
+        signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(1.0):
             pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -239,24 +240,35 @@ class Cluster:
                 raise TimeoutError(f"{self.url}/ready did not answer 200 within {timeout}s")
             time.sleep(0.2)
 
-    def stop(self) -> None:
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        except Exception as e:  # noqa: BLE001 (best effort on the way down)
-            log.warning("serve shutdown: %s", e)
-        for actor in self.attention.values():
-            with contextlib.suppress(Exception):
-                ray.get(actor.shutdown.remote(), timeout=10)
-            ray.kill(actor)
-        with contextlib.suppress(Exception):
-            ray.get(self.balancer.shutdown.remote(), timeout=30)
-        ray.kill(self.balancer)
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the app, the workers, Redis and (if this process started it) Ray. The graceful part
+        runs under a deadline: after Ctrl-C, Ray's own processes may already be gone."""
+        done = threading.Event()
+        graceful = threading.Thread(target=self._stop_services, args=(done,), daemon=True)
+        graceful.start()
+        graceful.join(timeout)
+        if not done.is_set():
+            log.warning("graceful shutdown did not finish in %.0fs; stopping Ray", timeout)
         if self.redis is not None:
             self.redis.stop()
         if self.started_ray:
             ray.shutdown()
+
+    def _stop_services(self, done: threading.Event) -> None:
+        from ray import serve
+
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        for actor in self.attention.values():
+            with contextlib.suppress(Exception):
+                ray.get(actor.shutdown.remote(), timeout=10)
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        with contextlib.suppress(Exception):
+            ray.get(self.balancer.shutdown.remote(), timeout=30)
+        with contextlib.suppress(Exception):
+            ray.kill(self.balancer)
+        done.set()
 
 
 def connect(address: str = "auto", namespace: str = NAMESPACE):

@@ -13,8 +13,10 @@ model math stays free of threads, RPCs and event loops.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -91,6 +93,13 @@ def run_interleaved(steps: list[StepGen], experts: ExpertBackend) -> list[torch.
 # Batch layout for one step
 # ---------------------------------------------------------------------------------------------
 @dataclass
+class DecodeRows:
+    rows: torch.Tensor  # [Bd] rows of the flattened tokens that are decodes
+    table: torch.Tensor  # [Bd, max_blocks] int64 block table of those sequences
+    pad: torch.Tensor  # [Bd, 1, max_blocks*64] bool: cache positions past each sequence's length
+
+
+@dataclass
 class StepBatch:
     """Tokens of one step, flattened over sequences (prefill chunks and decodes mixed).
 
@@ -107,6 +116,29 @@ class StepBatch:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     logits_index: torch.Tensor
+
+    @cached_property
+    def query_starts(self) -> list[int]:
+        """First row of each sequence in the flattened tokens: [B + 1]."""
+        return [0, *itertools.accumulate(self.query_lens)]
+
+    @cached_property
+    def context_lens(self) -> list[int]:
+        return self.seq_lens.tolist()
+
+    @cached_property
+    def decode(self) -> DecodeRows | None:
+        """The decode sequences (one new token each), gathered once per step for every layer."""
+        seqs = [b for b, n in enumerate(self.query_lens) if n == 1]
+        if not seqs:
+            return None
+        device = self.input_ids.device
+        sel = torch.tensor(seqs, device=device)
+        rows = torch.tensor([self.query_starts[b] for b in seqs], device=device)
+        table = self.block_table[sel].long()
+        lmax = table.shape[1] * BLOCK_SIZE
+        pad = torch.arange(lmax, device=device)[None, :] >= self.seq_lens[sel].long()[:, None]
+        return DecodeRows(rows, table, pad[:, None, :])
 
     @staticmethod
     def build(
@@ -283,31 +315,24 @@ def mla_forward(
     kv_b = w.kv_b.view(N, D + V, C)
     out = torch.empty(T, N, V, dtype=x.dtype, device=x.device)
     scale = cfg.softmax_scale
-    qlens = batch.query_lens
-    starts = [0]
-    for n in qlens:
-        starts.append(starts[-1] + n)
 
-    decode = [b for b, n in enumerate(qlens) if n == 1]
-    if decode:
-        rows = torch.tensor([starts[b] for b in decode], device=x.device)
-        sel = torch.tensor(decode, device=x.device)
-        table = batch.block_table[sel].long()
-        ctx = cache[table].view(len(decode), -1, C + R)  # [Bd, Lmax, C+R]
-        q_lat = torch.einsum("bnd,ndc->bnc", q_nope[rows], kv_b[:, :D])
-        q_full = torch.cat((q_lat, q_pe[rows]), dim=-1)  # [Bd, N, C+R]
+    dec = batch.decode
+    if dec is not None:
+        Bd = dec.rows.shape[0]
+        ctx = cache[dec.table].view(Bd, -1, C + R)  # [Bd, Lmax, C+R]
+        q_lat = torch.bmm(q_nope[dec.rows].transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
+        q_full = torch.cat((q_lat, q_pe[dec.rows]), dim=-1)  # [Bd, N, C+R]
         scores = torch.bmm(q_full, ctx.transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
-        lmax = ctx.shape[1]
-        pad = torch.arange(lmax, device=x.device)[None, :] >= batch.seq_lens[sel].long()[:, None]
-        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        scores.masked_fill_(dec.pad, float("-inf"))
         probs = scores.softmax(dim=-1).to(x.dtype)
         o_lat = torch.bmm(probs, ctx[..., :C])  # [Bd, N, C]
-        out[rows] = torch.einsum("bnc,nvc->bnv", o_lat, kv_b[:, D:])
+        out[dec.rows] = torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)  # W_UV
 
-    for b, n in enumerate(qlens):
+    starts = batch.query_starts
+    for b, n in enumerate(batch.query_lens):
         if n == 1:
             continue
-        L = int(batch.seq_lens[b])
+        L = batch.context_lens[b]
         blocks = batch.block_table[b, : (L + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
         ctx = cache[blocks].view(-1, C + R)[:L]  # [L, C+R]
         kv_full = F.linear(ctx[:, :C], w.kv_b).view(L, N, D + V)

@@ -47,6 +47,7 @@ class EmbeddedRedis:
              "--appendonly", "no", "--dir", workdir, "--protected-mode", "no"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C goes to us; we stop the server ourselves
         )  # fmt: skip
         url = f"redis://{host}:{port}/0"
         client = redis.Redis.from_url(url, socket_timeout=1)
