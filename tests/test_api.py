@@ -3,6 +3,7 @@ attention worker -> gRPC expert workers, on a real local Ray cluster with an emb
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -31,6 +32,7 @@ def cluster(tiny_model):
             expert_workers=2,
             redundant_experts=4,
             max_num_seqs=32,
+            max_waiting=64,
             balancer_period_s=0,
             api_key=API_KEY,
         )
@@ -202,3 +204,43 @@ def test_metrics_and_experts_endpoints(cluster):
         assert name in text
     experts = httpx.get(f"{cluster.url}/v1/experts", headers=auth).json()
     assert experts["version"] >= 1 and len(experts["workers"]) == 2
+
+
+def _gauge(cluster, name: str) -> float:
+    text = httpx.get(f"{cluster.url}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_client_disconnect_aborts_and_frees_the_cache(cluster):
+    body = {"model": "tiny", "prompt": [0, 5, 6], "max_tokens": 3000, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # got a token: hang up
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if _gauge(cluster, "moe_requests_running") == 0 and _gauge(cluster, "moe_kv_blocks_used") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the abandoned request kept running or kept its KV blocks")
+
+
+def test_full_queue_answers_429_with_retry_after(cluster):
+    async def one(http):
+        body = {"model": "tiny", "prompt": [0, 5, 6], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        return await http.post(f"{cluster.url}/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*[one(http) for _ in range(160)])
+
+    responses = asyncio.run(main())
+    codes = {r.status_code for r in responses}
+    assert codes <= {200, 429}, codes
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused, "32 running + 64 waiting should not absorb 160 concurrent requests"
+    assert refused[0].headers["retry-after"] and refused[0].json()["error"]["type"] == "rate_limit_error"
+    assert httpx.get(f"{cluster.url}/health").status_code == 200
