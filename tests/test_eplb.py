@@ -287,3 +287,42 @@ def test_replan_errors():
         eplb.replan(current, EXAMPLE, *EXAMPLE_ARGS, tolerance=-0.1)
     with pytest.raises(ValueError, match="multiple of num_gpus"):
         eplb.gpu_loads(current, EXAMPLE, 3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Empty slots (-1) in the current placement: workers joining the pool
+# --------------------------------------------------------------------------------------------------
+
+
+def test_replan_fills_empty_slots_and_keeps_the_rest():
+    """Two workers on two nodes grow to four on four nodes; the new workers come first in the slot
+    order, so the survivors' experts sit at new positions and the new workers' slots are -1."""
+    weight = torch.ones(3, 16)
+    current = eplb.rebalance_experts(weight, 16, 4, 2, 2)[0]  # 2 workers x 8 slots
+    old = torch.full((3, 16), -1, dtype=torch.long)
+    old[:, 8:12], old[:, 12:16] = current[:, 0:4], current[:, 8:12]  # survivors keep 4 of 8 each
+    result = eplb.replan(old, weight, 16, 4, 4, 4)
+    check_replan(result, old, weight, 16, 4, 4, 4)
+    assert (result.phy2log[:, 8:] == old[:, 8:]).all()  # the survivors keep everything they can
+    assert len(result.moves) == 3 * 8 and (result.moves[:, 2] == -1).all()  # only empty slots filled
+    assert result.stats.moved_slots == 3 * 8
+
+
+def test_replan_never_counts_an_empty_slot_as_kept():
+    weight = lognormal_loads(2, 64, seed=11)
+    current = eplb.rebalance_experts(weight, 80, 8, 4, 16)[0]
+    holes = current.clone()
+    holes[:, ::3] = -1  # every third slot lost its expert
+    result = eplb.replan(holes, weight, 80, 8, 4, 16)
+    check_replan(result, holes, weight, 80, 8, 4, 16)
+    filled = result.phy2log[:, ::3]
+    assert (filled >= 0).all() and len(result.moves) >= filled.numel()
+    everything_empty = eplb.replan(torch.full_like(current, -1), weight, 80, 8, 4, 16)
+    check_replan(everything_empty, torch.full_like(current, -1), weight, 80, 8, 4, 16)
+    assert everything_empty.stats.moved_slots == current.numel()
+
+
+def test_replan_rejects_ids_below_minus_one():
+    current = eplb.rebalance_experts(EXAMPLE, *EXAMPLE_ARGS)[0]
+    with pytest.raises(ValueError, match="outside"):
+        eplb.replan(current - 2, EXAMPLE, *EXAMPLE_ARGS)

@@ -1024,7 +1024,7 @@ def placement_stats(
         phy2log: [layers, num_replicas]; weight: [layers, logical_experts]
         num_gpus, num_nodes: GPU g is on node g // (num_gpus / num_nodes)
         previous_phy2log: [layers, R_old] placement to count moved slots against (slot p vs slot p;
-            slots beyond R_old count as moved)
+            slots beyond R_old and -1 entries, empty slots, count as moved)
     """
     p, w = _check_placement(phy2log, weight, num_gpus)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int | np.integer) or num_nodes < 1:
@@ -1109,7 +1109,8 @@ def replan(
     """A placement for new loads (or a resized cluster) that keeps most slots of the current one.
 
     Slot p of the new layout is compared with slot p of the current one (slots beyond the current
-    num_replicas start empty). Per layer, the plan with the fewest moved slots among these whose
+    num_replicas start empty). A current entry of -1 is an empty slot (e.g. on a worker that joins
+    the pool): it must be filled and never counts as kept. Per layer, the plan with the fewest moved slots among these whose
     heaviest GPU is within ``tolerance`` of the from-scratch plan's (``rebalance_experts``) is taken:
 
     - incremental: groups stay on the node holding most of their slots (hierarchical policy),
@@ -1121,7 +1122,8 @@ def replan(
       permuted; this changes no load) to keep as many slots as possible. Always within tolerance.
 
     Args:
-        current_phy2log: [layers, R_old] current placement (any R_old, e.g. before resizing)
+        current_phy2log: [layers, R_old] current placement (any R_old, e.g. before resizing);
+            -1 marks an empty slot
         weight: [layers, logical_experts] new loads
         num_replicas, num_groups, num_nodes, num_gpus: the new layout, as for ``rebalance_experts``
         tolerance: X >= 0; each layer's heaviest GPU stays <= (1 + X) * the from-scratch plan's
@@ -1217,8 +1219,8 @@ def _check_current(current, num_layers: int, num_experts: int) -> np.ndarray:
         raise ValueError(f"current_phy2log has {p.shape[0]} layers but weight has {num_layers}")
     if p.shape[1] < 1:
         raise ValueError("current_phy2log has no slots")
-    if p.min() < 0 or p.max() >= num_experts:
-        raise ValueError(f"current_phy2log holds expert ids outside [0, {num_experts})")
+    if p.min() < -1 or p.max() >= num_experts:
+        raise ValueError(f"current_phy2log holds expert ids outside [0, {num_experts}) (or -1: empty slot)")
     return p
 
 

@@ -70,6 +70,24 @@ def initial_placement(
     return Placement(1, phy2log, pool.workers)
 
 
+def current_in_pool(current: Placement, pool: Pool, slots: int) -> torch.Tensor:
+    """The current placement in the slot layout of `pool` with `slots` slots per worker:
+    [num_moe_layers, pool.num_workers * slots], -1 for an empty slot.
+
+    Each worker that stays keeps its experts at its new position (its first `slots` local slots
+    when it gets fewer than before); a worker new to the pool starts empty. Without this, a new
+    worker that sorts before the others (`Pool.grouped` orders workers by node) would shift every
+    later worker's slots, and slot-by-slot comparison would see moves that are only renumbering.
+    """
+    out = torch.full((current.num_layers, pool.num_workers * slots), -1, dtype=torch.long)
+    keep = min(slots, current.slots_per_worker)
+    for i, worker in enumerate(pool.workers):
+        if worker in current.workers:
+            j = current.workers.index(worker)
+            out[:, i * slots : i * slots + keep] = current.worker_experts(j)[:, :keep]
+    return out
+
+
 @dataclass
 class Decision:
     placement: Placement | None  # None: keep the current one
@@ -92,7 +110,9 @@ def decide(
 
     When the pool is unchanged, migrate only if balancedness (mean/max worker load, summed over
     layers) improves by more than `min_gain` (hysteresis against thrashing on noise). A changed
-    pool (scaling) always gets a new placement. `replan` keeps as many slots in place as it can.
+    pool (scaling) always gets a new placement. `replan` keeps as many slots in place as it can,
+    comparing against the current placement seen in the new pool's layout (`current_in_pool`), so
+    `moved_slots` counts the slots whose worker must load a different expert.
     """
     nodes, gpus = pool.eplb_args(cfg)
     weight = loads.double()
@@ -100,7 +120,7 @@ def decide(
         weight = torch.ones_like(weight)
     same_pool = current.workers == pool.workers and current.num_slots == slots * gpus
     before = placement_stats(current.phy2log, weight, gpus, nodes).balancedness if same_pool else float("nan")
-    plan = replan(current.phy2log, weight, slots * gpus, cfg.n_group, nodes, gpus)
+    plan = replan(current_in_pool(current, pool, slots), weight, slots * gpus, cfg.n_group, nodes, gpus)
     after = plan.stats.balancedness
     moved = int(plan.moves.shape[0])
     if same_pool and not force:

@@ -1,0 +1,352 @@
+"""The files in deploy/: Ray's own validation of the `ray up` configs, our schemas for the app settings
+(ClusterConfig, Serve's ServeDeploySchema), a structural lint of the Kubernetes manifests and the
+Dockerfile, the consistency between them (resources the app asks for are offered by the machines,
+one image and Ray version everywhere, Redis and model wired the same way), and the head's start
+script run for real (secrets, password-protected Redis, the generated app config)."""
+
+import contextlib
+import copy
+import inspect
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import ray
+import redis
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.serve.schema import ServeDeploySchema
+
+from services.cluster import ClusterConfig
+from services.model.redis_store import free_port
+from services.router import deploy as serve_app
+
+DEPLOY = Path(__file__).parent.parent / "deploy"
+RAY_UP = sorted(DEPLOY.glob("ray-up-*.yaml"))
+ROLES = ("attention_node", "expert_node")
+SECRETS = {"MOE_REDIS_URL": "redis://:secret@moe-redis:6379/0", "MOE_API_KEY": "key"}
+
+
+def load(name: str):
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def load_all(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d is not None]
+
+
+def cluster_config() -> ClusterConfig:
+    return ClusterConfig.from_yaml(DEPLOY / "cluster.yaml")
+
+
+def rayservice() -> dict:
+    (doc,) = [d for d in load_all("kuberay-rayservice.yaml") if d["kind"] == "RayService"]
+    return doc
+
+
+def serve_configs() -> dict[str, ServeDeploySchema]:
+    return {
+        "serve.yaml": ServeDeploySchema.model_validate(load("serve.yaml")),
+        "kuberay serveConfigV2": ServeDeploySchema.model_validate(
+            yaml.safe_load(rayservice()["spec"]["serveConfigV2"])
+        ),
+    }
+
+
+def start_resources(params: dict) -> dict[str, float]:
+    """KubeRay's rayStartParams.resources ('"{\\"expert_node\\": 2}"') -> {"expert_node": 2}."""
+    raw = params.get("resources")
+    return json.loads(raw.strip('"').replace('\\"', '"')) if raw else {}
+
+
+def capacity(offers: list[tuple[dict[str, float], int]], wants: dict[str, float]) -> int:
+    """Workers asking for `wants` that fit on machines [(resources, count)]."""
+    total = 0
+    for resources, count in offers:
+        if all(k in resources for k in wants):
+            total += count * int(min(resources[k] // v for k, v in wants.items()))
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# `ray up` files: Ray's own validation, roles and capacity
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", RAY_UP, ids=lambda p: p.name)
+def test_ray_up_configs_pass_rays_validation(path):
+    raw = yaml.safe_load(path.read_text())
+    prepared = prepare_config(copy.deepcopy(raw))
+    validate_config(prepared)
+    commands = " ".join(raw["head_start_ray_commands"] + raw["worker_start_ray_commands"])
+    for script in re.findall(r"deploy/([\w.-]+)", commands):  # every file a command names exists
+        assert (DEPLOY / script).is_file(), script
+    assert "start-head.sh" in " ".join(raw["head_start_ray_commands"])
+
+
+@pytest.mark.parametrize("script", sorted(DEPLOY.glob("*.sh")), ids=lambda p: p.name)
+def test_scripts_are_valid_posix_sh(script):
+    subprocess.run(["sh", "-n", str(script)], check=True)
+    assert script.read_text().startswith("#!/bin/sh\n")
+
+
+def test_onprem_provider_takes_a_single_node_type():
+    """Why deploy/ray-up-onprem.yaml has no node types: Ray's local provider refuses them."""
+    raw = load("ray-up-onprem.yaml")
+    assert raw["provider"]["type"] == "local" and "available_node_types" not in raw
+    with pytest.raises(Exception, match="available_node_types"):
+        prepare_config({**raw, "available_node_types": {"experts": {"resources": {}, "node_config": {}}}})
+
+
+def node_resources(ip: str) -> dict[str, float]:
+    """What deploy/node-resources.sh prints on a machine with this IP."""
+    out = subprocess.run(
+        ["sh", str(DEPLOY / "node-resources.sh"), str(DEPLOY / "node-roles")],
+        env={**os.environ, "MOE_NODE_IPS": f"203.0.113.9 {ip}"},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_onprem_roles_fit_the_app():
+    raw = load("ray-up-onprem.yaml")
+    head, workers = raw["provider"]["head_ip"], raw["provider"]["worker_ips"]
+    assert raw["min_workers"] == raw["max_workers"] == len(workers)
+    assert node_resources("198.51.100.7") == {"expert_node": 1}  # unlisted machine: one expert worker
+    assert not set(node_resources(head)) & set(ROLES)  # the head has no worker role
+    machines = [node_resources(ip) for ip in workers]
+    assert all(len(set(m) & set(ROLES)) == 1 for m in machines)  # one role per machine
+    cfg = cluster_config()
+    offers = [(m, 1) for m in machines]
+    assert capacity(offers, cfg.attention_resources) >= cfg.attention_workers
+    assert capacity(offers, cfg.expert_resources) == cfg.expert_workers  # every expert machine filled
+    expert_sizes = {m["expert_node"] for m in machines if "expert_node" in m}
+    assert len(expert_sizes) == 1  # the same workers per node: EPLB's hierarchical policy applies
+
+
+def test_cloud_node_types_fit_the_app():
+    raw = load("ray-up-aws-gpu.yaml")
+    types = raw["available_node_types"]
+    assert not set(types[raw["head_node_type"]]["resources"]) & set(ROLES)
+    roles = {name: set(t["resources"]) & set(ROLES) for name, t in types.items()}
+    assert sorted(r for rs in roles.values() for r in rs) == sorted(ROLES)  # one node type per role
+    cfg = cluster_config()
+    offers = [(t["resources"], t.get("min_workers", 0)) for t in types.values()]
+    assert capacity(offers, cfg.attention_resources) >= cfg.attention_workers
+    assert capacity(offers, cfg.expert_resources) == cfg.expert_workers
+    most = [(t["resources"], t.get("max_workers", 0)) for t in types.values()]
+    assert capacity(most, cfg.expert_resources) > cfg.expert_workers  # room to scale the pool
+    assert raw["docker"]["image"] == image_of_manifests()
+
+
+# --------------------------------------------------------------------------------------------------
+# App settings: ClusterConfig and Serve configs
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cluster_yaml_is_valid_cluster_config():
+    cfg = cluster_config()
+    assert cfg.address == "auto" and cfg.host == "0.0.0.0"
+    assert set(cfg.attention_resources) == {"attention_node"} and set(cfg.expert_resources) == {"expert_node"}
+    assert cfg.redis_url is None and cfg.api_key is None  # secrets come from start-head.sh
+
+
+@pytest.mark.parametrize("name", ["serve.yaml", "kuberay serveConfigV2"])
+def test_serve_configs_build_the_app(name):
+    schema = serve_configs()[name]
+    (app,) = schema.applications
+    module, attr = app.import_path.split(":")
+    builder = getattr(serve_app, attr)
+    assert module == serve_app.__name__ and len(inspect.signature(builder).parameters) == 1
+    cfg = serve_app.app_config(app.args, environ=SECRETS)
+    assert cfg.redis_url  # from args or MOE_REDIS_URL
+    # the same app everywhere: the Serve configs agree with deploy/cluster.yaml
+    base = cluster_config()
+    for key, value in app.args.items():
+        if key != "redis_url":
+            assert value == getattr(base, key), key
+
+
+def test_kuberay_app_takes_secrets_from_the_environment():
+    (app,) = serve_configs()["kuberay serveConfigV2"].applications
+    assert "redis_url" not in app.args and "api_key" not in app.args
+    cfg = serve_app.app_config(app.args, environ=SECRETS)
+    assert cfg.redis_url == SECRETS["MOE_REDIS_URL"] and cfg.api_key == "key"
+    with pytest.raises(ValueError, match="redis_url"):
+        serve_app.app_config(app.args, environ={})
+    explicit = serve_app.app_config({**app.args, "api_key": "from-args"}, environ=SECRETS)
+    assert explicit.api_key == "from-args"  # args win over the environment
+
+
+# --------------------------------------------------------------------------------------------------
+# Kubernetes manifests
+# --------------------------------------------------------------------------------------------------
+
+API_VERSIONS = {
+    "RayService": "ray.io/v1",
+    "Deployment": "apps/v1",
+    "Service": "v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
+    "PersistentVolumeClaim": "v1",
+}
+MANIFESTS = sorted(DEPLOY.glob("kuberay-*.yaml"))
+
+
+def pod_templates() -> dict[str, dict]:
+    """Pod templates of the RayService by group ("head", "attention", "experts")."""
+    spec = rayservice()["spec"]["rayClusterConfig"]
+    pods = {"head": spec["headGroupSpec"]}
+    pods.update({g["groupName"]: g for g in spec["workerGroupSpecs"]})
+    return pods
+
+
+def image_of_manifests() -> str:
+    (image,) = {c["image"] for g in pod_templates().values() for c in g["template"]["spec"]["containers"]}
+    return image
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifests_are_well_formed(path):
+    docs = load_all(path.name)
+    assert docs
+    for doc in docs:
+        assert doc.get("apiVersion") == API_VERSIONS[doc.get("kind")], doc.get("kind")
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
+        assert isinstance(doc.get("spec"), dict)
+
+
+def test_rayservice_groups_offer_what_the_app_asks_for():
+    (app,) = serve_configs()["kuberay serveConfigV2"].applications
+    cfg = serve_app.app_config(app.args, environ=SECRETS)
+    groups = pod_templates()
+    offers = {name: start_resources(g["rayStartParams"]) for name, g in groups.items()}
+    assert not set(offers["head"]) & set(ROLES)
+    assert offers["attention"].keys() & set(ROLES) == {"attention_node"}
+    assert offers["experts"].keys() & set(ROLES) == {"expert_node"}
+    running = [(offers[n], g.get("minReplicas", g.get("replicas", 1))) for n, g in groups.items()]
+    assert capacity(running, cfg.attention_resources) >= cfg.attention_workers
+    assert capacity(running, cfg.expert_resources) == cfg.expert_workers
+    most = [(offers[n], g.get("maxReplicas", 1)) for n, g in groups.items()]
+    assert capacity(most, cfg.expert_resources) > cfg.expert_workers  # the autoscaler can add pods
+    assert rayservice()["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+
+
+def test_rayservice_pods_share_image_model_secrets_and_redis():
+    (app,) = serve_configs()["kuberay serveConfigV2"].applications
+    (pvc,) = load_all("kuberay-models-pvc.yaml")
+    redis_docs = {d["kind"]: d for d in load_all("kuberay-redis.yaml")}
+    redis_service, redis_policy = redis_docs["Service"], redis_docs["NetworkPolicy"]
+    redis_secret = redis_docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"][0]
+    image_of_manifests()  # one image for every pod
+    for name, group in pod_templates().items():
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        labels = group["template"]["metadata"]["labels"]
+        # Redis admits the pod
+        assert (
+            redis_policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].items()
+            <= labels.items()
+        )
+        (container,) = pod["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports.get("serve") == 8000, name
+        if name == "head":
+            assert ports["gcs-server"] == 6379 and ports["dashboard"] == 8265
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        (model_mount,) = [m for path, m in mounts.items() if app.args["model"].startswith(path + "/")]
+        assert model_mount["readOnly"] is True
+        assert volumes[model_mount["name"]]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+        env = {e["name"]: e for e in container["env"]}
+        # the Redis URL points at the Service of kuberay-redis.yaml, with the password of its Secret
+        url = urlparse(env["MOE_REDIS_URL"]["value"].replace("$(REDIS_PASSWORD)", "pw"))
+        assert (url.scheme, url.hostname, url.port, url.password) == (
+            "redis",
+            redis_service["metadata"]["name"],
+            redis_service["spec"]["ports"][0]["port"],
+            "pw",
+        )
+        assert env["REDIS_PASSWORD"]["valueFrom"] == redis_secret["valueFrom"]
+        assert list(env).index("REDIS_PASSWORD") < list(env).index("MOE_REDIS_URL")  # $(VAR) needs order
+        assert (
+            env["MOE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"]
+            == redis_secret["valueFrom"]["secretKeyRef"]["name"]
+        )
+
+
+def test_redis_deployment_and_service_select_each_other():
+    docs = {d["kind"]: d for d in load_all("kuberay-redis.yaml")}
+    deployment, service = docs["Deployment"], docs["Service"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert docs["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert service["spec"]["ports"][0]["targetPort"] in port_names
+    assert "--requirepass" in container["args"]
+
+
+def test_dockerfile_installs_the_project_on_rays_py311_image():
+    text = (DEPLOY / "Dockerfile").read_text()
+    version = re.search(r"^ARG RAY_VERSION=(\S+)$", text, re.M).group(1)
+    assert version == ray.__version__ == rayservice()["spec"]["rayClusterConfig"]["rayVersion"]
+    base = re.search(r"^ARG RAY_IMAGE=(\S+)$", text, re.M).group(1)
+    assert base.startswith("rayproject/ray:${RAY_VERSION}-py311")
+    assert re.search(r"^FROM \$\{RAY_IMAGE\}$", text, re.M)
+    for src in re.findall(r"^COPY (?:--\S+ )*(\S+) ", text, re.M):
+        assert (DEPLOY.parent / src).exists(), src
+    assert "pip install --no-cache-dir -c /tmp/ray-constraint.txt ." in text
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    assert ignore[ignore.index("**") + 1 :][:2] == ["!pyproject.toml", "!README.md"]  # .venv stays out
+
+
+# --------------------------------------------------------------------------------------------------
+# The head's start script, for real
+# --------------------------------------------------------------------------------------------------
+
+
+def test_start_head_script_runs_redis_with_a_password_and_writes_the_app_config(tmp_path):
+    port = free_port()
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "MOE_REDIS_PORT": str(port), "MOE_START_APP": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
+    state = home / ".moe-cluster"
+    try:
+        subprocess.run(["sh", str(DEPLOY / "start-head.sh"), str(DEPLOY / "cluster.yaml")], env=env,
+                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        assert not (state / "app.pid").exists()  # MOE_START_APP=0: Redis and config only
+        assert oct(state.stat().st_mode & 0o777) == "0o700"
+        assert oct((state / "api-key").stat().st_mode & 0o777) == "0o600"
+        cfg = ClusterConfig.from_yaml(state / "cluster.yaml")
+        assert cfg.api_key == (state / "api-key").read_text().strip()
+        assert cfg.expert_workers == cluster_config().expert_workers
+        assert urlparse(cfg.redis_url).port == port
+        url = urlparse(cfg.redis_url)
+        assert _ping(redis.Redis(host="127.0.0.1", port=port, password=url.password))
+        with pytest.raises(redis.AuthenticationError):  # no password: refused
+            redis.Redis(host="127.0.0.1", port=port).ping()
+        assert _ping(redis.Redis.from_url(cfg.redis_url))  # the URL the app gets, on the head's IP
+    finally:
+        pidfile = state / "redis.pid"  # only the Redis the script started
+        if pidfile.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGTERM)
+
+
+def _ping(client: redis.Redis, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.ping()
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
