@@ -209,6 +209,9 @@ class Cluster:
                          include_dashboard=False, log_to_driver=False)  # fmt: skip
         redis = None
         redis_url = cfg.redis_url
+        if not redis_url and cfg.address:
+            log.warning("joining a Ray cluster with an embedded Redis on 127.0.0.1: attention workers on "
+                        "other machines cannot report loads (no rebalancing); pass --redis-url")  # fmt: skip
         if not redis_url:
             step("starting embedded Redis")
             redis = EmbeddedRedis.start()

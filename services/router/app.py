@@ -6,8 +6,8 @@ Every error is OpenAI's error JSON with the right status; a client that disconne
 requests on their worker.
 """
 
-
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -84,7 +84,8 @@ class RouterCore:
     def check_auth(self, request: Request) -> None:
         if not self.cfg.api_key:
             return
-        if request.headers.get("authorization", "") != f"Bearer {self.cfg.api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {self.cfg.api_key}".encode()):
             raise APIError(401, "missing or invalid API key", code="invalid_api_key")
 
     def check_model(self, model: str) -> None:
@@ -147,7 +148,9 @@ class RouterCore:
                     raise APIError(err["status"], err["message"], param=err.get("param"), retry_after=retry)
                 finished = out["finished"]
                 if out["finish_reason"] == "error":
-                    raise APIError(503, f"generation failed: {out['error']}", retry_after=self.cfg.retry_after_s)
+                    raise APIError(
+                        503, f"generation failed: {out['error']}", retry_after=self.cfg.retry_after_s
+                    )
                 yield out
                 if finished:
                     return
