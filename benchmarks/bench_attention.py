@@ -16,20 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import ray
 import torch
 
 import services.model.model as model_mod
 from services.attention.dispatch import RemoteExperts
 from services.balancer.policy import Pool, initial_placement, slots_per_worker
 from services.experts.client import load_placement
-from services.experts.server import ExpertWorkerConfig
-from services.experts.worker import ExpertWorker
 from services.model.engine import Engine, EngineConfig, LocalEngine, load_engine
 from services.model.presets import init_model
 from services.model.sampling import SamplingParams
@@ -93,6 +92,31 @@ def measure(engine: Engine, batch: int, vocab: int, timers: Timers) -> dict:
     return {"batch": batch, "step_s": step, "tok_s": batch / step, "breakdown_s": parts}
 
 
+def start_expert_workers(model_dir: str, n: int, no_ray: bool):
+    """n expert workers (Ray actors, or plain processes with --no-ray); (addresses, stop)."""
+    if no_ray:
+        procs = [subprocess.Popen([sys.executable, "-m", "services.experts.server", "--model", model_dir],
+                                  stdout=subprocess.PIPE, text=True) for _ in range(n)]  # fmt: skip
+        addresses = {f"expert-{i}": p.stdout.readline().strip() for i, p in enumerate(procs)}
+        return addresses, lambda: [p.kill() for p in procs]
+    import ray
+
+    from services.experts.server import ExpertWorkerConfig
+    from services.experts.worker import ExpertWorker
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    workers = [ExpertWorker.options(num_cpus=0).remote(ExpertWorkerConfig(model=model_dir, num_threads=1))
+               for _ in range(n)]  # fmt: skip
+    addresses = {f"expert-{i}": a for i, a in enumerate(ray.get([w.start.remote() for w in workers]))}
+
+    def stop():
+        for w in workers:
+            ray.kill(w)
+        ray.shutdown()
+
+    return addresses, stop
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="checkpoint dir (default: generate the small preset)")
@@ -100,16 +124,14 @@ def main() -> None:
     ap.add_argument("--expert-workers", type=int, default=2)
     ap.add_argument("--attention-threads", type=int, default=1)
     ap.add_argument("--local-threads", type=int, default=2)
+    ap.add_argument("--no-ray", action="store_true", help="expert workers as plain processes")
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     args = ap.parse_args()
     model_dir = args.model or str(init_model(Path(tempfile.mkdtemp()) / "small", "small"))
     batches = [int(b) for b in args.batches.split(",")]
     timers = Timers()
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    workers = [ExpertWorker.options(num_cpus=0).remote(ExpertWorkerConfig(model=model_dir, num_threads=1))
-               for _ in range(args.expert_workers)]  # fmt: skip
-    addresses = {f"expert-{i}": a for i, a in enumerate(ray.get([w.start.remote() for w in workers]))}
+    addresses, stop_workers = start_expert_workers(model_dir, args.expert_workers, args.no_ray)
     rows = {"local": [], "cluster_pingpong_off": [], "cluster_pingpong_on": []}
     try:
         torch.set_num_threads(args.local_threads)
@@ -139,9 +161,7 @@ def main() -> None:
                 print(name, rows[name][-1], flush=True)
             experts.close()
     finally:
-        for w in workers:
-            ray.kill(w)
-        ray.shutdown()
+        stop_workers()
 
     def at(name, b):
         return next(r for r in rows[name] if r["batch"] == b)

@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype")
     s.add_argument("--max-num-seqs", type=int)
     s.add_argument("--max-model-len", type=int)
-    s.add_argument("--micro-batches", type=int, help="2 = ping-pong (default), 1 = off")
+    s.add_argument("--micro-batches", type=int, help="2 = ping-pong micro-batches, 1 = off (default)")
     s.add_argument("--balancer-period-s", type=float)
     s.add_argument("--api-key")
     s.set_defaults(fn=cmd_up)

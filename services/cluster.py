@@ -45,7 +45,7 @@ class ClusterConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     max_waiting: int = 512
-    micro_batches: int = 2  # ping-pong
+    micro_batches: int = 1  # 2 = ping-pong (opt-in: it pays when expert workers have cores/GPUs of their own)
     attn_tp: int = 1
     attention_threads: int = 1
     expert_threads: int = 1

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.model.engine import EngineConfig, LocalEngine
-from services.model.redis_store import free_port
 from services.model.sampling import SamplingParams
+
+from .clusters import tiny_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -22,23 +23,16 @@ API_KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
-    from services.cluster import Cluster, ClusterConfig
-
-    c = Cluster.start(
-        ClusterConfig(
-            model=str(tiny_model),
-            served_model_name="tiny",
-            port=free_port(),
-            expert_workers=2,
-            redundant_experts=4,
-            max_num_seqs=32,
-            max_waiting=64,
-            balancer_period_s=0,
-            api_key=API_KEY,
-        )
-    )
-    yield c
-    c.stop()
+    with tiny_cluster(
+        tiny_model,
+        expert_workers=2,
+        redundant_experts=4,
+        max_num_seqs=32,
+        max_waiting=64,
+        balancer_period_s=0,
+        api_key=API_KEY,
+    ) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,10 @@ import pytest
 import ray
 
 from services.model.engine import EngineConfig, LocalEngine
-from services.model.redis_store import EmbeddedRedis, free_port
+from services.model.redis_store import EmbeddedRedis
 from services.model.sampling import SamplingParams
+
+from .clusters import tiny_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -22,24 +24,17 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
-    from services.cluster import Cluster, ClusterConfig
-
-    c = Cluster.start(
-        ClusterConfig(
-            model=str(tiny_model),
-            served_model_name="tiny",
-            port=free_port(),
-            expert_workers=2,
-            redundant_experts=2,
-            max_num_seqs=16,
-            balancer_period_s=0,  # rebalance on demand in tests
-            balancer_bucket_seconds=1.0,
-            balancer_window_buckets=120,
-            balancer_min_gain=0.0,
-        )
-    )
-    yield c
-    c.stop()
+    with tiny_cluster(
+        tiny_model,
+        expert_workers=2,
+        redundant_experts=2,
+        max_num_seqs=16,
+        balancer_period_s=0,  # rebalance on demand in tests
+        balancer_bucket_seconds=1.0,
+        balancer_window_buckets=120,
+        balancer_min_gain=0.0,
+    ) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

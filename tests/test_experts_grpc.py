@@ -340,4 +340,4 @@ def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_
 
 def test_replica_choice_is_balanced_and_deterministic():
     experts = torch.tensor([3, 5, 3, 3, 5, 0])
-    assert replica_rank(experts, 6).tolist() == [0, 0, 1, 2, 1, 0]
+    assert replica_rank(experts, torch.bincount(experts, minlength=6)).tolist() == [0, 0, 1, 2, 1, 0]

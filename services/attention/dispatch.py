@@ -114,7 +114,9 @@ class RemoteExperts:
         self.cfg, self.dispatch_cfg = cfg, dispatch_cfg or DispatchConfig()
         self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
         self.load = torch.zeros(cfg.num_moe_layers, cfg.n_routed_experts, dtype=torch.long)
-        self._sent = torch.zeros(cfg.num_moe_layers, cfg.n_routed_experts, dtype=torch.long)  # replica rotation
+        self._sent = torch.zeros(
+            cfg.num_moe_layers, cfg.n_routed_experts, dtype=torch.long
+        )  # replica rotation
         self.wait_seconds = 0.0  # time combine() spent blocked on expert workers
         self.stats = DispatchStats()
         self._channels: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
@@ -199,10 +201,8 @@ class RemoteExperts:
     def dispatch(self, msg: ExpertDispatch) -> PendingDispatch:
         """Start the expert RPCs of one MoE layer; returns at once."""
         li = self.moe_index[msg.layer]
-        self.load[li] += torch.bincount(msg.topk_idx.reshape(-1).cpu(), minlength=self.cfg.n_routed_experts)
         pending = PendingDispatch(msg, li, self.placement, self.addresses)
-        all_pairs = torch.ones(msg.topk_idx.shape, dtype=torch.bool)
-        pending.parts = self._send(pending, all_pairs, self._dead_workers(self.placement, self.addresses))
+        pending.parts = self._send(pending, None, self._dead_workers(self.placement, self.addresses))
         self._pending += 1
         return pending
 
@@ -268,15 +268,19 @@ class RemoteExperts:
         return output
 
     def _send(
-        self, pending: PendingDispatch, pairs: torch.Tensor, dead: set[int], strict: bool = False
+        self, pending: PendingDispatch, pairs: torch.Tensor | None, dead: set[int], strict: bool = False
     ) -> list[_Part]:
-        """Choose slots for the (token, choice) pairs in `pairs` [T, K] avoiding `dead` workers,
-        and start one RPC per worker involved. strict: raise when a pair has no live replica."""
+        """Choose slots for the (token, choice) pairs in `pairs` [T, K] bool (None: all of them, the
+        first send, which also counts the load) avoiding `dead` workers, and start one RPC per
+        worker involved. strict: raise when a pair has no live replica."""
         msg, placement = pending.msg, pending.placement
         topk_idx, topk_weight = msg.topk_idx.cpu(), msg.topk_weight.cpu()
         log2phy, logcnt = self._live_replicas(pending, dead)
         log2phy, logcnt = log2phy[pending.moe_index], logcnt[pending.moe_index]
-        experts = topk_idx[pairs]  # [N] logical expert per selected pair
+        experts = topk_idx.reshape(-1) if pairs is None else topk_idx[pairs]  # [N] logical expert per pair
+        counts = torch.bincount(experts, minlength=self.cfg.n_routed_experts)
+        if pairs is None:
+            self.load[pending.moe_index] += counts
         if strict and dead:
             slots = log2phy[experts, 0]
             stranded = torch.isin(slots // placement.slots_per_worker, torch.tensor(sorted(dead)))
@@ -287,19 +291,26 @@ class RemoteExperts:
                     f"(placement version {placement.version}, failed workers "
                     f"{[placement.workers[w] for w in sorted(dead)]})"
                 )
-        slot = torch.full(topk_idx.shape, -1, dtype=torch.long)
         # round-robin over replicas across calls: the j-th pair for expert e in this call takes
         # replica (pairs already sent to e + j) % replicas, so replicas share e's load evenly
         # however few tokens each call brings (EPLB's model of a replicated expert)
         sent = self._sent[pending.moe_index]
-        rank = sent[experts] + replica_rank(experts, self.cfg.n_routed_experts)
-        slot[pairs] = log2phy[experts, rank % logcnt[experts]]
-        sent += torch.bincount(experts, minlength=self.cfg.n_routed_experts)
+        rank = sent[experts] + replica_rank(experts, counts)
+        chosen = log2phy[experts, rank % logcnt[experts]]
+        sent += counts
+        if pairs is None:
+            slot = chosen.view(topk_idx.shape)
+        else:
+            slot = torch.full(topk_idx.shape, -1, dtype=torch.long)
+            slot[pairs] = chosen
         S = placement.slots_per_worker
-        worker = torch.where(slot >= 0, slot // S, -1)
+        worker = slot.div(S, rounding_mode="floor")  # -1 (no slot) stays -1
+        local = slot.remainder(S)
         x = msg.x
         parts = []
-        for w in torch.unique(worker[worker >= 0]).tolist():
+        for w in worker.unique().tolist():
+            if w < 0:
+                continue
             mine = worker == w  # [T, K]
             rows = mine.any(1).nonzero().squeeze(1)
             hidden = x if rows.numel() == x.shape[0] else x.index_select(0, rows.to(x.device))
@@ -307,7 +318,7 @@ class RemoteExperts:
                 layer=msg.layer,
                 placement_version=placement.version,
                 hidden=hidden.cpu(),
-                slot=torch.where(mine, slot % S, -1)[rows].to(torch.int32),
+                slot=torch.where(mine, local, -1)[rows].to(torch.int32),
                 weight=torch.where(mine, topk_weight, 0.0)[rows].float(),
             )
             data = wire.encode_dispatch_request(req)
@@ -335,11 +346,10 @@ class RemoteExperts:
         self._channels.clear()
 
 
-def replica_rank(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """For each entry of `experts` [N], how many earlier entries name the same expert:
-    [3, 5, 3, 3] -> [0, 0, 1, 2]."""
+def replica_rank(experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """For each entry of `experts` [N], how many earlier entries name the same expert
+    ([3, 5, 3, 3] -> [0, 0, 1, 2]); counts = bincount(experts) over all experts."""
     order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts, minlength=num_experts)
     first = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(experts)
     rank[order] = torch.arange(experts.numel()) - first[experts[order]]

@@ -77,3 +77,34 @@ class ExpertServer:
         await self.server.stop(grace)
         self.servicer.close()
         self.server = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one expert worker outside Ray (debugging, benchmarks): prints its address, serves
+    until killed. `python -m services.experts.server --model DIR [--port P] [--threads N]`."""
+    import argparse
+    import asyncio
+
+    import torch
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    async def serve() -> None:
+        server = ExpertServer(
+            ExpertWorkerConfig(model=args.model, dtype=args.dtype, host=args.host, port=args.port)
+        )
+        print(await server.start(), flush=True)
+        await server.server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

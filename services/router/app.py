@@ -319,7 +319,7 @@ class Router:
             choice = {"index": sub.index, "text": "".join(o["text"] for o in seq),
                       "logprobs": completion_logprobs(core, seq, 0) if req.logprobs is not None else None,
                       "finish_reason": seq[-1]["finish_reason"]}  # fmt: skip
-            if req.return_token_ids:
+            if req.return_token_ids or core.tokenizer is None:  # token-id mode always returns ids
                 choice["token_ids"] = [t for o in seq for t in o["token_ids"]]
                 choice["prompt_token_ids"] = sub.prompt_ids
             choices.append(choice)
@@ -355,7 +355,7 @@ class Router:
                       "message": {"role": "assistant", "content": "".join(o["text"] for o in seq)},
                       "logprobs": chat_logprobs(core, seq) if req.logprobs else None,
                       "finish_reason": seq[-1]["finish_reason"]}  # fmt: skip
-            if req.return_token_ids:
+            if req.return_token_ids or core.tokenizer is None:  # token-id mode always returns ids
                 choice["token_ids"] = [t for o in seq for t in o["token_ids"]]
             choices.append(choice)
         return {**head, "choices": choices, "usage": self._usage(subs, outs)}
@@ -424,7 +424,7 @@ class Router:
                                   "logprobs": completion_logprobs(core, [out], offsets[index]) if req.logprobs is not None else None,
                                   "finish_reason": out["finish_reason"]}  # fmt: skip
                         offsets[index] += len(out["text"])
-                    if req.return_token_ids:
+                    if req.return_token_ids or core.tokenizer is None:  # token-id mode always returns ids
                         choice["token_ids"] = out["token_ids"]
                     yield sse({**head, "choices": [choice]})
                 if req.include_usage_in_stream:
