@@ -28,7 +28,11 @@ def test_generated_modules_are_fresh(tmp_path):
 def test_contract_shape():
     service = expert_pb2.DESCRIPTOR.services_by_name["Expert"]
     assert service.full_name == "moecluster.expert.v1.Expert"
-    assert set(service.methods_by_name) == {"Dispatch", "LoadSlots", "ReleaseSlots", "Stats"}
+    assert set(service.methods_by_name) == {"Dispatch", "LoadSlots", "ReleaseSlots", "Stats", "FetchExperts"}
+    fetch = service.methods_by_name["FetchExperts"]
+    assert fetch.server_streaming and not fetch.client_streaming
+    assert "peers" in expert_pb2.LoadSlotsRequest.DESCRIPTOR.fields_by_name
+    assert "bytes_from_peers" in expert_pb2.LoadSlotsResponse.DESCRIPTOR.fields_by_name
     fields = expert_pb2.DispatchRequest.DESCRIPTOR.fields_by_name
     assert list(fields) == ["layer", "placement_version", "hidden", "slot", "weight"]
     assert hasattr(expert_pb2_grpc, "ExpertStub")

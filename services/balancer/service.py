@@ -25,7 +25,7 @@ import ray
 import torch
 
 from services.experts.client import ExpertClient, load_placement, release_version
-from services.experts.server import ExpertWorkerConfig
+from services.experts.server import ExpertWorkerConfig, read_model_config
 from services.experts.worker import ExpertWorker
 from services.model.config import ModelConfig
 from services.model.placement import Placement
@@ -69,13 +69,14 @@ class MigrationRecord:
     balancedness_before: float
     balancedness_after: float
     moved_slots: int
-    bytes_read: int
+    bytes_read: int  # expert weights read from checkpoints
     load_s: float
     switch_s: float
     total_s: float
     ok: bool
     error: str | None = None
     started_at: float = 0.0  # wall clock (time.time())
+    bytes_from_peers: int = 0  # expert weights copied from other expert workers
 
 
 class BalancerCore:
@@ -84,6 +85,8 @@ class BalancerCore:
     def __init__(self, cfg: BalancerConfig):
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_dir(cfg.model)
+        # expert workers get config.json from here: their nodes need no checkpoint (peer copy)
+        self.model_config_json = read_model_config(cfg.model)
         self.redis = connect(cfg.redis_url) if cfg.redis_url else None
         self.workers: dict[str, ray.actor.ActorHandle] = {}  # worker id -> actor
         self.addresses: dict[str, str] = {}  # worker id -> host:port
@@ -102,7 +105,8 @@ class BalancerCore:
         wid = f"expert-{self._next_worker}"
         self._next_worker += 1
         wcfg = ExpertWorkerConfig(model=self.cfg.model, dtype=self.cfg.expert_dtype,
-                                  num_threads=self.cfg.expert_threads, host=self.cfg.expert_host)  # fmt: skip
+                                  num_threads=self.cfg.expert_threads, host=self.cfg.expert_host,
+                                  model_config=self.model_config_json)  # fmt: skip
         actor = ExpertWorker.options(
             name=f"moe-{wid}",
             namespace=self.cfg.namespace,
@@ -244,9 +248,14 @@ class BalancerCore:
                                  decision.balancedness_after, decision.moved_slots, 0, 0.0, 0.0, 0.0, False,
                                  started_at=started_at)  # fmt: skip
         addresses = {w: self.addresses[w] for w in new.workers}
-        try:  # (a) load the new version everywhere, old keeps serving
-            replies = await asyncio.to_thread(load_placement, new, addresses, self.model_cfg.moe_layers)
+        try:  # (a) load the new version everywhere, old keeps serving; experts a node's
+            # checkpoint lacks are copied from the workers of the current pool (they hold v)
+            peers = list(self.addresses.values())
+            replies = await asyncio.to_thread(
+                load_placement, new, addresses, self.model_cfg.moe_layers, peers=peers
+            )
             record.bytes_read = sum(r.bytes_read for r in replies)
+            record.bytes_from_peers = sum(r.bytes_from_peers for r in replies)
         except Exception as e:
             await asyncio.to_thread(release_version, new.version, list(addresses.values()))
             record.error = f"load failed, kept v{old.version}: {e}"

@@ -3,6 +3,7 @@ and the standard grpc.health.v1 service, for one expert worker process."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExpertWorkerConfig:
-    model: str  # checkpoint directory (config.json + safetensors)
+    # checkpoint directory as seen on the worker's node. Its safetensors files are optional:
+    # experts it lacks are copied from the LoadSlots peers. config.json is read from it unless
+    # `model_config` is given.
+    model: str
     dtype: str = "float32"  # compute dtype; Dispatch hidden states must come in this dtype
     num_threads: int | None = 1  # torch intra-op threads in the worker process (None: leave as is)
     host: str | None = None  # None: the Ray node's IP inside an actor, else 127.0.0.1
@@ -30,6 +34,18 @@ class ExpertWorkerConfig:
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     max_versions: int = 3  # placement versions held at once (serving + loading)
     max_concurrent_rpcs: int = 1024  # beyond this the server answers RESOURCE_EXHAUSTED
+    # the parsed config.json (a dict, as `read_model_config` returns), for a node without the
+    # checkpoint directory at all; None: read `model`/config.json on the worker's node
+    model_config: dict | None = None
+    peer_timeout_s: float = 600.0  # deadline of one FetchExperts stream from a peer
+
+
+def read_model_config(model_dir: str | Path) -> dict:
+    """config.json of `model_dir`, parsed (for `ExpertWorkerConfig.model_config`)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    return json.loads(path.read_text())
 
 
 def format_address(host: str, port: int) -> str:
@@ -43,9 +59,11 @@ class ExpertServer:
     def __init__(self, cfg: ExpertWorkerConfig, host: str = "127.0.0.1"):
         self.cfg = cfg
         self.host = cfg.host or host
-        model_cfg = ModelConfig.from_dir(Path(cfg.model))
-        self.store = SlotStore(model_cfg, cfg.model, parse_dtype(cfg.dtype), cfg.max_versions)
-        self.servicer = ExpertServicer(self.store)
+        hf = cfg.model_config if cfg.model_config is not None else read_model_config(cfg.model)
+        self.store = SlotStore(ModelConfig.from_hf(hf), cfg.model, parse_dtype(cfg.dtype), cfg.max_versions)
+        self.servicer = ExpertServicer(
+            self.store, peer_timeout_s=cfg.peer_timeout_s, max_message_bytes=cfg.max_message_bytes
+        )
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.address: str | None = None
@@ -67,6 +85,7 @@ class ExpertServer:
         for service in ("", wire.EXPERT_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.server, self.address = server, format_address(self.host, port)
+        self.servicer.address = self.address
         log.info("expert worker serving %s on %s (%s)", self.cfg.model, self.address, self.cfg.dtype)
         return self.address
 

@@ -4,13 +4,17 @@
 `services.model.wire` (zero-copy receive, one copy on send); the expert compute of large
 requests runs in a thread so the event loop keeps answering health checks, Stats, LoadSlots and
 other Dispatch calls (small decode-sized ones compute inline: the hand-off would cost as much).
-`LoadSlots` reads weights in its own thread while `Dispatch` keeps serving the loaded versions.
+`LoadSlots` reads weights in its own thread while `Dispatch` keeps serving the loaded versions;
+experts this node's checkpoint lacks are copied from the request's `peers` (a `PeerFetcher`
+calling their FetchExperts). `FetchExperts` streams held experts, one message per expert, each
+encoded in its own thread (one ~88 MB copy for a DeepSeek-V3 expert in bf16, off the loop).
 Request errors map to status codes (the worker keeps serving after any of them):
 
     WireError, InvalidRequest  -> INVALID_ARGUMENT
     VersionUnavailable         -> FAILED_PRECONDITION
     VersionConflict            -> FAILED_PRECONDITION
     TooManyVersions            -> RESOURCE_EXHAUSTED
+    ExpertNotFound             -> NOT_FOUND
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import grpc
 from services.model import wire
 from services.rpc import expert_pb2
 
+from .client import PeerFetcher
 from .store import (
+    ExpertNotFound,
     InvalidRequest,
     SlotStore,
     SlotStoreError,
@@ -43,6 +49,7 @@ _STATUS = [
     (VersionUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (VersionConflict, grpc.StatusCode.FAILED_PRECONDITION),
     (TooManyVersions, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ExpertNotFound, grpc.StatusCode.NOT_FOUND),
 ]
 
 
@@ -53,18 +60,27 @@ def status_of(error: Exception) -> grpc.StatusCode:
 class ExpertServicer:
     """The `moecluster.expert.v1.Expert` methods over one SlotStore (grpc.aio handlers)."""
 
-    def __init__(self, store: SlotStore, inline_max_pairs: int = 256):
+    def __init__(
+        self,
+        store: SlotStore,
+        inline_max_pairs: int = 256,
+        peer_timeout_s: float = 600.0,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+    ):
         self.store = store
+        self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
+        self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes
         # small requests (decode) compute on the event loop: a thread hand-off costs ~0.3 ms,
         # as much as their compute; larger ones go to the compute thread so health checks,
         # Stats and LoadSlots keep being answered
         self.inline_max_pairs = inline_max_pairs
         self.compute_pool = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="expert-load")
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="expert-send")  # FetchExperts encoding
 
     def close(self) -> None:
-        self.compute_pool.shutdown(wait=False, cancel_futures=True)
-        self.loader.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.compute_pool, self.loader, self.sender):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self, pool: ThreadPoolExecutor, context, fn, *args):
         try:
@@ -102,12 +118,14 @@ class ExpertServicer:
             if entry.layer in experts:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layer {entry.layer} listed twice")
             experts[entry.layer] = list(entry.logical_expert)
-        report = await self._run(self.loader, context, self.store.load, request.version, experts)
+        peers = [p for p in request.peers if p and p != self.address]
+        report = await self._run(self.loader, context, self._load, request.version, experts, peers)
         log.info(
-            "loaded version %d: %d bytes read, %d reused, %.2fs",
+            "loaded version %d: %d bytes read, %d reused, %d from peers, %.2fs",
             report.version,
             report.bytes_read,
             report.bytes_reused,
+            report.bytes_from_peers,
             report.seconds,
         )
         return expert_pb2.LoadSlotsResponse(
@@ -115,7 +133,31 @@ class ExpertServicer:
             bytes_read=report.bytes_read,
             bytes_reused=report.bytes_reused,
             seconds=report.seconds,
+            bytes_from_peers=report.bytes_from_peers,
         )
+
+    def _load(self, version: int, experts: dict[int, list[int]], peers: list[str]):
+        """SlotStore.load with a peer-copy source over `peers` (in the loader thread)."""
+        if not peers:
+            return self.store.load(version, experts)
+        fetch = PeerFetcher(
+            peers, self.store.cfg, self.peer_timeout_s, max_message_bytes=self.max_message_bytes
+        )
+        try:
+            return self.store.load(version, experts, fetch)
+        finally:
+            fetch.close()
+
+    async def FetchExperts(self, request: expert_pb2.FetchExpertsRequest, context):
+        """Stream held experts' weights (peer copy), one encoded ExpertWeights per expert."""
+        try:
+            held = self.store.expert_weights(request.layer, list(request.logical_expert))
+        except SlotStoreError as e:
+            await context.abort(status_of(e), str(e))
+        loop = asyncio.get_running_loop()
+        for expert, w13, w2 in held:
+            msg = wire.ExpertWeights(request.layer, expert, w13, w2)
+            yield await loop.run_in_executor(self.sender, wire.encode_expert_weights, msg)
 
     async def ReleaseSlots(self, request, context) -> expert_pb2.ReleaseSlotsResponse:
         return expert_pb2.ReleaseSlotsResponse(loaded_versions=self.store.release(request.version))
@@ -164,6 +206,11 @@ def add_expert_service(server: grpc.aio.Server, servicer: ExpertServicer) -> Non
             servicer.Stats,
             request_deserializer=expert_pb2.StatsRequest.FromString,
             response_serializer=expert_pb2.StatsResponse.SerializeToString,
+        ),
+        "FetchExperts": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchExperts,
+            request_deserializer=expert_pb2.FetchExpertsRequest.FromString,
+            response_serializer=raw,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.EXPERT_SERVICE, handlers),))

@@ -2,8 +2,18 @@
 
 A version maps every MoE layer to the logical expert held by each of this worker's S local slots
 (`PackedExperts`: w13 [S, 2I, H], w2 [S, H, I] per layer). Several versions can be loaded at once:
-during a re-placement the new one loads (from the checkpoint by mmap, or from tensors already
-held) while the old one keeps serving, and the old one is released after the switch.
+during a re-placement the new one loads while the old one keeps serving, and the old one is
+released after the switch. Where a new version's experts come from, in order:
+
+1. tensors already held by a loaded version (a whole identical layer is shared, single experts
+   are copied from memory);
+2. the checkpoint on this node (mmap'd safetensors, only the experts needed), when its files
+   are here;
+3. a peer: the `fetch` callable given to `load` (the gRPC shell passes one that calls
+   FetchExperts on other expert workers), for experts the checkpoint here cannot give (no
+   safetensors files on this node, or a tensor missing from them).
+
+`expert_weights` is the other side of 3: the rows of experts this worker holds.
 
 Pure: no gRPC, no Ray. `load` may run in one thread while `forward` runs in another.
 Errors are typed so the gRPC shell can map them to status codes.
@@ -13,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,11 +54,22 @@ class TooManyVersions(SlotStoreError):
     """Loading one more version would exceed `max_versions`; release one first."""
 
 
+class ExpertNotFound(SlotStoreError, LookupError):
+    """Expert weights with no source: not held by this worker (FetchExperts), or, when loading,
+    neither held, nor in this node's checkpoint, nor given by a peer."""
+
+
+# fetch(layer, experts) -> {logical expert: (w13 [2I, H], w2 [H, I])} for `experts` of one MoE
+# layer (any float dtype; converted to the store's). May raise ExpertNotFound with the reason.
+FetchExperts = Callable[[int, list[int]], Mapping[int, tuple[torch.Tensor, torch.Tensor]]]
+
+
 @dataclass
 class LoadReport:
     version: int
     bytes_read: int = 0  # expert bytes read from the checkpoint
     bytes_reused: int = 0  # expert bytes taken from versions already loaded
+    bytes_from_peers: int = 0  # expert bytes received from `fetch` (as received, before any cast)
     seconds: float = 0.0
 
 
@@ -94,11 +115,18 @@ class SlotStore:
     def current_version(self) -> int:
         return max(self._versions, default=0)
 
-    def load(self, version: int, experts_per_layer: Mapping[int, Sequence[int]]) -> LoadReport:
+    def load(
+        self,
+        version: int,
+        experts_per_layer: Mapping[int, Sequence[int]],
+        fetch: FetchExperts | None = None,
+    ) -> LoadReport:
         """Load `version`: per MoE layer, the logical expert of each local slot, in slot order.
 
         Slow (reads weights); run it off the serving thread. Versions already loaded keep
-        serving meanwhile. An identical repeat of a loaded version is a no-op.
+        serving meanwhile. An identical repeat of a loaded version is a no-op. Experts that are
+        neither held nor in this node's checkpoint come from `fetch` (peer copy); without one,
+        or when it cannot give them, ExpertNotFound (nothing is loaded).
         """
         start = time.perf_counter()
         layout = self._check_layout(version, experts_per_layer)
@@ -118,7 +146,7 @@ class SlotStore:
             self._loading.add(version)
             donors = list(self._versions.values())
         try:
-            packed, report = self._build(layout, donors)
+            packed, report = self._build(layout, donors, fetch)
         finally:
             with self._lock:
                 self._loading.discard(version)
@@ -161,13 +189,14 @@ class SlotStore:
         return layout
 
     def _build(
-        self, layout: dict[int, list[int]], donors: list[SlotVersion]
+        self, layout: dict[int, list[int]], donors: list[SlotVersion], fetch: FetchExperts | None
     ) -> tuple[PackedExperts, LoadReport]:
         """Packed experts for `layout`, reusing tensors of `donors` (loaded versions) when they
         hold the same experts: a whole layer with identical slots is shared without a copy,
-        single experts are copied from memory, the rest is read from the checkpoint."""
+        single experts are copied from memory, the rest is read from the checkpoint, and what
+        the checkpoint here lacks comes from `fetch`."""
         packed, report = PackedExperts(), LoadReport(0)
-        reader = None
+        checkpoint = _Checkpoint(self.model_dir, self.cfg, self.dtype)
         try:
             for layer, experts in layout.items():
                 same = next((d.packed for d in donors if d.packed.logical[layer] == experts), None)
@@ -176,25 +205,71 @@ class SlotStore:
                     packed.logical[layer] = list(experts)
                     report.bytes_reused += _nbytes(same.w13[layer], same.w2[layer])
                     continue
-                held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logical -> (w13, w2) rows
-                for d in donors:
-                    for row, e in enumerate(d.packed.logical[layer]):
-                        held.setdefault(e, (d.packed.w13[layer][row], d.packed.w2[layer][row]))
+                held = _held_rows(donors, layer)  # logical -> (w13 [2I, H], w2 [H, I])
+                report.bytes_reused += sum(_nbytes(*held[e]) for e in experts if e in held)
                 missing = sorted(set(experts) - held.keys())
                 if missing:
-                    reader = reader or CheckpointReader.for_config(self.model_dir, self.cfg)
-                    before = reader.bytes_read
-                    w13_read, w2_read = load_expert_weights(reader, layer, missing, self.dtype)
-                    report.bytes_read += reader.bytes_read - before
-                    held.update({e: (w13_read[n], w2_read[n]) for n, e in enumerate(missing)})
-                report.bytes_reused += sum(_nbytes(*held[e]) for e in experts if e not in missing)
+                    got = checkpoint.read(layer, missing)
+                    report.bytes_read = checkpoint.bytes_read
+                    held.update(got)
+                    missing = [e for e in missing if e not in got]
+                if missing:
+                    fetched = self._fetch(layer, missing, fetch, checkpoint.unavailable)
+                    report.bytes_from_peers += sum(_nbytes(*fetched[e]) for e in missing)
+                    held.update(
+                        {e: (w13.to(self.dtype), w2.to(self.dtype)) for e, (w13, w2) in fetched.items()}
+                    )
                 packed.w13[layer] = torch.stack([held[e][0] for e in experts])  # [S, 2I, H]
                 packed.w2[layer] = torch.stack([held[e][1] for e in experts])  # [S, H, I]
                 packed.logical[layer] = list(experts)
         finally:
-            if reader is not None:
-                reader.close()
+            checkpoint.close()
         return packed, report
+
+    def _fetch(
+        self, layer: int, missing: list[int], fetch: FetchExperts | None, why: str
+    ) -> Mapping[int, tuple[torch.Tensor, torch.Tensor]]:
+        """`missing` experts of `layer` from the peers (`fetch`), checked."""
+        where = f"layer {layer}: experts {missing} cannot be read from the checkpoint here ({why})"
+        if fetch is None:
+            raise ExpertNotFound(f"{where} and no peers were given to copy them from")
+        try:
+            fetched = fetch(layer, list(missing))
+        except ExpertNotFound as e:
+            raise ExpertNotFound(f"{where}; {e}") from None
+        lacking = [e for e in missing if e not in fetched]
+        if lacking:
+            raise ExpertNotFound(f"{where}; the peers did not send experts {lacking}")
+        for e in missing:
+            problem = check_expert_weights(self.cfg, *fetched[e])
+            if problem:
+                raise ExpertNotFound(f"{where}; a peer sent expert {e} with {problem}")
+        return fetched
+
+    # ---- peer copy (source side) ----------------------------------------------------------
+    def expert_weights(
+        self, layer: int, experts: Sequence[int]
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(expert, w13 [2I, H], w2 [H, I]) for each distinct expert of `experts` (first-seen
+        order), from the newest loaded version holding it: rows of the packed tensors, no copy.
+        InvalidRequest for a non-MoE layer or an id out of range; ExpertNotFound when some
+        expert is not held by a loaded version."""
+        if layer not in self.moe_index:
+            raise InvalidRequest(f"layer {layer} is not a MoE layer (MoE layers: {self.cfg.moe_layers})")
+        experts = list(dict.fromkeys(int(e) for e in experts))
+        bad = [e for e in experts if not 0 <= e < self.cfg.n_routed_experts]
+        if bad:
+            raise InvalidRequest(f"logical expert {bad[0]} outside [0, {self.cfg.n_routed_experts})")
+        with self._lock:
+            versions = [self._versions[v] for v in sorted(self._versions, reverse=True)]
+        held = _held_rows(versions, layer)
+        missing = [e for e in experts if e not in held]
+        if missing:
+            raise ExpertNotFound(
+                f"layer {layer}: experts {missing} are not held by this worker "
+                f"(loaded versions: {sorted(v.version for v in versions)})"
+            )
+        return [(e, *held[e]) for e in experts]
 
     # ---- compute ------------------------------------------------------------------------
     def forward(
@@ -282,3 +357,64 @@ class SlotStore:
 
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _held_rows(versions: Sequence[SlotVersion], layer: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """logical expert -> (w13 [2I, H], w2 [H, I]) rows of `layer` held by `versions` (first wins)."""
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for v in versions:
+        for row, e in enumerate(v.packed.logical[layer]):
+            held.setdefault(e, (v.packed.w13[layer][row], v.packed.w2[layer][row]))
+    return held
+
+
+def check_expert_weights(cfg: ModelConfig, w13: torch.Tensor, w2: torch.Tensor) -> str | None:
+    """None when (w13, w2) have one expert's shapes ([2I, H], [H, I]) and a float dtype, else
+    what is wrong."""
+    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    for name, t, shape in (("w13", w13, (2 * inter, hidden)), ("w2", w2, (hidden, inter))):
+        if t is None:
+            return f"no {name}"
+        if tuple(t.shape) != shape:
+            return f"{name} of shape {list(t.shape)} (want {list(shape)})"
+        if not t.dtype.is_floating_point:
+            return f"{name} of dtype {t.dtype}"
+    return None
+
+
+class _Checkpoint:
+    """This node's checkpoint for one `load`: opened on first use; `unavailable` says why an
+    expert could not be read (no safetensors files here, a tensor or shard file missing)."""
+
+    def __init__(self, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype):
+        self.model_dir, self.cfg, self.dtype = model_dir, cfg, dtype
+        self.reader: CheckpointReader | None = None
+        self.unavailable = ""  # the last reason an expert could not be read, "" while none
+        self.absent = False  # no checkpoint on this node: do not try again
+        self.bytes_read = 0
+
+    def read(self, layer: int, experts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{expert: (w13 [2I, H], w2 [H, I])} for the experts of `experts` it could read."""
+        if self.absent:
+            return {}
+        if self.reader is None:
+            try:
+                self.reader = CheckpointReader.for_config(self.model_dir, self.cfg)
+            except OSError as e:  # FileNotFoundError: no safetensors files (or no such dir)
+                self.absent, self.unavailable = True, f"no checkpoint on this node: {e}"
+                return {}
+        got = {}
+        for e in experts:
+            before = self.reader.bytes_read
+            try:
+                w13, w2 = load_expert_weights(self.reader, layer, [e], self.dtype)
+            except (KeyError, OSError) as err:  # tensor not in the checkpoint, shard file missing
+                self.unavailable = str(err).strip("'\"")
+                continue
+            got[e] = (w13[0], w2[0])
+            self.bytes_read += self.reader.bytes_read - before
+        return got
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()

@@ -13,6 +13,9 @@ Two ways in and out:
   defaults omitted); the decoder accepts any valid encoding (any field order, unknown fields
   skipped, unpacked shape) - tests check both directions against the generated classes.
 
+`encode_expert_weights` / `decode_expert_weights` do the same for the `ExpertWeights` messages
+of the FetchExperts stream (peer copy of expert weights, ~88 MB per DeepSeek-V3 expert in bf16).
+
 Copies per call, data plane: encode = payload bytes once (`DispatchRequest.nbytes()`),
 decode = 0. Decoded tensors share memory with an immutable `bytes` object: do not write into them
 (they may also be unaligned, which CPU kernels handle; `.to(device)` copies anyway).
@@ -314,10 +317,58 @@ def decode_dispatch_response(buf: bytes) -> DispatchResponse:
 
 
 # ---------------------------------------------------------------------------------------------
+# ExpertWeights (the FetchExperts stream message: peer copy of one expert), same approach
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ExpertWeights:
+    """`moecluster.expert.v1.ExpertWeights`. Missing tensors decode as None."""
+
+    layer: int
+    logical_expert: int
+    w13: torch.Tensor | None  # [2I, H]
+    w2: torch.Tensor | None  # [H, I]
+
+
+def encode_expert_weights(msg: ExpertWeights) -> bytes:
+    """Serialized ExpertWeights; copies each tensor's bytes once (into the result)."""
+    parts = []
+    if msg.layer:
+        parts.append(_key(1, _VARINT) + _varint(msg.layer))
+    if msg.logical_expert:
+        parts.append(_key(2, _VARINT) + _varint(msg.logical_expert))
+    for field, t in ((3, msg.w13), (4, msg.w2)):
+        if t is not None:
+            parts += _tensor_field(field, t)
+    return b"".join(parts)
+
+
+def decode_expert_weights(buf: bytes) -> ExpertWeights:
+    """Parse a serialized ExpertWeights; tensors view `buf` (no copy)."""
+    layer = expert = 0
+    tensors: dict[int, list[tuple[int, int]]] = {3: [], 4: []}
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        if field == 1:
+            _expect(field, wire_type, _VARINT, "ExpertWeights")
+            layer = value & 0xFFFFFFFF
+        elif field == 2:
+            _expect(field, wire_type, _VARINT, "ExpertWeights")
+            expert = value & 0xFFFFFFFF
+            expert = expert - (1 << 32) if expert >= 1 << 31 else expert  # int32
+        elif field in tensors:
+            _expect(field, wire_type, _LEN, "ExpertWeights")
+            tensors[field].append(value)
+    w13, w2 = (
+        _decode_tensor(buf, tensors[f], name) if tensors[f] else None for f, name in ((3, "w13"), (4, "w2"))
+    )
+    return ExpertWeights(layer, expert, w13, w2)
+
+
+# ---------------------------------------------------------------------------------------------
 # gRPC names and channel options shared by expert workers and their clients
 # ---------------------------------------------------------------------------------------------
 EXPERT_SERVICE = "moecluster.expert.v1.Expert"
 DISPATCH_METHOD = f"/{EXPERT_SERVICE}/Dispatch"
+FETCH_EXPERTS_METHOD = f"/{EXPERT_SERVICE}/FetchExperts"
 MAX_MESSAGE_BYTES = 256 << 20
 
 

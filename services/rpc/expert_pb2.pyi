@@ -47,24 +47,48 @@ class LayerSlots(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., logical_expert: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadSlotsRequest(_message.Message):
-    __slots__ = ("version", "layers")
+    __slots__ = ("version", "layers", "peers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSlots]
-    def __init__(self, version: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSlots, _Mapping]]] = ...) -> None: ...
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSlots, _Mapping]]] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadSlotsResponse(_message.Message):
-    __slots__ = ("version", "bytes_read", "bytes_reused", "seconds")
+    __slots__ = ("version", "bytes_read", "bytes_reused", "seconds", "bytes_from_peers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     BYTES_REUSED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FROM_PEERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     bytes_read: int
     bytes_reused: int
     seconds: float
-    def __init__(self, version: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_reused: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    bytes_from_peers: int
+    def __init__(self, version: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_reused: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes_from_peers: _Optional[int] = ...) -> None: ...
+
+class FetchExpertsRequest(_message.Message):
+    __slots__ = ("layer", "logical_expert")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    logical_expert: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., logical_expert: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExpertWeights(_message.Message):
+    __slots__ = ("layer", "logical_expert", "w13", "w2")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    W13_FIELD_NUMBER: _ClassVar[int]
+    W2_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    logical_expert: int
+    w13: Tensor
+    w2: Tensor
+    def __init__(self, layer: _Optional[int] = ..., logical_expert: _Optional[int] = ..., w13: _Optional[_Union[Tensor, _Mapping]] = ..., w2: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ReleaseSlotsRequest(_message.Message):
     __slots__ = ("version",)

@@ -54,6 +54,11 @@ class ExpertStub:
                 request_serializer=services_dot_rpc_dot_expert__pb2.StatsRequest.SerializeToString,
                 response_deserializer=services_dot_rpc_dot_expert__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.FetchExperts = channel.unary_stream(
+                '/moecluster.expert.v1.Expert/FetchExperts',
+                request_serializer=services_dot_rpc_dot_expert__pb2.FetchExpertsRequest.SerializeToString,
+                response_deserializer=services_dot_rpc_dot_expert__pb2.ExpertWeights.FromString,
+                _registered_method=True)
 
 
 class ExpertServicer:
@@ -90,6 +95,17 @@ class ExpertServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchExperts(self, request, context):
+        """Peer copy: the weights of experts this worker holds (in any loaded version), one message
+        per expert, in request order, in this worker's compute dtype. Python peers encode and
+        decode ExpertWeights with services/model/wire.py.
+        INVALID_ARGUMENT: not a MoE layer, expert id out of range.
+        NOT_FOUND: some requested expert is not held by a loaded version here (nothing is sent).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +128,11 @@ def add_ExpertServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=services_dot_rpc_dot_expert__pb2.StatsRequest.FromString,
                     response_serializer=services_dot_rpc_dot_expert__pb2.StatsResponse.SerializeToString,
+            ),
+            'FetchExperts': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchExperts,
+                    request_deserializer=services_dot_rpc_dot_expert__pb2.FetchExpertsRequest.FromString,
+                    response_serializer=services_dot_rpc_dot_expert__pb2.ExpertWeights.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +243,33 @@ class Expert:
             '/moecluster.expert.v1.Expert/Stats',
             services_dot_rpc_dot_expert__pb2.StatsRequest.SerializeToString,
             services_dot_rpc_dot_expert__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchExperts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/moecluster.expert.v1.Expert/FetchExperts',
+            services_dot_rpc_dot_expert__pb2.FetchExpertsRequest.SerializeToString,
+            services_dot_rpc_dot_expert__pb2.ExpertWeights.FromString,
             options,
             channel_credentials,
             insecure,
