@@ -171,6 +171,7 @@ def main() -> None:
         on, off, loc = at("cluster_pingpong_on", 32), at("cluster_pingpong_off", 32), at("local", 32)
         summary = {
             "batch32_cluster_step_over_local": on["step_s"] / loc["step_s"],
+            "batch32_cluster_pingpong_off_step_over_local": off["step_s"] / loc["step_s"],
             "batch32_pingpong_speedup": off["step_s"] / on["step_s"],
             "target_cluster_step<=1.5x_local": on["step_s"] / loc["step_s"] <= 1.5,
             "target_pingpong>=1.2x": off["step_s"] / on["step_s"] >= 1.2,
