@@ -37,9 +37,6 @@ class Placement:
     def slots_per_worker(self) -> int:
         return self.num_slots // len(self.workers)
 
-    def worker_of_slot(self, slot: int) -> int:
-        return slot // self.slots_per_worker
-
     def worker_slots(self, worker: int) -> range:
         s = self.slots_per_worker
         return range(worker * s, (worker + 1) * s)
