@@ -288,20 +288,14 @@ class AttentionWorker:
     async def generate(self, prompt_ids: list[int], params: dict, request_id: str):
         """Stream of output dicts (call with num_returns="streaming"); a refused request yields
         one {"refused": {"status", "message", "param"}} item."""
+        stream = self.service.generate(prompt_ids, SamplingParams(**params), request_id)
         try:
-            q = await self.service.submit(prompt_ids, SamplingParams(**params), request_id)
-        except (ValueError, QueueFullError) as e:
-            yield error_dict(e)
-            return
-        finished = False
-        try:
-            while not finished:
-                out: RequestOutput = await q.get()
-                finished = out.finished
+            async for out in stream:
                 yield output_to_dict(out)
+        except (ValueError, QueueFullError) as e:  # refused when submitted: nothing streamed yet
+            yield error_dict(e)
         finally:
-            if not finished:  # the caller went away (client disconnect, cancellation)
-                self.service.abort(request_id)
+            await stream.aclose()  # a caller that went away aborts the request (see AttentionService)
 
     async def abort(self, request_id: str) -> None:
         self.service.abort(request_id)
