@@ -186,17 +186,22 @@ def _tensor_field(field: int, t: torch.Tensor) -> list:
     return [_key(field, _LEN) + _varint(len(head) + data.nbytes) + head, data]
 
 
-def encode_dispatch_request(req: DispatchRequest) -> bytes:
-    """Serialized DispatchRequest; copies each tensor's bytes once (into the result)."""
-    parts = []
-    if req.layer:
-        parts.append(_key(1, _VARINT) + _varint(req.layer))
-    if req.placement_version:
-        parts.append(_key(2, _VARINT) + _varint(req.placement_version))
-    for field, t in ((3, req.hidden), (4, req.slot), (5, req.weight)):
+def _encode_message(
+    ints: tuple[tuple[int, int], ...], tensors: tuple[tuple[int, torch.Tensor | None], ...]
+) -> bytes:
+    """Protobuf bytes of integer fields (zero omitted, as proto3 does) then Tensor fields;
+    copies each tensor's bytes once (into the result)."""
+    parts = [_key(field, _VARINT) + _varint(v) for field, v in ints if v]
+    for field, t in tensors:
         if t is not None:
             parts += _tensor_field(field, t)
     return b"".join(parts)
+
+
+def encode_dispatch_request(req: DispatchRequest) -> bytes:
+    """Serialized DispatchRequest."""
+    return _encode_message(((1, req.layer), (2, req.placement_version)),
+                           ((3, req.hidden), (4, req.slot), (5, req.weight)))  # fmt: skip
 
 
 def encode_dispatch_response(resp: DispatchResponse) -> bytes:
@@ -330,16 +335,8 @@ class ExpertWeights:
 
 
 def encode_expert_weights(msg: ExpertWeights) -> bytes:
-    """Serialized ExpertWeights; copies each tensor's bytes once (into the result)."""
-    parts = []
-    if msg.layer:
-        parts.append(_key(1, _VARINT) + _varint(msg.layer))
-    if msg.logical_expert:
-        parts.append(_key(2, _VARINT) + _varint(msg.logical_expert))
-    for field, t in ((3, msg.w13), (4, msg.w2)):
-        if t is not None:
-            parts += _tensor_field(field, t)
-    return b"".join(parts)
+    """Serialized ExpertWeights."""
+    return _encode_message(((1, msg.layer), (2, msg.logical_expert)), ((3, msg.w13), (4, msg.w2)))
 
 
 def decode_expert_weights(buf: bytes) -> ExpertWeights:
