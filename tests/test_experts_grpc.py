@@ -1,7 +1,6 @@
-"""The expert worker's gRPC server (real grpc.aio server, in-process on a background event loop):
+"""The expert worker's gRPC server (real grpc server, in-process on its own threads):
 Dispatch answers, hypothesis-generated bad requests, LoadSlots hot swap while serving, health."""
 
-import asyncio
 import threading
 import time
 
@@ -36,25 +35,14 @@ OK_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 
 
 class ServerThread:
-    """An ExpertServer on its own event loop thread (the process is the worker)."""
+    """An ExpertServer in this process (the process is the worker)."""
 
     def __init__(self, cfg: ExpertWorkerConfig):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = self._call(self._make(cfg))
-        self.address = self._call(self.server.start())
-
-    async def _make(self, cfg):
-        return ExpertServer(cfg)
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+        self.server = ExpertServer(cfg)
+        self.address = self.server.start()
 
     def stop(self):
-        self._call(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.server.stop(0)
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,14 @@ def test_grouped_expert_ffn_matches_per_token_loop():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     empty = grouped_expert_ffn(x, torch.full((T, K), -1), weight, w13, w2)
     assert torch.equal(empty, torch.zeros(T, H))
+    # into a given output (a response's payload): fp32 accumulates in place, bf16 is cast into it
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, w13d, w2d = x.to(dtype), w13.to(dtype), w2.to(dtype)
+        into = torch.full((T, H), float("nan"), dtype=dtype)
+        assert grouped_expert_ffn(xd, slot, weight, w13d, w2d, out=into) is into
+        assert torch.equal(into, grouped_expert_ffn(xd, slot, weight, w13d, w2d))
+        grouped_expert_ffn(xd, torch.full((T, K), -1), weight, w13d, w2d, out=into)
+        assert torch.equal(into, torch.zeros(T, H, dtype=dtype))
 
 
 def _random_mla(cfg, g):

@@ -1,5 +1,5 @@
 """Peer copy of expert weights (FetchExperts): a worker whose node has no checkpoint (or lacks
-some of its files) loads a version from a worker that holds the experts. Real grpc.aio servers in
+some of its files) loads a version from a worker that holds the experts. Real grpc servers in
 this process; the wire codec of the streamed message against the generated classes."""
 
 import shutil

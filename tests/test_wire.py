@@ -147,3 +147,30 @@ def test_message_errors_are_clear(data, message):
 def test_unsupported_tensor_dtype_on_send():
     with pytest.raises(wire.WireError, match="cannot go on the wire"):
         wire.tensor_to_proto(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(wire.WireError, match="cannot go on the wire"):
+        wire.DispatchResponseBuffer((2, 3), torch.float64)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_messages_built_in_place_are_the_protobuf_bytes(dtype):
+    """DispatchRequestBuffer / DispatchResponseBuffer: the sender writes the tensors straight into
+    the message; the result is what protobuf writes (and parses) for the same fields."""
+    x = _random((10, 48), dtype)
+    rows = torch.tensor([1, 4, 5, 9])
+    slot = torch.randint(-1, 6, (4, 3), dtype=torch.int32)
+    weight = torch.rand(4, 3)
+    req = wire.DispatchRequestBuffer(5, 2**40, (4, 48), dtype, 3)
+    torch.index_select(x, 0, rows, out=req.hidden)
+    req.slot.copy_(slot.long())  # cast on the way in
+    req.weight.copy_(weight)
+    assert req.data == _pb_request(5, 2**40, x[rows], slot, weight).SerializeToString()
+    assert req.data == wire.encode_dispatch_request(wire.DispatchRequest(5, 2**40, x[rows], slot, weight))
+
+    resp = wire.DispatchResponseBuffer((4, 48), dtype)
+    resp.output.copy_(x[rows] * 2)
+    data = resp.finish(0.25)
+    parsed = expert_pb2.DispatchResponse.FromString(data)
+    assert parsed.compute_seconds == 0.25 and torch.equal(wire.tensor_from_proto(parsed.output), x[rows] * 2)
+    assert data == wire.encode_dispatch_response(wire.DispatchResponse(x[rows] * 2, 0.25))
+    empty = wire.DispatchResponseBuffer((0, 48), dtype).finish(0.0)  # always carries the seconds
+    assert expert_pb2.DispatchResponse.FromString(empty).output.shape == [0, 48]

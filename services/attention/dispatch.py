@@ -76,7 +76,7 @@ class DispatchStats:
     rpcs: int = 0
     bytes_sent: int = 0  # serialized request bytes
     bytes_received: int = 0  # serialized response bytes
-    bytes_copied: int = 0  # by this client: gathered hidden rows + request payloads (responses: 0)
+    bytes_copied: int = 0  # by this client: request payloads, built in place (responses: 0)
     resent_pairs: int = 0  # (token, choice) pairs resent after a worker failed
 
 
@@ -313,22 +313,25 @@ class RemoteExperts:
                 continue
             mine = worker == w  # [T, K]
             rows = mine.any(1).nonzero().squeeze(1)
-            hidden = x if rows.numel() == x.shape[0] else x.index_select(0, rows.to(x.device))
-            req = wire.DispatchRequest(
-                layer=msg.layer,
-                placement_version=placement.version,
-                hidden=hidden.cpu(),
-                slot=torch.where(mine, local, -1)[rows].to(torch.int32),
-                weight=torch.where(mine, topk_weight, 0.0)[rows].float(),
-            )
-            data = wire.encode_dispatch_request(req)
+            # the request is laid out first and its tensors are built in place: the gather of
+            # this worker's rows is the one copy of the hidden states (zero when on the CPU)
+            req = wire.DispatchRequestBuffer(msg.layer, placement.version, (rows.numel(), x.shape[1]), x.dtype,
+                                             slot.shape[1])  # fmt: skip
+            if rows.numel() == x.shape[0]:
+                req.hidden.copy_(x)
+            elif x.device.type == "cpu":
+                torch.index_select(x, 0, rows, out=req.hidden)
+            else:
+                req.hidden.copy_(x.index_select(0, rows.to(x.device)))
+            req.slot.copy_(torch.where(mine, local, -1)[rows])  # int64 -> int32
+            req.weight.copy_(torch.where(mine, topk_weight, 0.0)[rows])
             address = pending.addresses[placement.workers[w]]
-            future = self._rpc_pool.submit(self._stub(address), data, timeout=self.dispatch_cfg.timeout_s)
+            future = self._rpc_pool.submit(self._stub(address), req.data, timeout=self.dispatch_cfg.timeout_s)
             parts.append(_Part(w, rows, mine, future))
             self.stats.rpcs += 1
-            self.stats.bytes_sent += len(data)
-            self.stats.bytes_copied += req.nbytes() + (
-                0 if hidden is x else hidden.numel() * hidden.element_size()
+            self.stats.bytes_sent += len(req.data)
+            self.stats.bytes_copied += sum(
+                t.numel() * t.element_size() for t in (req.hidden, req.slot, req.weight)
             )
         return parts
 

@@ -1,16 +1,22 @@
-"""The expert worker's gRPC server: a grpc.aio server with the Expert service (servicer.py)
-and the standard grpc.health.v1 service, for one expert worker process."""
+"""The expert worker's gRPC server: the Expert service (servicer.py) and the standard
+grpc.health.v1 service on one grpc server, for one expert worker process.
+
+A sync server: every call runs on a thread of the server's pool, the same hand-off a raw echo
+handler pays, and the Dispatch compute happens right there (torch releases the GIL). Control calls
+(health, Stats, LoadSlots, FetchExperts) keep being answered on the other threads while experts
+compute."""
 
 from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
+from grpc_health.v1.health import HealthServicer
 
 from services.model import wire
 from services.model.config import ModelConfig, parse_dtype
@@ -34,6 +40,7 @@ class ExpertWorkerConfig:
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     max_versions: int = 3  # placement versions held at once (serving + loading)
     max_concurrent_rpcs: int = 1024  # beyond this the server answers RESOURCE_EXHAUSTED
+    rpc_threads: int = 16  # server threads: calls handled at once (queued beyond, up to the limit above)
     # the parsed config.json (a dict, as `read_model_config` returns), for a node without the
     # checkpoint directory at all; None: read `model`/config.json on the worker's node
     model_config: dict | None = None
@@ -53,8 +60,7 @@ def format_address(host: str, port: int) -> str:
 
 
 class ExpertServer:
-    """grpc.aio server (Expert + grpc.health.v1) for one expert worker. Start it inside a
-    running event loop."""
+    """gRPC server (Expert + grpc.health.v1) for one expert worker."""
 
     def __init__(self, cfg: ExpertWorkerConfig, host: str = "127.0.0.1"):
         self.cfg = cfg
@@ -64,15 +70,16 @@ class ExpertServer:
         self.servicer = ExpertServicer(
             self.store, peer_timeout_s=cfg.peer_timeout_s, max_message_bytes=cfg.max_message_bytes
         )
-        self.health = health_aio.HealthServicer()
-        self.server: grpc.aio.Server | None = None
+        self.health = HealthServicer()
+        self.server: grpc.Server | None = None
         self.address: str | None = None
 
-    async def start(self) -> str:
+    def start(self) -> str:
         """Bind and start; returns "host:port"."""
         if self.server is not None:
             return self.address
-        server = grpc.aio.server(
+        server = grpc.server(
+            ThreadPoolExecutor(self.cfg.rpc_threads, thread_name_prefix="expert-rpc"),
             options=wire.grpc_options(self.cfg.max_message_bytes),
             maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs,
         )
@@ -81,20 +88,19 @@ class ExpertServer:
         port = server.add_insecure_port(format_address(self.host, self.cfg.port))
         if port == 0:
             raise RuntimeError(f"could not bind {format_address(self.host, self.cfg.port)}")
-        await server.start()
+        server.start()
         for service in ("", wire.EXPERT_SERVICE):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.server, self.address = server, format_address(self.host, port)
         self.servicer.address = self.address
         log.info("expert worker serving %s on %s (%s)", self.cfg.model, self.address, self.cfg.dtype)
         return self.address
 
-    async def stop(self, grace: float | None = 1.0) -> None:
+    def stop(self, grace: float | None = 1.0) -> None:
         if self.server is None:
             return
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
-        self.servicer.close()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
         self.server = None
 
 
@@ -102,7 +108,6 @@ def main(argv: list[str] | None = None) -> None:
     """Run one expert worker outside Ray (debugging, benchmarks): prints its address, serves
     until killed. `python -m services.experts.server --model DIR [--port P] [--threads N]`."""
     import argparse
-    import asyncio
 
     import torch
 
@@ -115,14 +120,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    async def serve() -> None:
-        server = ExpertServer(
-            ExpertWorkerConfig(model=args.model, dtype=args.dtype, host=args.host, port=args.port)
-        )
-        print(await server.start(), flush=True)
-        await server.server.wait_for_termination()
-
-    asyncio.run(serve())
+    server = ExpertServer(
+        ExpertWorkerConfig(model=args.model, dtype=args.dtype, host=args.host, port=args.port)
+    )
+    print(server.start(), flush=True)
+    server.server.wait_for_termination()
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
-"""The `moecluster.expert.v1.Expert` gRPC methods over a `SlotStore` (grpc.aio handlers).
+"""The `moecluster.expert.v1.Expert` gRPC methods over a `SlotStore` (sync grpc handlers).
 
-`Dispatch` is registered with identity (de)serializers and decoded/encoded by
-`services.model.wire` (zero-copy receive, one copy on send); the expert compute of large
-requests runs in a thread so the event loop keeps answering health checks, Stats, LoadSlots and
-other Dispatch calls (small decode-sized ones compute inline: the hand-off would cost as much).
-`LoadSlots` reads weights in its own thread while `Dispatch` keeps serving the loaded versions;
-experts this node's checkpoint lacks are copied from the request's `peers` (a `PeerFetcher`
-calling their FetchExperts). `FetchExperts` streams held experts, one message per expert, each
-encoded in its own thread (one ~88 MB copy for a DeepSeek-V3 expert in bf16, off the loop).
-Request errors map to status codes (the worker keeps serving after any of them):
+The server runs each call on a thread of its pool, so a handler simply does its work: Dispatch
+decodes (zero-copy), computes the experts into the response's bytes (`services.model.wire`) and
+returns them, with no further thread hand-off (torch releases the GIL, so concurrent calls
+compute in parallel); `LoadSlots` reads weights while `Dispatch` keeps serving the loaded
+versions, and copies experts this node's checkpoint lacks from the request's `peers` (a
+`PeerFetcher` calling their FetchExperts); `FetchExperts` streams held experts, one message per
+expert (one ~88 MB copy for a DeepSeek-V3 expert in bf16). Request errors map to status codes
+(the worker keeps serving after any of them):
 
     WireError, InvalidRequest  -> INVALID_ARGUMENT
     VersionUnavailable         -> FAILED_PRECONDITION
@@ -19,10 +18,8 @@ Request errors map to status codes (the worker keeps serving after any of them):
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -58,68 +55,49 @@ def status_of(error: Exception) -> grpc.StatusCode:
 
 
 class ExpertServicer:
-    """The `moecluster.expert.v1.Expert` methods over one SlotStore (grpc.aio handlers)."""
+    """The `moecluster.expert.v1.Expert` methods over one SlotStore (sync handlers, called on the
+    gRPC server's threads)."""
 
     def __init__(
-        self,
-        store: SlotStore,
-        inline_max_pairs: int = 256,
-        peer_timeout_s: float = 600.0,
-        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+        self, store: SlotStore, peer_timeout_s: float = 600.0, max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     ):
         self.store = store
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
         self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes
-        # small requests (decode) compute on the event loop: a thread hand-off costs ~0.3 ms,
-        # as much as their compute; larger ones go to the compute thread so health checks,
-        # Stats and LoadSlots keep being answered
-        self.inline_max_pairs = inline_max_pairs
-        self.compute_pool = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
-        self.loader = ThreadPoolExecutor(1, thread_name_prefix="expert-load")
-        self.sender = ThreadPoolExecutor(1, thread_name_prefix="expert-send")  # FetchExperts encoding
-
-    def close(self) -> None:
-        for pool in (self.compute_pool, self.loader, self.sender):
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _run(self, pool: ThreadPoolExecutor, context, fn, *args):
-        try:
-            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-        except (SlotStoreError, wire.WireError) as e:
-            await context.abort(status_of(e), str(e))
 
     # ---- data plane ---------------------------------------------------------------------
-    def compute(self, req: wire.DispatchRequest) -> wire.DispatchResponse:
-        """Run the experts for a decoded request (in the compute thread)."""
+    def compute(self, req: wire.DispatchRequest) -> bytes:
+        """Run the experts for a decoded request, writing straight into the response's bytes."""
         start = time.perf_counter()
-        out = self.store.forward(req.placement_version, req.layer, req.hidden, req.slot, req.weight)
-        return wire.DispatchResponse(out, time.perf_counter() - start)
+        resp = None if req.hidden is None else wire.DispatchResponseBuffer(req.hidden.shape, req.hidden.dtype)
+        self.store.forward(
+            req.placement_version,
+            req.layer,
+            req.hidden,
+            req.slot,
+            req.weight,
+            None if resp is None else resp.output,
+        )
+        return resp.finish(time.perf_counter() - start)
 
-    async def Dispatch(self, request: bytes, context) -> bytes:
-        # decoding (zero-copy, ~50 us) and encoding (one copy of the output) stay on the event
-        # loop: handing them to the thread too costs more in GIL hand-offs than they take
+    def Dispatch(self, request: bytes, context) -> bytes:
         try:
-            req = wire.decode_dispatch_request(request)
-        except wire.WireError as e:
-            await context.abort(status_of(e), str(e))
-        if req.slot is not None and req.slot.numel() <= self.inline_max_pairs:
-            try:
-                resp = self.compute(req)
-            except SlotStoreError as e:
-                await context.abort(status_of(e), str(e))
-        else:
-            resp = await self._run(self.compute_pool, context, self.compute, req)
-        return wire.encode_dispatch_response(resp)
+            return self.compute(wire.decode_dispatch_request(request))
+        except (SlotStoreError, wire.WireError) as e:
+            context.abort(status_of(e), str(e))
 
     # ---- control ------------------------------------------------------------------------
-    async def LoadSlots(self, request: expert_pb2.LoadSlotsRequest, context) -> expert_pb2.LoadSlotsResponse:
+    def LoadSlots(self, request: expert_pb2.LoadSlotsRequest, context) -> expert_pb2.LoadSlotsResponse:
         experts = {}
         for entry in request.layers:
             if entry.layer in experts:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layer {entry.layer} listed twice")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layer {entry.layer} listed twice")
             experts[entry.layer] = list(entry.logical_expert)
         peers = [p for p in request.peers if p and p != self.address]
-        report = await self._run(self.loader, context, self._load, request.version, experts, peers)
+        try:
+            report = self._load(request.version, experts, peers)
+        except SlotStoreError as e:
+            context.abort(status_of(e), str(e))
         log.info(
             "loaded version %d: %d bytes read, %d reused, %d from peers, %.2fs",
             report.version,
@@ -137,7 +115,7 @@ class ExpertServicer:
         )
 
     def _load(self, version: int, experts: dict[int, list[int]], peers: list[str]):
-        """SlotStore.load with a peer-copy source over `peers` (in the loader thread)."""
+        """SlotStore.load with a peer-copy source over `peers`."""
         if not peers:
             return self.store.load(version, experts)
         fetch = PeerFetcher(
@@ -148,21 +126,19 @@ class ExpertServicer:
         finally:
             fetch.close()
 
-    async def FetchExperts(self, request: expert_pb2.FetchExpertsRequest, context):
+    def FetchExperts(self, request: expert_pb2.FetchExpertsRequest, context):
         """Stream held experts' weights (peer copy), one encoded ExpertWeights per expert."""
         try:
             held = self.store.expert_weights(request.layer, list(request.logical_expert))
         except SlotStoreError as e:
-            await context.abort(status_of(e), str(e))
-        loop = asyncio.get_running_loop()
+            context.abort(status_of(e), str(e))
         for expert, w13, w2 in held:
-            msg = wire.ExpertWeights(request.layer, expert, w13, w2)
-            yield await loop.run_in_executor(self.sender, wire.encode_expert_weights, msg)
+            yield wire.encode_expert_weights(wire.ExpertWeights(request.layer, expert, w13, w2))
 
-    async def ReleaseSlots(self, request, context) -> expert_pb2.ReleaseSlotsResponse:
+    def ReleaseSlots(self, request, context) -> expert_pb2.ReleaseSlotsResponse:
         return expert_pb2.ReleaseSlotsResponse(loaded_versions=self.store.release(request.version))
 
-    async def Stats(self, request, context) -> expert_pb2.StatsResponse:
+    def Stats(self, request, context) -> expert_pb2.StatsResponse:
         return stats_to_proto(self.store.stats())
 
 
@@ -186,7 +162,7 @@ def stats_to_proto(stats: StoreStats) -> expert_pb2.StatsResponse:
     )
 
 
-def add_expert_service(server: grpc.aio.Server, servicer: ExpertServicer) -> None:
+def add_expert_service(server: grpc.Server, servicer: ExpertServicer) -> None:
     """Register the Expert service on `server`; Dispatch carries raw bytes (see wire.py)."""
     raw = lambda b: b  # noqa: E731
     unary = grpc.unary_unary_rpc_method_handler

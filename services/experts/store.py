@@ -273,15 +273,26 @@ class SlotStore:
 
     # ---- compute ------------------------------------------------------------------------
     def forward(
-        self, version: int, layer: int, hidden: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor
+        self,
+        version: int,
+        layer: int,
+        hidden: torch.Tensor,
+        slot: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Weighted sum of this worker's expert outputs per token.
 
         hidden [T, H] (the store's dtype), slot [T, K] int32 local slots (-1 = none),
-        weight [T, K] float32 (finite). Returns [T, H] in hidden's dtype (fp32 accumulation).
+        weight [T, K] float32 (finite). Returns [T, H] in hidden's dtype (fp32 accumulation),
+        written into `out` when given (the response's payload: no copy after the compute).
         Non-finite hidden values are not checked: they only reach their own token's output.
         """
         self._check_request(layer, hidden, slot, weight)
+        if out is not None and (out.shape != hidden.shape or out.dtype != hidden.dtype):
+            raise InvalidRequest(
+                f"out is {out.dtype} {list(out.shape)}, hidden {hidden.dtype} {list(hidden.shape)}"
+            )
         held = self._versions.get(version)
         if held is None:
             state = "still loading" if version in self._loading else "not loaded"
@@ -299,7 +310,7 @@ class SlotStore:
                 )
         slot = slot.long()
         counts = torch.bincount(slot[slot >= 0], minlength=num_slots)
-        out = held.packed.forward(layer, hidden, slot, weight)
+        out = held.packed.forward(layer, hidden, slot, weight, out)
         with self._lock:
             held.tokens[self.moe_index[layer]] += counts
             self.dispatch_calls += 1

@@ -132,21 +132,26 @@ def grouped_expert_ffn(
     weight: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum of expert outputs per token ("dispatch + combine" in one process).
 
     x [T, H]; slot [T, K] int64 index into the packed experts (-1 = skip); weight [T, K] fp32;
     w13 [S, 2I, H] (gate rows then up rows); w2 [S, H, I]. Returns [T, H] in x's dtype,
-    accumulated in fp32 over the K choices.
+    accumulated in fp32 over the K choices; written into `out` [T, H] (x's dtype) when given
+    (e.g. the payload of a gRPC response).
     (token, choice) pairs are sorted by slot and the SwiGLU FFN runs as one grouped matmul per
     projection over all slots (offsets = cumulative tokens per slot).
     """
     T, K = slot.shape
-    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    if out is not None and out.dtype == torch.float32:
+        acc = out.zero_()  # accumulate in place
+    else:
+        acc = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_slot = slot.reshape(-1)
     pair = torch.nonzero(flat_slot >= 0).squeeze(1)
     if pair.numel() == 0:
-        return out.to(x.dtype)
+        return acc.to(x.dtype) if out is None else out.zero_()
     pair = pair[torch.argsort(flat_slot[pair], stable=True)]
     token = pair // K
     counts = torch.bincount(flat_slot[pair], minlength=w13.shape[0])
@@ -155,5 +160,7 @@ def grouped_expert_ffn(
     grouped = _HAS_GROUPED_MM and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
     mlp = _expert_mlp_grouped_mm if grouped else _expert_mlp_loop
     ys = mlp(x[token], offs, w13, w2)
-    out.index_add_(0, token, ys.float() * weight.reshape(-1)[pair].unsqueeze(1))
-    return out.to(x.dtype)
+    acc.index_add_(0, token, ys.float() * weight.reshape(-1)[pair].unsqueeze(1))
+    if out is None:
+        return acc.to(x.dtype)
+    return out if acc is out else out.copy_(acc)

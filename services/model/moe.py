@@ -40,9 +40,17 @@ class PackedExperts:
                 progress(n + 1, len(experts_per_layer))
         return packed
 
-    def forward(self, layer: int, x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [T, H], slot [T, K] local slot ids (-1 = none), weight [T, K] -> [T, H]."""
-        return grouped_expert_ffn(x, slot, weight, self.w13[layer], self.w2[layer])
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        slot: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, H], slot [T, K] local slot ids (-1 = none), weight [T, K] -> [T, H] (into `out`
+        when given)."""
+        return grouped_expert_ffn(x, slot, weight, self.w13[layer], self.w2[layer], out)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.w13, self.w2) for t in d.values())

@@ -5,24 +5,29 @@ Two ways in and out:
 * `tensor_to_proto` / `tensor_from_proto` work on the generated `expert_pb2.Tensor` message
   (control paths, tests, any caller that already holds protobuf messages). protobuf copies the
   bytes once into the message and once more when `.data` is read.
-* `encode_dispatch_request` / `decode_dispatch_request` (and the response pair) write and read
-  the protobuf wire format of `DispatchRequest` / `DispatchResponse` directly, so the data plane
-  copies each tensor once when sending (tensor memory -> the serialized `bytes` gRPC needs) and
-  never when receiving: decoded tensors are `torch.frombuffer` views of the received bytes.
-  The bytes are exactly what protobuf writes for the same message (field order, packed shape,
-  defaults omitted); the decoder accepts any valid encoding (any field order, unknown fields
-  skipped, unpacked shape) - tests check both directions against the generated classes.
+* The data plane writes and reads the protobuf wire format of `DispatchRequest` /
+  `DispatchResponse` directly (the bytes are exactly what protobuf writes for the same message:
+  field order, packed shape, defaults omitted; the decoder accepts any valid encoding - any
+  field order, unknown fields skipped, unpacked shape - and tests check both directions against
+  the generated classes):
+  - sending: `DispatchRequestBuffer` / `DispatchResponseBuffer` lay the message out first, in an
+    uninitialised `bytes` object, and hand out writable tensor views of its payloads, so the
+    producer writes straight into the message (the client's `index_select` of a worker's rows,
+    the expert compute's final cast): no copy beyond the protobuf bytes themselves.
+    `encode_dispatch_request` / `encode_dispatch_response` do the same from finished tensors,
+    copying each once;
+  - receiving: decoded tensors are `torch.frombuffer` views of the received bytes (no copy).
 
 `encode_expert_weights` / `decode_expert_weights` do the same for the `ExpertWeights` messages
 of the FetchExperts stream (peer copy of expert weights, ~88 MB per DeepSeek-V3 expert in bf16).
 
-Copies per call, data plane: encode = payload bytes once (`DispatchRequest.nbytes()`),
-decode = 0. Decoded tensors share memory with an immutable `bytes` object: do not write into them
-(they may also be unaligned, which CPU kernels handle; `.to(device)` copies anyway).
+Decoded tensors share memory with an immutable `bytes` object: do not write into them (they may
+also be unaligned, which CPU kernels handle; `.to(device)` copies anyway).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 import sys
@@ -173,44 +178,118 @@ _DTYPE_FIELD = {
 }
 _SHAPE_KEY, _DATA_KEY = _key(2, _LEN), _key(3, _LEN)
 
+# PyBytes_FromStringAndSize(NULL, n): a new bytes object whose contents are left for the caller
+# to fill before anyone else sees it (the C API's way of building bytes in place)
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 
-def _tensor_field(field: int, t: torch.Tensor) -> list:
-    """[header bytes, payload memoryview] of a Tensor submessage in field `field`."""
-    data = tensor_bytes(t)
-    head = _DTYPE_FIELD[t.dtype]
-    if t.dim():
-        dims = b"".join(map(_varint, t.shape))
+# (field number, dtype, shape) of one Tensor submessage whose payload is written in place
+TensorSpec = tuple[int, torch.dtype, Sequence[int]]
+
+
+def _tensor_header(field: int, dtype: torch.dtype, shape: Sequence[int]) -> tuple[bytes, int]:
+    """The bytes of a Tensor submessage in `field` up to its payload, and the payload size."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    head = _DTYPE_FIELD[dtype]
+    if len(shape):
+        dims = b"".join(map(_varint, shape))
         head += _SHAPE_KEY + _varint(len(dims)) + dims
-    if data.nbytes:
-        head += _DATA_KEY + _varint(data.nbytes)
-    return [_key(field, _LEN) + _varint(len(head) + data.nbytes) + head, data]
+    if nbytes:
+        head += _DATA_KEY + _varint(nbytes)
+    return _key(field, _LEN) + _varint(len(head) + nbytes) + head, nbytes
 
 
-def _encode_message(
-    ints: tuple[tuple[int, int], ...], tensors: tuple[tuple[int, torch.Tensor | None], ...]
+def _allocate(
+    ints: Sequence[tuple[int, int]], specs: Sequence[TensorSpec], tail: int = 0
+) -> tuple[bytes, list[torch.Tensor], int]:
+    """Lay out a message: integer fields (zero omitted, as proto3 does), then one Tensor field per
+    spec, then `tail` bytes. Returns (message bytes, writable payload views [one per spec, in
+    order], offset of the tail). Everything but the payloads and the tail is written; the caller
+    fills those before sending."""
+    for _, dtype, _ in specs:
+        dtype_name(dtype)
+    chunks = [(0, b"".join(_key(field, _VARINT) + _varint(v) for field, v in ints if v))]
+    pos, payloads = len(chunks[0][1]), []
+    for field, dtype, shape in specs:
+        head, nbytes = _tensor_header(field, dtype, shape)
+        chunks.append((pos, head))
+        payloads.append((pos + len(head), dtype, tuple(shape)))
+        pos += len(head) + nbytes
+    data = _new_bytes(None, pos + tail)
+    for offset, chunk in chunks:
+        _write(data, offset, chunk)
+    views = [
+        torch.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+        if math.prod(shape)
+        else torch.empty(shape, dtype=dtype)
+        for offset, dtype, shape in payloads
+    ]
+    return data, views, pos
+
+
+def _write(data: bytes, offset: int, chunk: bytes) -> None:
+    """Write `chunk` into a message `_allocate` made (only before it is sent)."""
+    ctypes.memmove(ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value + offset, chunk, len(chunk))
+
+
+def _encode(
+    ints: Sequence[tuple[int, int]], tensors: Sequence[tuple[int, torch.Tensor | None]], tail: bytes = b""
 ) -> bytes:
-    """Protobuf bytes of integer fields (zero omitted, as proto3 does) then Tensor fields;
-    copies each tensor's bytes once (into the result)."""
-    parts = [_key(field, _VARINT) + _varint(v) for field, v in ints if v]
-    for field, t in tensors:
-        if t is not None:
-            parts += _tensor_field(field, t)
-    return b"".join(parts)
+    """A message from finished tensors (None = field absent): each copied once, into the
+    message (from any device)."""
+    present = [(field, t) for field, t in tensors if t is not None]
+    data, views, offset = _allocate(
+        ints, [(field, t.dtype, tuple(t.shape)) for field, t in present], len(tail)
+    )
+    for view, (_, t) in zip(views, present, strict=True):
+        view.copy_(t)
+    _write(data, offset, tail)
+    return data
+
+
+class DispatchRequestBuffer:
+    """A DispatchRequest laid out before its tensors exist, for the sender to build them in place.
+
+    `data` is the serialized message; `hidden` [T, H], `slot` [T, K] int32 and `weight` [T, K]
+    float32 are writable views of its payload bytes. Fill all three (e.g.
+    `torch.index_select(x, 0, rows, out=buf.hidden)`), then send `data` and stop writing: bytes
+    are immutable once anyone else holds them.
+    """
+
+    def __init__(self, layer: int, placement_version: int, hidden_shape: Sequence[int], dtype: torch.dtype,
+                 top_k: int):  # fmt: skip
+        T = hidden_shape[0]
+        specs = [(3, dtype, hidden_shape), (4, torch.int32, (T, top_k)), (5, torch.float32, (T, top_k))]
+        self.data, (self.hidden, self.slot, self.weight), _ = _allocate(
+            ((1, layer), (2, placement_version)), specs
+        )
+
+
+class DispatchResponseBuffer:
+    """A DispatchResponse laid out before its output exists: the expert compute writes `output`
+    [T, H] (a view of `data`) in place, then `finish(compute_seconds)` returns `data`.
+    compute_seconds is always present (protobuf would omit an exact 0.0; decoders accept both)."""
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype):
+        self.data, (self.output,), self._tail = _allocate((), [(1, dtype, shape)], tail=9)
+
+    def finish(self, compute_seconds: float) -> bytes:
+        _write(self.data, self._tail, _key(2, _I64) + struct.pack("<d", compute_seconds))
+        return self.data
 
 
 def encode_dispatch_request(req: DispatchRequest) -> bytes:
-    """Serialized DispatchRequest."""
-    return _encode_message(((1, req.layer), (2, req.placement_version)),
-                           ((3, req.hidden), (4, req.slot), (5, req.weight)))  # fmt: skip
+    """Serialized DispatchRequest (byte-identical to protobuf's); copies each tensor once."""
+    return _encode(((1, req.layer), (2, req.placement_version)),
+                   ((3, req.hidden), (4, req.slot), (5, req.weight)))  # fmt: skip
 
 
 def encode_dispatch_response(resp: DispatchResponse) -> bytes:
-    """Serialized DispatchResponse; copies the output's bytes once."""
-    parts = _tensor_field(1, resp.output) if resp.output is not None else []
+    """Serialized DispatchResponse (byte-identical to protobuf's); copies the output once."""
     seconds = struct.pack("<d", resp.compute_seconds)
-    if seconds != bytes(8):  # proto3 omits a double whose bits are all zero (-0.0 is written)
-        parts.append(_key(2, _I64) + seconds)
-    return b"".join(parts)
+    tail = b"" if seconds == bytes(8) else _key(2, _I64) + seconds  # proto3 omits all-zero bits
+    return _encode((), ((1, resp.output),), tail)
 
 
 def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -336,7 +415,7 @@ class ExpertWeights:
 
 def encode_expert_weights(msg: ExpertWeights) -> bytes:
     """Serialized ExpertWeights."""
-    return _encode_message(((1, msg.layer), (2, msg.logical_expert)), ((3, msg.w13), (4, msg.w2)))
+    return _encode(((1, msg.layer), (2, msg.logical_expert)), ((3, msg.w13), (4, msg.w2)))
 
 
 def decode_expert_weights(buf: bytes) -> ExpertWeights:
