@@ -1,6 +1,7 @@
 """The expert worker's gRPC server (real grpc server, in-process on its own threads):
 Dispatch answers, hypothesis-generated bad requests, LoadSlots hot swap while serving, health."""
 
+import os
 import threading
 import time
 
@@ -329,3 +330,13 @@ def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_
 def test_replica_choice_is_balanced_and_deterministic():
     experts = torch.tensor([3, 5, 3, 3, 5, 0])
     assert replica_rank(experts, torch.bincount(experts, minlength=6)).tolist() == [0, 0, 1, 2, 1, 0]
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice here")
+def test_weights_load_on_a_lower_priority_thread(server):
+    """LoadSlots runs on the servicer's loader thread, niced so serving keeps the CPU."""
+    srv, _ = server
+    niceness = srv.server.servicer.loader.submit(
+        lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    )
+    assert niceness.result(10) == min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)

@@ -73,7 +73,8 @@ class AttentionService:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.times = StepTimes()
-        self.step_trace: deque[tuple[float, float, int]] = deque(maxlen=20_000)  # (end time, seconds, seqs)
+        # (end time, seconds, sequences, tokens, placement version) per step
+        self.step_trace: deque[tuple[float, float, int, int, int]] = deque(maxlen=20_000)
         self.placement_version = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{cfg.worker_id}-engine", daemon=True)
@@ -220,11 +221,12 @@ class AttentionService:
         outputs = engine.finish_step(chunks, logits)
         times = self.times
         times.steps += 1
-        times.tokens += sum(c.num_tokens for c in chunks)
+        tokens = sum(c.num_tokens for c in chunks)
+        times.tokens += tokens
         elapsed = time.perf_counter() - t0
         times.step_s += elapsed
         times.max_step_s = max(times.max_step_s, elapsed)
-        self.step_trace.append((time.time(), elapsed, len(chunks)))
+        self.step_trace.append((time.time(), elapsed, len(chunks), tokens, self.placement_version))
         times.expert_wait_s += getattr(engine.experts, "wait_seconds", 0.0) - wait_before
         for out in outputs:
             self._emit(out)
@@ -306,8 +308,9 @@ class AttentionWorker:
     async def stats(self) -> dict:
         return self.service.stats()
 
-    async def step_trace(self, since: float = 0.0) -> list[tuple[float, float, int]]:
-        """(wall-clock end, duration s, sequences) of recent steps that ended after `since`."""
+    async def step_trace(self, since: float = 0.0) -> list[tuple[float, float, int, int, int]]:
+        """(wall-clock end, duration s, sequences, tokens, placement version) of recent steps that
+        ended after `since`."""
         return [t for t in self.service.step_trace if t[0] > since]
 
     async def ready(self) -> dict:

@@ -101,6 +101,7 @@ class ExpertServer:
             return
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        self.servicer.close()
         self.server = None
 
 

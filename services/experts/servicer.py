@@ -4,7 +4,7 @@ The server runs each call on a thread of its pool, so a handler simply does its 
 decodes (zero-copy), computes the experts into the response's bytes (`services.model.wire`) and
 returns them, with no further thread hand-off (torch releases the GIL, so concurrent calls
 compute in parallel); `LoadSlots` reads weights while `Dispatch` keeps serving the loaded
-versions, and copies experts this node's checkpoint lacks from the request's `peers` (a
+versions (on a loader thread of lower CPU priority), and copies experts this node's checkpoint lacks from the request's `peers` (a
 `PeerFetcher` calling their FetchExperts); `FetchExperts` streams held experts, one message per
 expert (one ~88 MB copy for a DeepSeek-V3 expert in bf16). Request errors map to status codes
 (the worker keeps serving after any of them):
@@ -19,7 +19,10 @@ expert (one ~88 MB copy for a DeepSeek-V3 expert in bf16). Request errors map to
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -64,6 +67,14 @@ class ExpertServicer:
         self.store = store
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
         self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes
+        # weights load on one thread of lower CPU priority, so where experts compute on the same
+        # cores (CPU workers, or a busy host) loading yields to serving
+        self.loader = ThreadPoolExecutor(
+            1, thread_name_prefix="expert-load", initializer=lower_thread_priority
+        )
+
+    def close(self) -> None:
+        self.loader.shutdown(wait=False, cancel_futures=True)
 
     # ---- data plane ---------------------------------------------------------------------
     def compute(self, req: wire.DispatchRequest) -> bytes:
@@ -95,7 +106,7 @@ class ExpertServicer:
             experts[entry.layer] = list(entry.logical_expert)
         peers = [p for p in request.peers if p and p != self.address]
         try:
-            report = self._load(request.version, experts, peers)
+            report = self.loader.submit(self._load, request.version, experts, peers).result()
         except SlotStoreError as e:
             context.abort(status_of(e), str(e))
         log.info(
@@ -140,6 +151,15 @@ class ExpertServicer:
 
     def Stats(self, request, context) -> expert_pb2.StatsResponse:
         return stats_to_proto(self.store.stats())
+
+
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Lower the calling thread's CPU priority (Linux schedules threads by their own nice value;
+    elsewhere, or when not permitted, nothing changes)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError) as e:
+        log.debug("could not lower the loader thread's priority: %s", e)
 
 
 def stats_to_proto(stats: StoreStats) -> expert_pb2.StatsResponse:
