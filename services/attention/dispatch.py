@@ -318,7 +318,7 @@ class RemoteExperts:
             req = wire.DispatchRequestBuffer(msg.layer, placement.version, (rows.numel(), x.shape[1]), x.dtype,
                                              slot.shape[1])  # fmt: skip
             if rows.numel() == x.shape[0]:
-                req.hidden.copy_(x)
+                wire.copy_into(req.hidden, x)
             elif x.device.type == "cpu":
                 torch.index_select(x, 0, rows, out=req.hidden)
             else:

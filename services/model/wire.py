@@ -28,6 +28,7 @@ also be unaligned, which CPU kernels handle; `.to(device)` copies anyway).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import struct
 import sys
@@ -188,7 +189,8 @@ _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 TensorSpec = tuple[int, torch.dtype, Sequence[int]]
 
 
-def _tensor_header(field: int, dtype: torch.dtype, shape: Sequence[int]) -> tuple[bytes, int]:
+@functools.lru_cache(maxsize=4096)  # the same few shapes come every step
+def _tensor_header(field: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
     """The bytes of a Tensor submessage in `field` up to its payload, and the payload size."""
     nbytes = math.prod(shape) * dtype.itemsize
     head = _DTYPE_FIELD[dtype]
@@ -212,13 +214,15 @@ def _allocate(
     chunks = [(0, b"".join(_key(field, _VARINT) + _varint(v) for field, v in ints if v))]
     pos, payloads = len(chunks[0][1]), []
     for field, dtype, shape in specs:
+        shape = tuple(shape)
         head, nbytes = _tensor_header(field, dtype, shape)
         chunks.append((pos, head))
-        payloads.append((pos + len(head), dtype, tuple(shape)))
+        payloads.append((pos + len(head), dtype, shape))
         pos += len(head) + nbytes
     data = _new_bytes(None, pos + tail)
+    address = _address(data)
     for offset, chunk in chunks:
-        _write(data, offset, chunk)
+        ctypes.memmove(address + offset, chunk, len(chunk))
     views = [
         torch.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
         if math.prod(shape)
@@ -228,9 +232,29 @@ def _allocate(
     return data, views, pos
 
 
+def _address(data: bytes) -> int:
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+
+
 def _write(data: bytes, offset: int, chunk: bytes) -> None:
     """Write `chunk` into a message `_allocate` made (only before it is sent)."""
-    ctypes.memmove(ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value + offset, chunk, len(chunk))
+    ctypes.memmove(_address(data) + offset, chunk, len(chunk))
+
+
+def copy_into(view: torch.Tensor, t: torch.Tensor) -> None:
+    """view.copy_(t), as a plain memcpy when both are contiguous CPU tensors of one dtype (torch's
+    copy into the unaligned payload views of a message is ~1.5x slower than memcpy)."""
+    if (
+        t.device.type == "cpu"
+        and t.dtype == view.dtype
+        and t.shape == view.shape
+        and t.is_contiguous()
+        and view.is_contiguous()
+    ):
+        if t.numel():
+            ctypes.memmove(view.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+    else:
+        view.copy_(t)
 
 
 def _encode(
@@ -243,7 +267,7 @@ def _encode(
         ints, [(field, t.dtype, tuple(t.shape)) for field, t in present], len(tail)
     )
     for view, (_, t) in zip(views, present, strict=True):
-        view.copy_(t)
+        copy_into(view, t)
     _write(data, offset, tail)
     return data
 
