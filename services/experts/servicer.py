@@ -2,11 +2,12 @@
 
 The server runs each call on a thread of its pool, so a handler simply does its work: Dispatch
 decodes (zero-copy), computes the experts into the response's bytes (`services.model.wire`) and
-returns them, with no further thread hand-off (torch releases the GIL, so concurrent calls
-compute in parallel); `LoadSlots` reads weights while `Dispatch` keeps serving the loaded
-versions (on a loader thread of lower CPU priority), and copies experts this node's checkpoint lacks from the request's `peers` (a
-`PeerFetcher` calling their FetchExperts); `FetchExperts` streams held experts, one message per
-expert (one ~88 MB copy for a DeepSeek-V3 expert in bf16). Request errors map to status codes
+returns them, with no further thread hand-off (concurrent calls decode in parallel and compute
+one at a time, so each finishes as early as it can). `LoadSlots` reads weights on a loader
+thread of lower CPU priority while `Dispatch` keeps serving the loaded versions, and copies
+experts this node's checkpoint lacks from the request's `peers` (a `PeerFetcher` calling their
+FetchExperts). `FetchExperts` streams held experts, one message per expert (one ~88 MB copy for a
+DeepSeek-V3 expert in bf16). Request errors map to status codes
 (the worker keeps serving after any of them):
 
     WireError, InvalidRequest  -> INVALID_ARGUMENT
@@ -67,6 +68,9 @@ class ExpertServicer:
         self.store = store
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
         self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes
+        # one expert compute at a time, so concurrent calls (micro-batches, attention workers)
+        # finish in turn instead of all late together; decoding and encoding overlap freely
+        self._compute_lock = threading.Lock()
         # weights load on one thread of lower CPU priority, so where experts compute on the same
         # cores (CPU workers, or a busy host) loading yields to serving
         self.loader = ThreadPoolExecutor(
@@ -79,16 +83,17 @@ class ExpertServicer:
     # ---- data plane ---------------------------------------------------------------------
     def compute(self, req: wire.DispatchRequest) -> bytes:
         """Run the experts for a decoded request, writing straight into the response's bytes."""
-        start = time.perf_counter()
         resp = None if req.hidden is None else wire.DispatchResponseBuffer(req.hidden.shape, req.hidden.dtype)
-        self.store.forward(
-            req.placement_version,
-            req.layer,
-            req.hidden,
-            req.slot,
-            req.weight,
-            None if resp is None else resp.output,
-        )
+        with self._compute_lock:
+            start = time.perf_counter()
+            self.store.forward(
+                req.placement_version,
+                req.layer,
+                req.hidden,
+                req.slot,
+                req.weight,
+                None if resp is None else resp.output,
+            )
         return resp.finish(time.perf_counter() - start)
 
     def Dispatch(self, request: bytes, context) -> bytes:
