@@ -2,7 +2,8 @@
 
 `small` preset; the cluster path is one attention engine (this process, like an attention
 worker's engine thread) + 2 expert workers (Ray actors, gRPC); batch 1/8/32/64; ping-pong
-(2 micro-batches) off vs on; LocalEngine (all experts in process) in the same run.
+(2 micro-batches) off vs on; LocalEngine (all experts in process) in the same run. The three
+take turns (`--rounds` per batch size) and each row is the median round.
 
 Breakdown per decode step (seconds, mean): attention = MLA (projections + paged attention),
 gate = router, dispatch = choosing replicas + encoding + starting RPCs, expert_wait = blocked in
@@ -125,6 +126,7 @@ def main() -> None:
     ap.add_argument("--attention-threads", type=int, default=1)
     ap.add_argument("--local-threads", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true", help="expert workers as plain processes")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved measurements per batch and engine")
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     args = ap.parse_args()
     model_dir = args.model or str(init_model(Path(tempfile.mkdtemp()) / "small", "small"))
@@ -133,15 +135,13 @@ def main() -> None:
 
     addresses, stop_workers = start_expert_workers(model_dir, args.expert_workers, args.no_ray)
     rows = {"local": [], "cluster_pingpong_off": [], "cluster_pingpong_on": []}
+    engines = {}
     try:
         torch.set_num_threads(args.local_threads)
-        local = LocalEngine(EngineConfig(model=model_dir, max_num_seqs=max(batches)))
-        for b in batches:
-            rows["local"].append(measure(local, b, local.cfg.vocab_size, timers))
-            print("local", rows["local"][-1], flush=True)
-        del local
-
-        torch.set_num_threads(args.attention_threads)
+        engines["local"] = (
+            LocalEngine(EngineConfig(model=model_dir, max_num_seqs=max(batches))),
+            args.local_threads,
+        )
         placement = None
         for name, micro in (("cluster_pingpong_off", 1), ("cluster_pingpong_on", 2)):
             ecfg = EngineConfig(model=model_dir, max_num_seqs=max(batches), micro_batches=micro)
@@ -155,12 +155,23 @@ def main() -> None:
                 return RemoteExperts(cfg, placement, addresses)
 
             cfg, model, experts, tok = load_engine(ecfg, make_experts)
-            engine = Engine(cfg, model, experts, ecfg, tok)
-            for b in batches:
-                rows[name].append(measure(engine, b, cfg.vocab_size, timers))
+            engines[name] = (Engine(cfg, model, experts, ecfg, tok), args.attention_threads)
+        # the three engines take turns, `--rounds` times per batch size, so slow drifts of this
+        # shared machine hit all of them alike; each row is the round with the median step time
+        for b in batches:
+            runs = {name: [] for name in engines}
+            for _ in range(args.rounds):
+                for name, (engine, threads) in engines.items():
+                    torch.set_num_threads(threads)
+                    runs[name].append(measure(engine, b, engine.cfg.vocab_size, timers))
+            for name, measured in runs.items():
+                row = sorted(measured, key=lambda r: r["step_s"])[len(measured) // 2]
+                rows[name].append({**row, "rounds_step_s": [r["step_s"] for r in measured]})
                 print(name, rows[name][-1], flush=True)
-            experts.close()
     finally:
+        for name, (engine, _) in engines.items():
+            if name != "local":
+                engine.experts.close()
         stop_workers()
 
     def at(name, b):
@@ -183,6 +194,7 @@ def main() -> None:
         "attention_threads": args.attention_threads,
         "local_threads": args.local_threads,
         "decode_steps": DECODE_STEPS,
+        "rounds": args.rounds,
         "prompt_len": PROMPT_LEN,
         "machine_cores": torch.get_num_threads(),
         "rows": rows,
