@@ -2,9 +2,9 @@
 grpc.health.v1 service on one grpc server, for one expert worker process.
 
 A sync server: every call runs on a thread of the server's pool, the same hand-off a raw echo
-handler pays, and the Dispatch compute happens right there (torch releases the GIL). Control calls
-(health, Stats, LoadSlots, FetchExperts) keep being answered on the other threads while experts
-compute."""
+handler pays, and the Dispatch compute happens right there (one at a time, see servicer.py).
+Control calls (health, Stats, LoadSlots, FetchExperts) keep being answered on the other threads
+while experts compute."""
 
 from __future__ import annotations
 
