@@ -390,25 +390,30 @@ def _decode_tensor(buf: bytes, spans: list[tuple[int, int]], what: str) -> torch
         raise WireError(f"{what}: {e}") from None
 
 
+def _decode_ints_and_tensors(
+    buf: bytes, message: str, tensor_names: dict[int, str]
+) -> tuple[int, int, list[torch.Tensor | None]]:
+    """The shape DispatchRequest and ExpertWeights share: varint fields 1 and 2 (raw uint64, 0 when
+    absent) and Tensor fields `tensor_names` (decoded viewing `buf`; None when absent)."""
+    ints = {1: 0, 2: 0}
+    spans: dict[int, list[tuple[int, int]]] = {f: [] for f in tensor_names}
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        if field in ints:
+            _expect(field, wire_type, _VARINT, message)
+            ints[field] = value
+        elif field in spans:
+            _expect(field, wire_type, _LEN, message)
+            spans[field].append(value)
+    tensors = [_decode_tensor(buf, spans[f], name) if spans[f] else None for f, name in tensor_names.items()]
+    return ints[1], ints[2], tensors
+
+
 def decode_dispatch_request(buf: bytes) -> DispatchRequest:
     """Parse a serialized DispatchRequest; tensors view `buf` (no copy)."""
-    layer = version = 0
-    tensors: dict[int, list[tuple[int, int]]] = {3: [], 4: [], 5: []}
-    for field, wire_type, value in _fields(buf, 0, len(buf)):
-        if field == 1:
-            _expect(field, wire_type, _VARINT, "DispatchRequest")
-            layer = value & 0xFFFFFFFF
-        elif field == 2:
-            _expect(field, wire_type, _VARINT, "DispatchRequest")
-            version = value
-        elif field in tensors:
-            _expect(field, wire_type, _LEN, "DispatchRequest")
-            tensors[field].append(value)
-    hidden, slot, weight = (
-        _decode_tensor(buf, tensors[f], name) if tensors[f] else None
-        for f, name in ((3, "hidden"), (4, "slot"), (5, "weight"))
+    layer, version, tensors = _decode_ints_and_tensors(
+        buf, "DispatchRequest", {3: "hidden", 4: "slot", 5: "weight"}
     )
-    return DispatchRequest(layer, version, hidden, slot, weight)
+    return DispatchRequest(layer & 0xFFFFFFFF, version, *tensors)
 
 
 def decode_dispatch_response(buf: bytes) -> DispatchResponse:
@@ -444,23 +449,10 @@ def encode_expert_weights(msg: ExpertWeights) -> bytes:
 
 def decode_expert_weights(buf: bytes) -> ExpertWeights:
     """Parse a serialized ExpertWeights; tensors view `buf` (no copy)."""
-    layer = expert = 0
-    tensors: dict[int, list[tuple[int, int]]] = {3: [], 4: []}
-    for field, wire_type, value in _fields(buf, 0, len(buf)):
-        if field == 1:
-            _expect(field, wire_type, _VARINT, "ExpertWeights")
-            layer = value & 0xFFFFFFFF
-        elif field == 2:
-            _expect(field, wire_type, _VARINT, "ExpertWeights")
-            expert = value & 0xFFFFFFFF
-            expert = expert - (1 << 32) if expert >= 1 << 31 else expert  # int32
-        elif field in tensors:
-            _expect(field, wire_type, _LEN, "ExpertWeights")
-            tensors[field].append(value)
-    w13, w2 = (
-        _decode_tensor(buf, tensors[f], name) if tensors[f] else None for f, name in ((3, "w13"), (4, "w2"))
-    )
-    return ExpertWeights(layer, expert, w13, w2)
+    layer, expert, tensors = _decode_ints_and_tensors(buf, "ExpertWeights", {3: "w13", 4: "w2"})
+    expert &= 0xFFFFFFFF
+    expert = expert - (1 << 32) if expert >= 1 << 31 else expert  # int32
+    return ExpertWeights(layer & 0xFFFFFFFF, expert, *tensors)
 
 
 # ---------------------------------------------------------------------------------------------
