@@ -8,14 +8,28 @@ intermediate size so the FFN does not dominate) and the `small` preset's experts
 fp32, top-6 of 64, intermediate 128). For T = 1, 8, 64, 256 tokens it measures, interleaved:
 
   echo_ms          raw bytes echo (identity serializers) of the hidden states' bytes
+  matched_echo_ms  a raw echo of the Dispatch request's bytes whose handler first runs the same
+                   expert compute (on tensors decoded once, up front) - the transport under the
+                   same load, without any of our per-call code; matched_transport_ms is it minus
+                   that compute
   dispatch_ms      encode + Dispatch RPC + decode (wire.py codec, one worker holds every expert)
   compute_ms       the expert FFN time the worker reports in DispatchResponse.compute_seconds
   remote_experts_ms  the full client path: RemoteExperts.dispatch + combine (replica choice,
                    grouping, scatter-add)
-  overhead         (dispatch - compute - echo) / echo, medians of per-call values
+  overhead         (dispatch - compute - echo) / echo, medians of per-call values (the issue's
+                   definition)
+  overhead_vs_matched  (dispatch - compute - matched_transport) / matched_transport: what our
+                   code adds over the transport of the same bytes after the same compute. On a VM
+                   whose idle cores halt, the first work after a long wait runs cold (a decode
+                   right after the RPC is ~4x slower than the same decode repeated), and an echo
+                   whose handler computes as long as the experts costs up to ~1.5x the plain echo:
+                   those costs are the machine's, not the codec's
   no_compute_overhead  the same for a request of the same bytes whose slots are all -1 (the
                    worker validates and answers zeros): our fixed cost without the expert
                    compute and the idle wake-ups a long compute causes on both sides
+
+The calls of one iteration go in a rotating order, so no kind always follows another (the
+first call after the client's own work pays more, measured here at up to ~1.5 ms at hidden 7168).
 
 Bytes copied per call, by construction of the codec (tests check the decode side shares memory):
 client encode = request payload once (the gather of the worker's rows writes into the message),
@@ -31,6 +45,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -46,6 +61,8 @@ import torch  # noqa: E402
 from services.model import wire  # noqa: E402
 
 ECHO_METHOD = "/bench.Echo/Echo"
+MATCHED_METHOD = "/bench.Echo/Matched"
+MATCHED_TIMES_METHOD = "/bench.Echo/MatchedTimes"
 TOKENS = [1, 8, 64, 256]
 
 CASES = {
@@ -100,8 +117,33 @@ def serve(model_dir: str, dtype: str, port_queue) -> None:
     )
     add_expert_service(server, ExpertServicer(store))
     raw = lambda b: b  # noqa: E731
-    echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request, raw, raw)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", {"Echo": echo}),))
+    decoded, compute_seconds = {}, []
+
+    def matched(request: bytes, context) -> bytes:
+        """Echo `request` (a Dispatch request) after running its expert compute on tensors
+        decoded the first time these bytes' size came (no per-call decode or response build)."""
+        if len(request) not in decoded:
+            req = wire.decode_dispatch_request(bytes(request))
+            decoded[len(request)] = (req, torch.empty_like(req.hidden))
+        req, out = decoded[len(request)]
+        start = time.perf_counter()
+        store.forward(req.placement_version, req.layer, req.hidden, req.slot, req.weight, out)
+        compute_seconds.append(time.perf_counter() - start)
+        return request
+
+    def matched_times(request: bytes, context) -> bytes:
+        """The compute seconds of the Matched calls so far (float64 little-endian), then forget them."""
+        times = struct.pack(f"<{len(compute_seconds)}d", *compute_seconds)
+        compute_seconds.clear()
+        return times
+
+    unary = grpc.unary_unary_rpc_method_handler
+    handlers = {
+        "Echo": unary(lambda request, context: request, raw, raw),
+        "Matched": unary(matched, raw, raw),
+        "MatchedTimes": unary(matched_times, raw, raw),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
     port_queue.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     server.wait_for_termination()
@@ -113,6 +155,8 @@ class Client:
     def __init__(self, address: str, cfg, remote):
         self.channel = grpc.insecure_channel(address, options=wire.grpc_options())
         self.echo = self.channel.unary_unary(ECHO_METHOD)
+        self.matched = self.channel.unary_unary(MATCHED_METHOD)
+        self.matched_times = self.channel.unary_unary(MATCHED_TIMES_METHOD)
         self.dispatch = self.channel.unary_unary(wire.DISPATCH_METHOD)
         self.cfg, self.remote = cfg, remote
 
@@ -141,29 +185,44 @@ class Client:
         idle_req = wire.DispatchRequest(layer, 1, x, torch.full((T, K), -1, dtype=torch.int32), weight)
         msg = ExpertDispatch(layer, x, topk, weight)
         echo_payload = bytes(wire.tensor_bytes(x))
+        request_bytes = wire.encode_dispatch_request(req)
 
         for _ in range(5):  # warm up connections, allocator, kernels
-            self.echo(echo_payload), self.run_dispatch(req), self.run_dispatch(idle_req), self.run_remote(msg)
-        echo_s, dispatch_s, compute_s, idle_s, remote_s = [], [], [], [], []
-        for _ in range(iterations):  # interleaved, so all four see the same machine conditions
+            self.echo(echo_payload), self.matched(request_bytes), self.run_dispatch(req)
+            self.run_dispatch(idle_req), self.run_remote(msg)
+        self.matched_times(b"")
+        times: dict[str, list[float]] = {k: [] for k in ("echo", "matched", "dispatch", "idle", "remote")}
+        compute_s, idle_compute_s = [], []
+
+        def timed(kind: str, call) -> None:
             t0 = time.perf_counter()
-            self.echo(echo_payload)
-            t1 = time.perf_counter()
-            compute_s.append(self.run_dispatch(req))
-            t2 = time.perf_counter()
-            idle_compute = self.run_dispatch(idle_req)
-            t3 = time.perf_counter()
-            self.run_remote(msg)
-            t4 = time.perf_counter()
-            echo_s.append(t1 - t0)
-            dispatch_s.append(t2 - t1)
-            idle_s.append(t3 - t2 - idle_compute)
-            remote_s.append(t4 - t3)
+            result = call()
+            times[kind].append(time.perf_counter() - t0)
+            if kind == "dispatch":
+                compute_s.append(result)
+            elif kind == "idle":
+                idle_compute_s.append(result)
+
+        calls = [
+            ("echo", lambda: self.echo(echo_payload)),
+            ("matched", lambda: self.matched(request_bytes)),
+            ("dispatch", lambda: self.run_dispatch(req)),
+            ("idle", lambda: self.run_dispatch(idle_req)),
+            ("remote", lambda: self.run_remote(msg)),
+        ]
+        for i in range(iterations):  # interleaved, in a rotating order: all see the same conditions
+            for kind, call in calls[i % len(calls) :] + calls[: i % len(calls)]:
+                timed(kind, call)
+        matched_compute_s = [t for (t,) in struct.iter_unpack("<d", self.matched_times(b""))]
+        echo_s, dispatch_s, remote_s = times["echo"], times["dispatch"], times["remote"]
+        idle_s = [t - c for t, c in zip(times["idle"], idle_compute_s, strict=True)]
+        matched_s = [t - c for t, c in zip(times["matched"], matched_compute_s, strict=True)]
 
         med = lambda v: statistics.median(v) * 1e3  # noqa: E731
         echo_ms, idle_ms = med(echo_s), med(idle_s)
         net_ms = med([d - c for d, c in zip(dispatch_s, compute_s, strict=True)])
-        request_bytes = len(wire.encode_dispatch_request(req))
+        matched_ms = med(matched_s)
+        request_bytes = len(request_bytes)
         output_bytes = T * H * dtype.itemsize
         return {
             "tokens": T,
@@ -179,7 +238,11 @@ class Client:
             "compute_ms": round(med(compute_s), 4),
             "dispatch_minus_compute_ms": round(net_ms, 4),
             "remote_experts_ms": round(med(remote_s), 4),
+            "matched_echo_ms": round(med(times["matched"]), 4),
+            "matched_compute_ms": round(med(matched_compute_s), 4),
+            "matched_transport_ms": round(matched_ms, 4),
             "overhead": round((net_ms - echo_ms) / echo_ms, 4),
+            "overhead_vs_matched": round((net_ms - matched_ms) / matched_ms, 4),
             "no_compute_dispatch_minus_compute_ms": round(idle_ms, 4),
             "no_compute_overhead": round((idle_ms - echo_ms) / echo_ms, 4),
             "tokens_per_s": round(T / statistics.median(dispatch_s), 1),
@@ -218,7 +281,8 @@ def bench_case(
             print(
                 f"{name:24s} T={T:4d}  echo {row['echo_ms']:7.3f} ms  dispatch {row['dispatch_ms']:7.3f} ms "
                 f"(compute {row['compute_ms']:6.3f})  remote {row['remote_experts_ms']:7.3f} ms  "
-                f"overhead {row['overhead']:+.1%} (no compute {row['no_compute_overhead']:+.1%})",
+                f"overhead {row['overhead']:+.1%} (no compute {row['no_compute_overhead']:+.1%}, "
+                f"vs matched transport {row['matched_transport_ms']:.3f} ms {row['overhead_vs_matched']:+.1%})",
                 flush=True,
             )
     finally:
@@ -259,6 +323,8 @@ def main() -> None:
         "target": "overhead <= 0.25 for tokens >= 64",
         "target_met": all(r["overhead"] <= 0.25 for r in big),
         "max_overhead_tokens_ge_64": max(r["overhead"] for r in big),
+        "target_met_vs_matched": all(r["overhead_vs_matched"] <= 0.25 for r in big),
+        "max_overhead_vs_matched_tokens_ge_64": max(r["overhead_vs_matched"] for r in big),
         "seconds": round(time.perf_counter() - start, 1),
         "results": rows,
     }
@@ -267,7 +333,10 @@ def main() -> None:
     runs = json.loads(out.read_text()).get("runs", {}) if out.is_file() else {}
     runs[args.label] = result
     out.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
-    print(f"wrote run {args.label!r} to {out} in {result['seconds']} s; target met: {result['target_met']}")
+    print(
+        f"wrote run {args.label!r} to {out} in {result['seconds']} s; target met: {result['target_met']} "
+        f"(vs matched transport: {result['target_met_vs_matched']})"
+    )
 
 
 if __name__ == "__main__":
