@@ -19,11 +19,8 @@ fp32, top-6 of 64, intermediate 128). For T = 1, 8, 64, 256 tokens it measures, 
   overhead         (dispatch - compute - echo) / echo, medians of per-call values (the issue's
                    definition)
   overhead_vs_matched  (dispatch - compute - matched_transport) / matched_transport: what our
-                   code adds over the transport of the same bytes after the same compute. On a VM
-                   whose idle cores halt, the first work after a long wait runs cold (a decode
-                   right after the RPC is ~4x slower than the same decode repeated), and an echo
-                   whose handler computes as long as the experts costs up to ~1.5x the plain echo:
-                   those costs are the machine's, not the codec's
+                   code adds over the transport of the same bytes after the same compute (with
+                   the rotating order below, measured within 0.1-0.3 ms of the plain echo here)
   no_compute_overhead  the same for a request of the same bytes whose slots are all -1 (the
                    worker validates and answers zeros): our fixed cost without the expert
                    compute and the idle wake-ups a long compute causes on both sides
@@ -150,7 +147,7 @@ def serve(model_dir: str, dtype: str, port_queue) -> None:
 
 
 class Client:
-    """The three ways of sending T tokens to the server process, timed."""
+    """The ways of sending T tokens to the server process, timed."""
 
     def __init__(self, address: str, cfg, remote):
         self.channel = grpc.insecure_channel(address, options=wire.grpc_options())
@@ -185,34 +182,28 @@ class Client:
         idle_req = wire.DispatchRequest(layer, 1, x, torch.full((T, K), -1, dtype=torch.int32), weight)
         msg = ExpertDispatch(layer, x, topk, weight)
         echo_payload = bytes(wire.tensor_bytes(x))
-        request_bytes = wire.encode_dispatch_request(req)
+        encoded_request = wire.encode_dispatch_request(req)
 
         for _ in range(5):  # warm up connections, allocator, kernels
-            self.echo(echo_payload), self.matched(request_bytes), self.run_dispatch(req)
+            self.echo(echo_payload), self.matched(encoded_request), self.run_dispatch(req)
             self.run_dispatch(idle_req), self.run_remote(msg)
         self.matched_times(b"")
-        times: dict[str, list[float]] = {k: [] for k in ("echo", "matched", "dispatch", "idle", "remote")}
-        compute_s, idle_compute_s = [], []
-
-        def timed(kind: str, call) -> None:
-            t0 = time.perf_counter()
-            result = call()
-            times[kind].append(time.perf_counter() - t0)
-            if kind == "dispatch":
-                compute_s.append(result)
-            elif kind == "idle":
-                idle_compute_s.append(result)
-
+        kinds = ("echo", "matched", "dispatch", "idle", "remote")
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        returned: dict[str, list] = {k: [] for k in kinds}  # dispatch / idle: the worker's compute_seconds
         calls = [
             ("echo", lambda: self.echo(echo_payload)),
-            ("matched", lambda: self.matched(request_bytes)),
+            ("matched", lambda: self.matched(encoded_request)),
             ("dispatch", lambda: self.run_dispatch(req)),
             ("idle", lambda: self.run_dispatch(idle_req)),
             ("remote", lambda: self.run_remote(msg)),
         ]
         for i in range(iterations):  # interleaved, in a rotating order: all see the same conditions
             for kind, call in calls[i % len(calls) :] + calls[: i % len(calls)]:
-                timed(kind, call)
+                t0 = time.perf_counter()
+                returned[kind].append(call())
+                times[kind].append(time.perf_counter() - t0)
+        compute_s, idle_compute_s = returned["dispatch"], returned["idle"]
         matched_compute_s = [t for (t,) in struct.iter_unpack("<d", self.matched_times(b""))]
         echo_s, dispatch_s, remote_s = times["echo"], times["dispatch"], times["remote"]
         idle_s = [t - c for t, c in zip(times["idle"], idle_compute_s, strict=True)]
@@ -222,7 +213,7 @@ class Client:
         echo_ms, idle_ms = med(echo_s), med(idle_s)
         net_ms = med([d - c for d, c in zip(dispatch_s, compute_s, strict=True)])
         matched_ms = med(matched_s)
-        request_bytes = len(request_bytes)
+        request_bytes = len(encoded_request)
         output_bytes = T * H * dtype.itemsize
         return {
             "tokens": T,
