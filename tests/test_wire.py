@@ -1,6 +1,8 @@
 """Tensor wire format: round trips, byte-compatibility with the generated protobuf classes,
 zero-copy decoding, and clear errors for malformed tensors."""
 
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -112,6 +114,78 @@ def test_decoder_accepts_any_field_order_unknown_fields_and_unpacked_shape():
     assert torch.equal(wire.decode_dispatch_request(msg).hidden, hidden)
 
 
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Both absent, or the same dtype and shape over the same bytes (both decoders view the message)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return (a.dtype, a.shape) == (b.dtype, b.shape) and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
+
+
+def _same_request(a: wire.DispatchRequest, b: wire.DispatchRequest) -> bool:
+    return (a.layer, a.placement_version) == (b.layer, b.placement_version) and all(
+        _same_tensor(x, y)
+        for x, y in zip((a.hidden, a.slot, a.weight), (b.hidden, b.slot, b.weight), strict=True)
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layer=st.integers(0, 2**32 - 1),
+    version=st.integers(0, 2**64 - 1),
+    tokens=st.integers(0, 200),
+    hidden_size=st.integers(1, 300),
+    top_k=st.integers(0, 9),
+    dtype=st.sampled_from(FLOATS),
+    edit=st.sampled_from(["none", "flip", "drop", "append", "truncate"]),
+    where=st.floats(0, 1),
+    byte=st.integers(0, 255),
+)
+def test_fast_decode_agrees_with_the_general_parser(
+    layer, version, tokens, hidden_size, top_k, dtype, edit, where, byte
+):
+    """Messages as our encoders write them are read by matching their layout rather than parsing:
+    they must take that path, and after any edit the fast path either reads exactly what the
+    general parser reads or declines (and the general parser answers, or raises WireError)."""
+    hidden = _random((tokens, hidden_size), dtype)
+    slot = torch.randint(-1, 8, (tokens, top_k), dtype=torch.int32)
+    req = wire.DispatchRequest(layer, version, hidden, slot, torch.rand(tokens, top_k))
+    out = wire.DispatchResponseBuffer((tokens, hidden_size), dtype)
+    out.output.copy_(hidden)
+    for data, fast, general, same in (
+        (
+            wire.encode_dispatch_request(req),
+            wire._request_as_written,
+            wire._parse_dispatch_request,
+            _same_request,
+        ),
+        (
+            out.finish(0.125),
+            wire._response_as_written,
+            wire._parse_dispatch_response,
+            lambda a, b: (
+                struct.pack("<d", a.compute_seconds) == struct.pack("<d", b.compute_seconds)
+                and _same_tensor(a.output, b.output)
+            ),
+        ),
+    ):
+        assert fast(data) is not None, "a message as our encoder writes it missed the fast path"
+        i = int(where * (len(data) - 1))
+        data = {
+            "none": data,
+            "flip": data[:i] + bytes([data[i] ^ (byte or 1)]) + data[i + 1 :],
+            "drop": data[:i] + data[i + 1 :],
+            "append": data + bytes([byte]),
+            "truncate": data[:i],
+        }[edit]
+        quick = fast(data)
+        try:
+            parsed = general(data)
+        except wire.WireError:
+            assert quick is None
+            continue
+        assert quick is None or same(quick, parsed)
+
+
 @pytest.mark.parametrize(
     "dtype, shape, nbytes, message",
     [
@@ -121,6 +195,7 @@ def test_decoder_accepts_any_field_order_unknown_fields_and_unpacked_shape():
         ("bfloat16", [4], 9, "needs 8 bytes, got 9"),
         ("float32", [-1, 2], 8, "negative dimension"),
         ("float32", [2**40, 2**40], 8, "needs"),
+        ("float32", [0, 2**62, 2**62], 0, "overflow"),  # torch refuses the view: still a WireError
     ],
 )
 def test_tensor_errors_are_clear(dtype, shape, nbytes, message):
@@ -142,6 +217,31 @@ def test_tensor_errors_are_clear(dtype, shape, nbytes, message):
 def test_message_errors_are_clear(data, message):
     with pytest.raises(wire.WireError, match=message):
         wire.decode_dispatch_request(data)
+
+
+def test_encoding_copies_any_layout_once():
+    """Contiguous CPU tensors are copied into the message by memcpy, others by torch's copy: the
+    same bytes either way."""
+    hidden = _random((6, 10), torch.bfloat16)
+    slot = torch.randint(-1, 8, (3, 6), dtype=torch.int32)
+    weight = torch.rand(3, 6)
+    strided = wire.DispatchRequest(1, 2, hidden.t().contiguous().t(), slot.t(), weight.t())
+    assert not strided.hidden.is_contiguous() and not strided.slot.is_contiguous()
+    contiguous = wire.DispatchRequest(1, 2, hidden, slot.t().contiguous(), weight.t().contiguous())
+    assert wire.encode_dispatch_request(strided) == wire.encode_dispatch_request(contiguous)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [  # empty tensors whose second dimension is 2**64 - 1: -1 as the int64 it is on the wire
+        "1a160a07666c6f61743332120b00ffffffffffffffffff01220b0a05696e743332120200022a0d0a07666c6f6174333212020002",
+        "0a160a07666c6f61743332120b00ffffffffffffffffff01110000000000000000",
+    ],
+)
+def test_negative_dimensions_are_refused_on_every_path(data):
+    decode = wire.decode_dispatch_request if data.startswith("1a") else wire.decode_dispatch_response
+    with pytest.raises(wire.WireError, match="negative dimension"):
+        decode(bytes.fromhex(data))
 
 
 def test_unsupported_tensor_dtype_on_send():

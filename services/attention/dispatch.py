@@ -141,6 +141,7 @@ class RemoteExperts:
             raise ValueError(f"no address for workers {missing}")
         self.placement, self.addresses = placement, addresses
         self.log2phy, self.logcnt = placement.replicas(self.cfg.n_routed_experts)
+        self._replicated = (self.logcnt > 1).any(-1).tolist()  # per MoE layer: some expert has replicas
         self._live_cache: dict[frozenset[int], tuple[torch.Tensor, torch.Tensor]] = {}
         in_use = {addresses[w] for w in placement.workers}
         self._retired = (self._retired | set(self._channels)) - in_use
@@ -291,13 +292,17 @@ class RemoteExperts:
                     f"(placement version {placement.version}, failed workers "
                     f"{[placement.workers[w] for w in sorted(dead)]})"
                 )
-        # round-robin over replicas across calls: the j-th pair for expert e in this call takes
-        # replica (pairs already sent to e + j) % replicas, so replicas share e's load evenly
-        # however few tokens each call brings (EPLB's model of a replicated expert)
-        sent = self._sent[pending.moe_index]
-        rank = sent[experts] + replica_rank(experts, counts)
-        chosen = log2phy[experts, rank % logcnt[experts]]
-        sent += counts
+        if placement is self.placement and not self._replicated[pending.moe_index]:
+            # one slot per expert in this layer: nothing to choose (and no rotation to advance)
+            chosen = log2phy[experts, 0]
+        else:
+            # round-robin over replicas across calls: the j-th pair for expert e in this call takes
+            # replica (pairs already sent to e + j) % replicas, so replicas share e's load evenly
+            # however few tokens each call brings (EPLB's model of a replicated expert)
+            sent = self._sent[pending.moe_index]
+            rank = sent[experts] + replica_rank(experts, counts)
+            chosen = log2phy[experts, rank % logcnt[experts]]
+            sent += counts
         if pairs is None:
             slot = chosen.view(topk_idx.shape)
         else:

@@ -16,7 +16,9 @@ Two ways in and out:
     the expert compute's final cast): no copy beyond the protobuf bytes themselves.
     `encode_dispatch_request` / `encode_dispatch_response` do the same from finished tensors,
     copying each once;
-  - receiving: decoded tensors are `torch.frombuffer` views of the received bytes (no copy).
+  - receiving: decoded tensors are `torch.frombuffer` views of the received bytes (no copy). A
+    message exactly as our encoders write it is recognised by its layout (see `_as_written`)
+    rather than parsed field by field; anything else takes the general parser.
 
 `encode_expert_weights` / `decode_expert_weights` do the same for the `ExpertWeights` messages
 of the FetchExperts stream (peer copy of expert weights, ~88 MB per DeepSeek-V3 expert in bf16).
@@ -92,20 +94,26 @@ def tensor_from_buffer(dtype: str, shape: Sequence[int], data: bytes | memoryvie
     torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
         raise WireError(f"unknown dtype {dtype!r}; supported: {sorted(DTYPES)}")
-    shape = tuple(int(d) for d in shape)
-    if any(d < 0 for d in shape):
+    return _view(data, torch_dtype, tuple(shape), 0, memoryview(data).nbytes)
+
+
+def _view(
+    data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], offset: int, nbytes: int
+) -> torch.Tensor:
+    """tensor_from_buffer for `nbytes` bytes of `data` from `offset`, the dtype looked up."""
+    if shape and min(shape) < 0:
         raise WireError(f"negative dimension in shape {list(shape)}")
     numel = math.prod(shape)
-    expected = numel * torch_dtype.itemsize
-    nbytes = memoryview(data).nbytes
-    if nbytes != expected:
-        raise WireError(f"{dtype} tensor of shape {list(shape)} needs {expected} bytes, got {nbytes}")
+    if nbytes != numel * dtype.itemsize:
+        raise WireError(
+            f"{DTYPE_NAMES[dtype]} tensor of shape {list(shape)} needs {numel * dtype.itemsize} bytes, got {nbytes}"
+        )
     try:
         if numel == 0:
-            return torch.empty(shape, dtype=torch_dtype)
-        return torch.frombuffer(data, dtype=torch_dtype).view(shape)
-    except RuntimeError as e:
-        raise WireError(f"{dtype} tensor of shape {list(shape)}: {e}") from None
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).view(shape)
+    except (RuntimeError, OverflowError) as e:  # e.g. [0, 2**62, 2**62]: strides overflow
+        raise WireError(f"{DTYPE_NAMES[dtype]} tensor of shape {list(shape)}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,8 +193,20 @@ _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
 _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 
+# CPython keeps a bytes object's characters at a fixed offset from the object (its id): the size
+# of an empty bytes object less its terminating NUL. Checked once, here.
+_BYTES_DATA = sys.getsizeof(b"") - 1
+_probe = b"where do the characters start"
+if ctypes.cast(ctypes.c_char_p(_probe), ctypes.c_void_p).value != id(_probe) + _BYTES_DATA:
+    raise ImportError("the wire codec builds messages in place and needs CPython's bytes layout")
+
+
+def _address(data: bytes) -> int:
+    return id(data) + _BYTES_DATA
+
+
 # (field number, dtype, shape) of one Tensor submessage whose payload is written in place
-TensorSpec = tuple[int, torch.dtype, Sequence[int]]
+TensorSpec = tuple[int, torch.dtype, tuple[int, ...]]
 
 
 @functools.lru_cache(maxsize=4096)  # the same few shapes come every step
@@ -202,38 +222,71 @@ def _tensor_header(field: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tu
     return _key(field, _LEN) + _varint(len(head) + nbytes) + head, nbytes
 
 
-def _allocate(
-    ints: Sequence[tuple[int, int]], specs: Sequence[TensorSpec], tail: int = 0
-) -> tuple[bytes, list[torch.Tensor], int]:
-    """Lay out a message: integer fields (zero omitted, as proto3 does), then one Tensor field per
-    spec, then `tail` bytes. Returns (message bytes, writable payload views [one per spec, in
-    order], offset of the tail). Everything but the payloads and the tail is written; the caller
-    fills those before sending."""
+# (payload offset, dtype, numel, shape) of one Tensor field's payload in a message
+Payload = tuple[int, torch.dtype, int, tuple[int, ...]]
+
+
+@functools.lru_cache(maxsize=1024)
+def _ints(ints: tuple[tuple[int, int], ...]) -> bytes:
+    """Varint fields (field, value), zero omitted as proto3 does: the start of a message."""
+    return b"".join(_key(field, _VARINT) + _varint(v) for field, v in ints if v)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed on shapes only: the same few come every step
+def _layout(
+    specs: tuple[TensorSpec, ...], tail: int
+) -> tuple[int, tuple[tuple[int, bytes], ...], tuple[Payload, ...]]:
+    """Where everything goes after a message's integer fields: one Tensor field per spec, then
+    `tail` more bytes. (size, ((offset, header bytes), ...) with adjacent headers merged,
+    (payload, ...)), offsets counted from the end of the integer fields."""
     for _, dtype, _ in specs:
         dtype_name(dtype)
-    chunks = [(0, b"".join(_key(field, _VARINT) + _varint(v) for field, v in ints if v))]
-    pos, payloads = len(chunks[0][1]), []
+    chunks, payloads, pos = [], [], 0
     for field, dtype, shape in specs:
-        shape = tuple(shape)
         head, nbytes = _tensor_header(field, dtype, shape)
-        chunks.append((pos, head))
-        payloads.append((pos + len(head), dtype, shape))
+        if chunks and chunks[-1][0] + len(chunks[-1][1]) == pos:
+            chunks[-1][1] += head
+        else:
+            chunks.append([pos, head])
+        payloads.append((pos + len(head), dtype, math.prod(shape), shape))
         pos += len(head) + nbytes
-    data = _new_bytes(None, pos + tail)
+    return pos + tail, tuple((offset, head) for offset, head in chunks), tuple(payloads)
+
+
+def _allocate(
+    ints: tuple[tuple[int, int], ...], specs: tuple[TensorSpec, ...], tail: int = 0
+) -> tuple[bytes, list[torch.Tensor], int]:
+    """Lay out a message: integer fields, one Tensor field per spec, `tail` bytes. Returns (message
+    bytes, writable payload views [one per spec, in order], offset of the tail). Everything but
+    the payloads and the tail is written; the caller fills those before sending."""
+    data, base, payloads = _new_message(ints, specs, tail)
+    return data, _views(data, base, payloads), len(data) - tail
+
+
+def _new_message(
+    ints: tuple[tuple[int, int], ...], specs: tuple[TensorSpec, ...], tail: int
+) -> tuple[bytes, int, tuple[Payload, ...]]:
+    """An uninitialised message with its integer fields and Tensor headers written: (bytes,
+    length of the integer fields, the payloads of `_layout`)."""
+    prefix = _ints(ints)
+    size, chunks, payloads = _layout(specs, tail)
+    data = _new_bytes(None, len(prefix) + size)
     address = _address(data)
+    ctypes.memmove(address, prefix, len(prefix))
+    address += len(prefix)
     for offset, chunk in chunks:
         ctypes.memmove(address + offset, chunk, len(chunk))
-    views = [
-        torch.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
-        if math.prod(shape)
+    return data, len(prefix), payloads
+
+
+def _views(data: bytes, base: int, payloads: Sequence[Payload]) -> list[torch.Tensor]:
+    """Tensors viewing the payloads of a message (offsets from `base`; no copy)."""
+    return [
+        torch.frombuffer(data, dtype=dtype, count=numel, offset=base + offset).view(shape)
+        if numel
         else torch.empty(shape, dtype=dtype)
-        for offset, dtype, shape in payloads
+        for offset, dtype, numel, shape in payloads
     ]
-    return data, views, pos
-
-
-def _address(data: bytes) -> int:
-    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
 
 
 def _write(data: bytes, offset: int, chunk: bytes) -> None:
@@ -258,17 +311,25 @@ def copy_into(view: torch.Tensor, t: torch.Tensor) -> None:
 
 
 def _encode(
-    ints: Sequence[tuple[int, int]], tensors: Sequence[tuple[int, torch.Tensor | None]], tail: bytes = b""
+    ints: tuple[tuple[int, int], ...], tensors: Sequence[tuple[int, torch.Tensor | None]], tail: bytes = b""
 ) -> bytes:
     """A message from finished tensors (None = field absent): each copied once, into the
-    message (from any device)."""
-    present = [(field, t) for field, t in tensors if t is not None]
-    data, views, offset = _allocate(
-        ints, [(field, t.dtype, tuple(t.shape)) for field, t in present], len(tail)
+    message (from any device; a contiguous CPU tensor by memcpy, with no view of the message)."""
+    present = [t for _, t in tensors if t is not None]
+    data, base, payloads = _new_message(
+        ints, tuple((field, t.dtype, tuple(t.shape)) for field, t in tensors if t is not None), len(tail)
     )
-    for view, (_, t) in zip(views, present, strict=True):
-        copy_into(view, t)
-    _write(data, offset, tail)
+    address = _address(data) + base
+    for payload, t in zip(payloads, present, strict=True):
+        offset, dtype, numel, _ = payload
+        if not numel:
+            continue
+        if t.device.type == "cpu" and t.is_contiguous():
+            ctypes.memmove(address + offset, t.data_ptr(), numel * dtype.itemsize)
+        else:
+            _views(data, base, [payload])[0].copy_(t)
+    if tail:
+        _write(data, len(data) - len(tail), tail)
     return data
 
 
@@ -284,10 +345,17 @@ class DispatchRequestBuffer:
     def __init__(self, layer: int, placement_version: int, hidden_shape: Sequence[int], dtype: torch.dtype,
                  top_k: int):  # fmt: skip
         T = hidden_shape[0]
-        specs = [(3, dtype, hidden_shape), (4, torch.int32, (T, top_k)), (5, torch.float32, (T, top_k))]
+        specs = (
+            (3, dtype, tuple(hidden_shape)),
+            (4, torch.int32, (T, top_k)),
+            (5, torch.float32, (T, top_k)),
+        )
         self.data, (self.hidden, self.slot, self.weight), _ = _allocate(
             ((1, layer), (2, placement_version)), specs
         )
+
+
+_SECONDS_KEY = _key(2, _I64)  # DispatchResponse.compute_seconds: key, then 8 bytes (a double)
 
 
 class DispatchResponseBuffer:
@@ -296,10 +364,13 @@ class DispatchResponseBuffer:
     compute_seconds is always present (protobuf would omit an exact 0.0; decoders accept both)."""
 
     def __init__(self, shape: Sequence[int], dtype: torch.dtype):
-        self.data, (self.output,), self._tail = _allocate((), [(1, dtype, shape)], tail=9)
+        self.data, (self.output,), tail = _allocate((), ((1, dtype, tuple(shape)),), tail=1 + 8)
+        _write(self.data, tail, _SECONDS_KEY)
+        # made now, so that finishing after the compute is one store of a double
+        self._seconds = ctypes.c_double.from_address(_address(self.data) + tail + 1)
 
     def finish(self, compute_seconds: float) -> bytes:
-        _write(self.data, self._tail, _key(2, _I64) + struct.pack("<d", compute_seconds))
+        self._seconds.value = compute_seconds
         return self.data
 
 
@@ -365,27 +436,35 @@ def _as_int64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+_DTYPE_OF_NAME = {name.encode(): dtype for name, dtype in DTYPES.items()}
+
+
 def _decode_tensor(buf: bytes, spans: list[tuple[int, int]], what: str) -> torch.Tensor:
     """Decode a Tensor submessage (occurrences merged, as protobuf does) viewing `buf`."""
-    dtype, shape, data = "", [], (0, 0)
-    for start, stop in spans:
-        for field, wire_type, value in _fields(buf, start, stop):
+    name, shape, (start, stop) = b"", [], (0, 0)
+    for span in spans:
+        for field, wire_type, value in _fields(buf, *span):
             if field == 1:
                 _expect(field, wire_type, _LEN, "Tensor")
-                dtype = bytes(buf[value[0] : value[1]]).decode("utf-8", errors="replace")
+                name = bytes(buf[value[0] : value[1]])
             elif field == 2 and wire_type == _LEN:  # packed
-                pos, stop2 = value
-                while pos < stop2:
-                    d, pos = _read_varint(buf, pos, stop2)
+                pos, end = value
+                while pos < end:
+                    d, pos = _read_varint(buf, pos, end)
                     shape.append(_as_int64(d))
             elif field == 2:
                 _expect(field, wire_type, _VARINT, "Tensor")
                 shape.append(_as_int64(value))
             elif field == 3:
                 _expect(field, wire_type, _LEN, "Tensor")
-                data = value
+                start, stop = value
+    dtype = _DTYPE_OF_NAME.get(name)
     try:
-        return tensor_from_buffer(dtype, shape, memoryview(buf)[data[0] : data[1]])
+        if dtype is None:
+            raise WireError(
+                f"unknown dtype {name.decode('utf-8', errors='replace')!r}; supported: {sorted(DTYPES)}"
+            )
+        return _view(buf, dtype, tuple(shape), start, stop - start)
     except WireError as e:
         raise WireError(f"{what}: {e}") from None
 
@@ -410,14 +489,25 @@ def _decode_ints_and_tensors(
 
 def decode_dispatch_request(buf: bytes) -> DispatchRequest:
     """Parse a serialized DispatchRequest; tensors view `buf` (no copy)."""
+    req = _request_as_written(buf) if type(buf) is bytes else None
+    return _parse_dispatch_request(buf) if req is None else req
+
+
+def decode_dispatch_response(buf: bytes) -> DispatchResponse:
+    """Parse a serialized DispatchResponse; the output views `buf` (no copy)."""
+    resp = _response_as_written(buf) if type(buf) is bytes else None
+    return _parse_dispatch_response(buf) if resp is None else resp
+
+
+def _parse_dispatch_request(buf: bytes) -> DispatchRequest:
+    """The general parser: any valid encoding; WireError naming what is wrong otherwise."""
     layer, version, tensors = _decode_ints_and_tensors(
         buf, "DispatchRequest", {3: "hidden", 4: "slot", 5: "weight"}
     )
     return DispatchRequest(layer & 0xFFFFFFFF, version, *tensors)
 
 
-def decode_dispatch_response(buf: bytes) -> DispatchResponse:
-    """Parse a serialized DispatchResponse; the output views `buf` (no copy)."""
+def _parse_dispatch_response(buf: bytes) -> DispatchResponse:
     spans, seconds = [], 0.0
     for field, wire_type, value in _fields(buf, 0, len(buf)):
         if field == 1:
@@ -427,6 +517,87 @@ def decode_dispatch_response(buf: bytes) -> DispatchResponse:
             _expect(field, wire_type, _I64, "DispatchResponse")
             seconds = struct.unpack("<d", value)[0]
     return DispatchResponse(_decode_tensor(buf, spans, "output") if spans else None, seconds)
+
+
+# The fast way in: a message whose bytes are exactly what our encoders write for some values
+# (every Dispatch our peers send) is read by reading those values off its first tensor headers
+# and comparing the integer fields and headers of that layout (`_ints`, `_layout`: the encoders'
+# own, cached) with the bytes, instead of parsing it field by field. The comparison is the
+# proof: equal bytes decode to those values whatever parser reads them. Anything else (other
+# encoders' field order, unknown fields, malformed input) takes the general parser above, which
+# also gives the errors. (Why bother: a Dispatch arrives after a long wait, when the CPU caches
+# hold the expert weights, and every Python function a decode touches first costs tens of
+# microseconds then.)
+def _tensor_head(buf: bytes, pos: int) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """(dtype, shape, end) of the Tensor field at buf[pos] if it starts as our encoder writes one:
+    key, length, dtype name, packed shape. A guess that reads lengths as single bytes and skips
+    every check: `_as_written` compares the whole layout afterwards. Raises IndexError, KeyError
+    or ValueError where it cannot guess."""
+    end = len(buf)
+    pos = _read_varint(buf, pos, end)[1]  # the field's key
+    length, pos = _read_varint(buf, pos, end)
+    stop = pos + length
+    name_end = pos + 2 + buf[pos + 1]  # 0a <name length> <name>
+    dtype = _DTYPE_OF_NAME[buf[pos + 2 : name_end]]
+    pos, dims_end, shape = name_end + 2, name_end + 2 + buf[name_end + 1], []  # 12 <length> <dims>
+    while pos < dims_end:
+        d, pos = _read_varint(buf, pos, dims_end)
+        if d >> 63:
+            raise ValueError("negative dimension")  # int64 on the wire: the general parser says so
+        shape.append(d)
+    return dtype, tuple(shape), stop
+
+
+# what a guess at a message that is not our layout can raise (WireError is a ValueError; torch
+# may refuse a view of absurd dimensions): the general parser then says what is wrong
+_NOT_AS_WRITTEN = (IndexError, KeyError, ValueError, RuntimeError, OverflowError)
+
+
+def _as_written(
+    buf: bytes, ints: tuple[tuple[int, int], ...], specs: tuple[TensorSpec, ...], tail: int
+) -> list[torch.Tensor] | None:
+    """The payload views if `buf` is exactly the layout of `ints`, `specs` and `tail` bytes (all
+    but the tail compared), else None."""
+    prefix = _ints(ints)
+    size, chunks, payloads = _layout(specs, tail)
+    base = len(prefix)
+    if len(buf) != base + size or not buf.startswith(prefix):
+        return None
+    for offset, head in chunks:
+        if not buf.startswith(head, base + offset):
+            return None
+    return _views(buf, base, payloads)
+
+
+def _request_as_written(buf: bytes) -> DispatchRequest | None:
+    """`buf` decoded if it is laid out as `DispatchRequestBuffer` writes a request (hidden, slot
+    and weight present), else None. Never raises."""
+    try:
+        pos, layer, version = 0, 0, 0
+        if buf[pos] == 0x08:
+            layer, pos = _read_varint(buf, pos + 1, len(buf))
+        if buf[pos] == 0x10:
+            version, pos = _read_varint(buf, pos + 1, len(buf))
+        dtype, (T, H), pos = _tensor_head(buf, pos)
+        _, (_, K), _ = _tensor_head(buf, pos)
+        specs = ((3, dtype, (T, H)), (4, torch.int32, (T, K)), (5, torch.float32, (T, K)))
+        views = _as_written(buf, ((1, layer), (2, version)), specs, 0)
+    except _NOT_AS_WRITTEN:
+        return None
+    return None if views is None else DispatchRequest(layer & 0xFFFFFFFF, version, *views)
+
+
+def _response_as_written(buf: bytes) -> DispatchResponse | None:
+    """`buf` decoded if it is laid out as `DispatchResponseBuffer` writes a response (output, then
+    compute_seconds), else None. Never raises."""
+    try:
+        dtype, (T, H), pos = _tensor_head(buf, 0)
+        views = _as_written(buf, (), ((1, dtype, (T, H)),), 1 + 8)
+        if views is None or buf[pos] != _SECONDS_KEY[0]:
+            return None
+    except _NOT_AS_WRITTEN:
+        return None
+    return DispatchResponse(views[0], struct.unpack_from("<d", buf, pos + 1)[0])
 
 
 # ---------------------------------------------------------------------------------------------
