@@ -105,7 +105,12 @@ def cmd_up(args) -> int:
         bar.set_postfix_str(msg)
         bar.update(1)
 
-    cluster = Cluster.start(cfg, progress)
+    try:
+        cluster = Cluster.start(cfg, progress)
+    except KeyboardInterrupt:
+        bar.close()
+        print("\ninterrupted while starting; stopped what had started", file=sys.stderr)
+        return 130
     bar.close()
     print(f"\nmoe-cluster is up: {cluster.url}  (model {cluster.model_dir})")
     print("try:")

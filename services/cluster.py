@@ -208,24 +208,33 @@ class Cluster:
                 ray.init(address="local", num_cpus=cfg.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.namespace,
                          include_dashboard=False, log_to_driver=False)  # fmt: skip
         redis = None
-        redis_url = cfg.redis_url
-        if not redis_url and cfg.address:
-            log.warning("joining a Ray cluster with an embedded Redis on 127.0.0.1: attention workers on "
-                        "other machines cannot report loads (no rebalancing); pass --redis-url")  # fmt: skip
-        if not redis_url:
-            step("starting embedded Redis")
-            redis = EmbeddedRedis.start()
-            redis_url = redis.url
-        backend = start_backend(cfg, model_dir, redis_url, step=step)
+        try:
+            redis_url = cfg.redis_url
+            if not redis_url and cfg.address:
+                log.warning("joining a Ray cluster with an embedded Redis on 127.0.0.1: attention workers on "
+                            "other machines cannot report loads (no rebalancing); pass --redis-url")  # fmt: skip
+            if not redis_url:
+                step("starting embedded Redis")
+                redis = EmbeddedRedis.start()
+                redis_url = redis.url
+            backend = start_backend(cfg, model_dir, redis_url, step=step)
 
-        step(f"starting the OpenAI API on http://{cfg.host}:{cfg.port}")
-        serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
-        serve.run(
-            Router.bind(router_config(cfg, backend)), name="moe-cluster", route_prefix="/", blocking=False
-        )
-        url = f"http://{cfg.host}:{cfg.port}"
-        cluster = cls(cfg, model_dir, url, redis, redis_url, backend.balancer, backend.attention, started_ray)
-        cluster.wait_ready()
+            step(f"starting the OpenAI API on http://{cfg.host}:{cfg.port}")
+            serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
+            serve.run(
+                Router.bind(router_config(cfg, backend)), name="moe-cluster", route_prefix="/", blocking=False
+            )
+            url = f"http://{cfg.host}:{cfg.port}"
+            cluster = cls(
+                cfg, model_dir, url, redis, redis_url, backend.balancer, backend.attention, started_ray
+            )
+            cluster.wait_ready()
+        except BaseException:  # a failed or interrupted start (Ctrl-C) leaves nothing running behind
+            if redis is not None:
+                redis.stop()
+            if started_ray:
+                ray.shutdown()
+            raise
         log.info("cluster up: %s (placement v%d)", url, backend.placement_version)
         return cluster
 
