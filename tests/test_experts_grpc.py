@@ -17,6 +17,7 @@ from services.attention.dispatch import (
     ExpertUnavailableError,
     RemoteExperts,
     replica_rank,
+    sum_rows,
 )
 from services.experts.client import ExpertClient
 from services.experts.server import ExpertServer, ExpertWorkerConfig
@@ -330,6 +331,21 @@ def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_
 def test_replica_choice_is_balanced_and_deterministic():
     experts = torch.tensor([3, 5, 3, 3, 5, 0])
     assert replica_rank(experts, torch.bincount(experts, minlength=6)).tolist() == [0, 0, 1, 2, 1, 0]
+
+
+def test_partial_sums_add_up_per_token_in_fp32():
+    x = torch.zeros(3, 4, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 4, generator=g).bfloat16(), torch.randn(2, 4, generator=g).bfloat16()
+    want = a.float()
+    want[[0, 2]] += b.float()
+    got = sum_rows([(None, a), (torch.tensor([0, 2]), b)], x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+    # one worker computed every row: its output, copied out of the (immutable) response bytes
+    output = wire.decode_dispatch_response(wire.encode_dispatch_response(wire.DispatchResponse(a))).output
+    got = sum_rows([(None, output)], x)
+    assert torch.equal(got, a) and got.untyped_storage().data_ptr() != output.untyped_storage().data_ptr()
+    assert torch.equal(sum_rows([], x), x)
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice here")

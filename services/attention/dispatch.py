@@ -5,7 +5,8 @@ Per MoE layer of a step:
     dispatch(ExpertDispatch(layer, x [T, H], topk_idx [T, K], topk_weight [T, K]))
       1. count routed tokens per (MoE layer, logical expert)            -> self.load
       2. pick a replica per (token, choice): round-robin over e's replicas, continuing across
-         calls (balanced however small the batch, deterministic)         -> global slot
+         calls (balanced however small the batch, deterministic); in a layer without replicas
+         a table lookup (expert -> worker, local slot)                   -> global slot
       3. group by worker (slot // S): each worker gets only its tokens: hidden rows [Tw, H],
          local slots [Tw, K] int32 (-1 where another worker computes the pair), weights fp32
       4. start all RPCs and return a handle: each RPC is a blocking call of the sync gRPC API
@@ -14,7 +15,8 @@ Per MoE layer of a step:
          `stub.future(...)`, whose channel starts a new polling thread whenever its number of
          calls in flight rises from zero, i.e. on every layer of a synchronous driver.
     combine(ExpertCombine(handle))
-      5. wait, scatter-add the partial sums in fp32 into [T, H], return in x's dtype
+      5. wait, scatter-add the partial sums in fp32 into [T, H], return in x's dtype (when one
+         worker computed every pair, its answer is the result, copied out of the response)
 
 Failures: a Dispatch that fails with a transport-like status (UNAVAILABLE, DEADLINE_EXCEEDED,
 ...) marks its worker dead for `dead_worker_cooldown_s` and its pairs are resent to other
@@ -85,7 +87,7 @@ class _Part:
     """One worker's share of a dispatch."""
 
     worker: int  # index into placement.workers
-    rows: torch.Tensor  # [Tw] int64 rows of x this worker got
+    rows: torch.Tensor | None  # [Tw] int64 rows of x this worker got; None: all of them
     pairs: torch.Tensor  # [T, K] bool: the (token, choice) pairs it computes
     future: Future  # -> serialized DispatchResponse, or raises grpc.RpcError
 
@@ -142,6 +144,10 @@ class RemoteExperts:
         self.placement, self.addresses = placement, addresses
         self.log2phy, self.logcnt = placement.replicas(self.cfg.n_routed_experts)
         self._replicated = (self.logcnt > 1).any(-1).tolist()  # per MoE layer: some expert has replicas
+        # per MoE layer, each logical expert's first replica: its worker [E] int64, local slot [E] int32
+        sole = self.log2phy[..., 0]
+        self._sole_worker = list(sole.div(placement.slots_per_worker, rounding_mode="floor"))
+        self._sole_local = list(sole.remainder(placement.slots_per_worker).to(torch.int32))
         self._live_cache: dict[frozenset[int], tuple[torch.Tensor, torch.Tensor]] = {}
         in_use = {addresses[w] for w in placement.workers}
         self._retired = (self._retired | set(self._channels)) - in_use
@@ -210,9 +216,7 @@ class RemoteExperts:
     def combine(self, msg: ExpertCombine) -> torch.Tensor:
         """Wait for a dispatch's RPCs; [T, H] weighted sums in x's dtype (fp32 accumulation)."""
         pending: PendingDispatch = msg.handle
-        x = pending.msg.x
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-        parts, failed_workers = pending.parts, set()
+        parts, failed_workers, answered = pending.parts, set(), []
         try:
             while parts:
                 failed = []
@@ -221,7 +225,7 @@ class RemoteExperts:
                     output = self._result(pending, part, failed)
                     self.wait_seconds += time.perf_counter() - t0
                     if output is not None:
-                        out.index_add_(0, part.rows, output.float())
+                        answered.append((part.rows, output))
                 if not failed:
                     break
                 failed_workers |= {p.worker for p in failed}
@@ -236,7 +240,7 @@ class RemoteExperts:
         finally:
             self._pending -= 1
             self._close_retired()
-        return out.to(device=x.device, dtype=x.dtype)
+        return sum_rows(answered, pending.msg.x)
 
     def _result(self, pending: PendingDispatch, part: _Part, failed: list[_Part]) -> torch.Tensor | None:
         """A part's output [Tw, H], or None after recording a worker failure in `failed`."""
@@ -262,7 +266,8 @@ class RemoteExperts:
             return None
         self.stats.bytes_received += len(data)
         output = wire.decode_dispatch_response(data).output
-        want = (part.rows.numel(), pending.msg.x.shape[1])
+        x = pending.msg.x
+        want = (x.shape[0] if part.rows is None else part.rows.numel(), x.shape[1])
         if output is None or tuple(output.shape) != want:
             got = None if output is None else list(output.shape)
             raise ExpertDispatchError(f"worker {address} answered shape {got}, expected {list(want)}")
@@ -274,71 +279,93 @@ class RemoteExperts:
         """Choose slots for the (token, choice) pairs in `pairs` [T, K] bool (None: all of them, the
         first send, which also counts the load) avoiding `dead` workers, and start one RPC per
         worker involved. strict: raise when a pair has no live replica."""
-        msg, placement = pending.msg, pending.placement
-        topk_idx, topk_weight = msg.topk_idx.cpu(), msg.topk_weight.cpu()
-        log2phy, logcnt = self._live_replicas(pending, dead)
-        log2phy, logcnt = log2phy[pending.moe_index], logcnt[pending.moe_index]
+        msg, placement, li = pending.msg, pending.placement, pending.moe_index
+        topk_idx, topk_weight = msg.topk_idx.cpu(), msg.topk_weight.cpu().float()
         experts = topk_idx.reshape(-1) if pairs is None else topk_idx[pairs]  # [N] logical expert per pair
         counts = torch.bincount(experts, minlength=self.cfg.n_routed_experts)
         if pairs is None:
-            self.load[pending.moe_index] += counts
+            self.load[li].add_(counts)
+        if pairs is None and not dead and placement is self.placement and not self._replicated[li]:
+            # one slot per expert in this layer and every worker up (the usual case): look up
+            worker = self._sole_worker[li].index_select(0, experts).view(topk_idx.shape)
+            local = self._sole_local[li].index_select(0, experts).view(topk_idx.shape)
+        else:
+            chosen = self._choose_slots(pending, experts, counts, dead, strict)
+            if pairs is None:
+                slot = chosen.view(topk_idx.shape)
+            else:
+                slot = torch.full(topk_idx.shape, -1, dtype=torch.long)
+                slot[pairs] = chosen
+            S = placement.slots_per_worker
+            worker = slot.div(S, rounding_mode="floor")  # -1 (no slot) stays -1
+            local = slot.remainder(S).to(torch.int32)  # where worker is -1, masked below
+        return [self._start(pending, w, mine, local, topk_weight) for w, mine in _by_worker(worker)]
+
+    def _choose_slots(
+        self,
+        pending: PendingDispatch,
+        experts: torch.Tensor,
+        counts: torch.Tensor,
+        dead: set[int],
+        strict: bool,
+    ) -> torch.Tensor:
+        """Global slot [N] for each pair's logical expert in `experts` [N] (counts: its bincount),
+        avoiding `dead` workers' replicas; strict: raise when an expert has no live replica."""
+        placement, li = pending.placement, pending.moe_index
+        log2phy, logcnt = self._live_replicas(pending, dead)
+        log2phy, logcnt = log2phy[li], logcnt[li]
         if strict and dead:
             slots = log2phy[experts, 0]
             stranded = torch.isin(slots // placement.slots_per_worker, torch.tensor(sorted(dead)))
             if bool(stranded.any()):
                 lost = sorted(set(experts[stranded].tolist()))
                 raise ExpertUnavailableError(
-                    f"layer {msg.layer}: logical experts {lost} have no replica on a live worker "
+                    f"layer {pending.msg.layer}: logical experts {lost} have no replica on a live worker "
                     f"(placement version {placement.version}, failed workers "
                     f"{[placement.workers[w] for w in sorted(dead)]})"
                 )
-        if placement is self.placement and not self._replicated[pending.moe_index]:
-            # one slot per expert in this layer: nothing to choose (and no rotation to advance)
-            chosen = log2phy[experts, 0]
+        if placement is self.placement and not self._replicated[li]:
+            return log2phy[experts, 0]  # one slot per expert: nothing to choose, no rotation to advance
+        # round-robin over replicas across calls: the j-th pair for expert e in this call takes
+        # replica (pairs already sent to e + j) % replicas, so replicas share e's load evenly
+        # however few tokens each call brings (EPLB's model of a replicated expert)
+        sent = self._sent[li]
+        rank = sent[experts] + replica_rank(experts, counts)
+        sent += counts
+        return log2phy[experts, rank % logcnt[experts]]
+
+    def _start(
+        self, pending: PendingDispatch, w: int, mine: torch.Tensor, local: torch.Tensor, weight: torch.Tensor
+    ) -> _Part:
+        """Start the RPC of worker `w`'s pairs `mine` [T, K] bool (local slots `local` [T, K] int32,
+        routing weights `weight` [T, K]): its request holds only the rows it computes something for.
+        The request is laid out first and its tensors are built in place: the gather of the rows is
+        the one copy of the hidden states."""
+        x, placement = pending.msg.x, pending.placement
+        hit = mine.any(1)  # [T]
+        rows = None if bool(hit.all()) else hit.nonzero().view(-1)
+        T = x.shape[0] if rows is None else rows.numel()
+        req = wire.DispatchRequestBuffer(
+            pending.msg.layer, placement.version, (T, x.shape[1]), x.dtype, mine.shape[1]
+        )
+        if rows is None:
+            wire.copy_into(req.hidden, x)
+            torch.where(mine, local, _NO_SLOT, out=req.slot)
+            torch.where(mine, weight, _NO_WEIGHT, out=req.weight)
         else:
-            # round-robin over replicas across calls: the j-th pair for expert e in this call takes
-            # replica (pairs already sent to e + j) % replicas, so replicas share e's load evenly
-            # however few tokens each call brings (EPLB's model of a replicated expert)
-            sent = self._sent[pending.moe_index]
-            rank = sent[experts] + replica_rank(experts, counts)
-            chosen = log2phy[experts, rank % logcnt[experts]]
-            sent += counts
-        if pairs is None:
-            slot = chosen.view(topk_idx.shape)
-        else:
-            slot = torch.full(topk_idx.shape, -1, dtype=torch.long)
-            slot[pairs] = chosen
-        S = placement.slots_per_worker
-        worker = slot.div(S, rounding_mode="floor")  # -1 (no slot) stays -1
-        local = slot.remainder(S)
-        x = msg.x
-        parts = []
-        for w in worker.unique().tolist():
-            if w < 0:
-                continue
-            mine = worker == w  # [T, K]
-            rows = mine.any(1).nonzero().squeeze(1)
-            # the request is laid out first and its tensors are built in place: the gather of
-            # this worker's rows is the one copy of the hidden states (zero when on the CPU)
-            req = wire.DispatchRequestBuffer(msg.layer, placement.version, (rows.numel(), x.shape[1]), x.dtype,
-                                             slot.shape[1])  # fmt: skip
-            if rows.numel() == x.shape[0]:
-                wire.copy_into(req.hidden, x)
-            elif x.device.type == "cpu":
+            if x.device.type == "cpu":
                 torch.index_select(x, 0, rows, out=req.hidden)
             else:
                 req.hidden.copy_(x.index_select(0, rows.to(x.device)))
-            req.slot.copy_(torch.where(mine, local, -1)[rows])  # int64 -> int32
-            req.weight.copy_(torch.where(mine, topk_weight, 0.0)[rows])
-            address = pending.addresses[placement.workers[w]]
-            future = self._rpc_pool.submit(self._stub(address), req.data, timeout=self.dispatch_cfg.timeout_s)
-            parts.append(_Part(w, rows, mine, future))
-            self.stats.rpcs += 1
-            self.stats.bytes_sent += len(req.data)
-            self.stats.bytes_copied += sum(
-                t.numel() * t.element_size() for t in (req.hidden, req.slot, req.weight)
-            )
-        return parts
+            torch.index_select(torch.where(mine, local, _NO_SLOT), 0, rows, out=req.slot)
+            torch.index_select(torch.where(mine, weight, _NO_WEIGHT), 0, rows, out=req.weight)
+        address = pending.addresses[placement.workers[w]]
+        future = self._rpc_pool.submit(self._stub(address), req.data, timeout=self.dispatch_cfg.timeout_s)
+        self.stats.rpcs += 1
+        self.stats.bytes_sent += len(req.data)
+        row_bytes = x.shape[1] * x.element_size() + mine.shape[1] * 8  # hidden, slot (int32), weight (fp32)
+        self.stats.bytes_copied += T * row_bytes
+        return _Part(w, rows, mine, future)
 
     # ---- load counters ------------------------------------------------------------------
     def take_load(self) -> torch.Tensor:
@@ -352,6 +379,31 @@ class RemoteExperts:
         for channel, _ in self._channels.values():
             channel.close()
         self._channels.clear()
+
+
+_NO_SLOT = torch.tensor(-1, dtype=torch.int32)  # the slot of a pair another worker computes
+_NO_WEIGHT = torch.tensor(0.0)
+
+
+def _by_worker(worker: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(w, worker == w) [T, K] bool for each worker w named in `worker` [T, K] (-1: none)."""
+    named = torch.bincount(worker.view(-1) + 1).tolist()[1:]
+    return [(w, worker == w) for w, n in enumerate(named) if n]
+
+
+def sum_rows(answered: list[tuple[torch.Tensor | None, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    """The workers' partial sums added up per token: [T, H] like x (its dtype and device), summed
+    in fp32. answered: (rows [Tw] int64 or None for all T rows, output [Tw, H]) per worker."""
+    if len(answered) == 1 and answered[0][0] is None:
+        # one worker computed every pair: its sum is the answer (copied: it views the response)
+        return answered[0][1].to(device=x.device, dtype=x.dtype, copy=True)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    for rows, output in answered:
+        if rows is None:
+            out.add_(output)
+        else:
+            out.index_add_(0, rows, output.float())
+    return out.to(device=x.device, dtype=x.dtype)
 
 
 def replica_rank(experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
