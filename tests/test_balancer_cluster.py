@@ -4,11 +4,14 @@ and a Redis restart that stops rebalancing but not serving."""
 
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
 import ray
+import torch
 
+from services.balancer.eplb import gpu_loads
 from services.model.engine import EngineConfig, LocalEngine
 from services.model.redis_store import EmbeddedRedis
 from services.model.sampling import SamplingParams
@@ -17,9 +20,8 @@ from .clusters import tiny_cluster
 
 pytestmark = pytest.mark.cluster
 
-# repetitive prompts route most tokens to a few experts: a skewed load
-PROMPTS = [[0] + [5 + i % 2] * 60 + [9 + i] for i in range(6)]
 MAX_TOKENS = 24
+CANDIDATE_TOKENS = range(1, 33)
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +39,37 @@ def cluster(tiny_model):
         yield c
 
 
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    expected: list[list[int]]  # greedy completions, from LocalEngine
+    predicted_balance: float  # expert-worker balance of these prompts on the initial placement
+
+
+def _prompts(token: int) -> list[list[int]]:
+    """A token repeated: most tokens route to the same few experts."""
+    return [[0] + [token] * 60 + [9 + i] for i in range(6)]
+
+
 @pytest.fixture(scope="module")
-def expected(tiny_model):
+def workload(tiny_model, cluster) -> Workload:
+    """Of the repeated-token prompt sets, the one whose load is the most skewed over the expert
+    workers on the cluster's initial placement (routing counted by LocalEngine, which routes as the
+    cluster does), so that the test starts from an unbalanced placement by construction."""
+    status = _status(cluster)
+    phy2log, num_workers = torch.tensor(status["phy2log"]), len(status["workers"])
     engine = LocalEngine(EngineConfig(model=str(tiny_model)))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in engine.generate(PROMPTS, params)]
+    best = None
+    for token in CANDIDATE_TOKENS:
+        prompts = _prompts(token)
+        engine.experts.take_load()
+        expected = [o.token_ids for o in engine.generate(prompts, params)]
+        worker_load = gpu_loads(phy2log, engine.experts.take_load().double(), num_workers).sum(0)
+        balance = float(worker_load.mean() / worker_load.max())
+        if best is None or balance < best.predicted_balance:
+            best = Workload(prompts, expected, balance)
+    return best
 
 
 def _complete(url: str, prompt: list[int]) -> list[int]:
@@ -53,19 +81,19 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
 
 
 class Traffic:
-    """Clients sending the PROMPTS in a loop until stopped; records every result."""
+    """Clients sending the workload's prompts in a loop until stopped; records every result."""
 
-    def __init__(self, url: str, clients: int = 3):
-        self.url, self.results, self.errors = url, [], []
+    def __init__(self, url: str, workload: Workload, clients: int = 3):
+        self.url, self.prompts, self.results, self.errors = url, workload.prompts, [], []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
 
     def _run(self, i: int) -> None:
         n = i
         while not self._stop.is_set():
-            p = n % len(PROMPTS)
+            p = n % len(self.prompts)
             try:
-                self.results.append((p, _complete(self.url, PROMPTS[p])))
+                self.results.append((p, _complete(self.url, self.prompts[p])))
             except Exception as e:  # noqa: BLE001 (recorded, asserted by the test)
                 self.errors.append(repr(e))
             n += 1
@@ -92,13 +120,17 @@ def _status(cluster) -> dict:
     return ray.get(cluster.balancer.status.remote())
 
 
-def test_rebalance_raises_measured_balance_and_keeps_outputs(cluster, expected):
-    v1 = _status(cluster)["version"]
-    for p, prompt in enumerate(PROMPTS):  # phase A on the uniform initial placement
+def test_rebalance_raises_measured_balance_and_keeps_outputs(cluster, workload):
+    v1, expected = _status(cluster)["version"], workload.expected
+    for p, prompt in enumerate(workload.prompts):  # phase A on the uniform initial placement
         assert _complete(cluster.url, prompt) == expected[p]
     time.sleep(2.5)  # the attention worker flushes its counts to Redis every second
     before = _worker_balance(cluster, v1)
-    with Traffic(cluster.url) as traffic:
+    # the workers' own counters agree with LocalEngine's routing (replicas take turns instead of
+    # splitting exactly, hence the tolerance), and phase A is skewed
+    assert before == pytest.approx(workload.predicted_balance, abs=0.02)
+    assert before < 0.9, before
+    with Traffic(cluster.url, workload) as traffic:
         time.sleep(1.0)
         result = ray.get(cluster.balancer.rebalance.remote())
         time.sleep(1.0)
@@ -107,18 +139,17 @@ def test_rebalance_raises_measured_balance_and_keeps_outputs(cluster, expected):
     assert all(tokens == expected[p] for p, tokens in traffic.results)
     v2 = _status(cluster)["version"]
     assert v2 == v1 + 1
-    for p, prompt in enumerate(PROMPTS):  # phase B: the same traffic on the new placement
+    for p, prompt in enumerate(workload.prompts):  # phase B: the same traffic on the new placement
         assert _complete(cluster.url, prompt) == expected[p]
     after = _worker_balance(cluster, v2)
-    # phase A's placement can already measure near-balanced on a short run (0.975 seen in CI):
-    # then the new placement must stay balanced rather than beat it
-    assert after > before or after >= 0.95, (before, after)
+    assert after > before and after >= 0.9, (before, after)
     st = _status(cluster)
     assert st["last_migration"]["ok"] and st["last_migration"]["moved_slots"] > 0
 
 
-def test_scale_2_to_3_to_1_under_traffic(cluster, expected):
-    with Traffic(cluster.url) as traffic:
+def test_scale_2_to_3_to_1_under_traffic(cluster, workload):
+    expected = workload.expected
+    with Traffic(cluster.url, workload) as traffic:
         time.sleep(1.0)
         up = ray.get(cluster.balancer.scale_experts.remote(3))
         time.sleep(1.0)
@@ -134,18 +165,19 @@ def test_scale_2_to_3_to_1_under_traffic(cluster, expected):
     ray.get(cluster.balancer.scale_experts.remote(2))
 
 
-def test_redis_restart_stops_rebalancing_not_serving(cluster, expected):
+def test_redis_restart_stops_rebalancing_not_serving(cluster, workload):
+    prompts, expected = workload.prompts, workload.expected
     redis: EmbeddedRedis = cluster.redis
     port = int(redis.url.rsplit(":", 1)[1].split("/")[0])
     redis.stop()
     try:
-        for p, prompt in enumerate(PROMPTS[:3]):
+        for p, prompt in enumerate(prompts[:3]):
             assert _complete(cluster.url, prompt) == expected[p]
         result = ray.get(cluster.balancer.rebalance.remote())
         assert not result["migrated"] and "Redis" in result["reason"]
     finally:
         cluster.redis = EmbeddedRedis.start(port=port)
-    for p, prompt in enumerate(PROMPTS[:3]):
+    for p, prompt in enumerate(prompts[:3]):
         assert _complete(cluster.url, prompt) == expected[p]
     time.sleep(2.5)  # counts kept while Redis was down are flushed now
     result = ray.get(cluster.balancer.rebalance.remote())

@@ -334,18 +334,19 @@ def test_replica_choice_is_balanced_and_deterministic():
 
 
 def test_partial_sums_add_up_per_token_in_fp32():
-    x = torch.zeros(3, 4, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, generator=g).bfloat16()  # only its shape, dtype and device count
     a, b = torch.randn(3, 4, generator=g).bfloat16(), torch.randn(2, 4, generator=g).bfloat16()
     want = a.float()
     want[[0, 2]] += b.float()
-    got = sum_rows([(None, a), (torch.tensor([0, 2]), b)], x)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+    for answered in ([(None, a), (torch.tensor([0, 2]), b)], [(torch.tensor([0, 2]), b), (None, a)]):
+        got = sum_rows(answered, x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
     # one worker computed every row: its output, copied out of the (immutable) response bytes
     output = wire.decode_dispatch_response(wire.encode_dispatch_response(wire.DispatchResponse(a))).output
     got = sum_rows([(None, output)], x)
     assert torch.equal(got, a) and got.untyped_storage().data_ptr() != output.untyped_storage().data_ptr()
-    assert torch.equal(sum_rows([], x), x)
+    assert torch.equal(sum_rows([], x), torch.zeros_like(x))
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice here")

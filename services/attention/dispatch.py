@@ -78,7 +78,7 @@ class DispatchStats:
     rpcs: int = 0
     bytes_sent: int = 0  # serialized request bytes
     bytes_received: int = 0  # serialized response bytes
-    bytes_copied: int = 0  # by this client: request payloads, built in place (responses: 0)
+    bytes_copied: int = 0  # request payloads this client wrote (answers copied into results: not counted)
     resent_pairs: int = 0  # (token, choice) pairs resent after a worker failed
 
 
@@ -144,7 +144,8 @@ class RemoteExperts:
         self.placement, self.addresses = placement, addresses
         self.log2phy, self.logcnt = placement.replicas(self.cfg.n_routed_experts)
         self._replicated = (self.logcnt > 1).any(-1).tolist()  # per MoE layer: some expert has replicas
-        # per MoE layer, each logical expert's first replica: its worker [E] int64, local slot [E] int32
+        # per MoE layer, each logical expert's first replica: its worker [E] int64, local slot [E]
+        # int32 (used for layers without replicas, where it is the expert's only slot)
         sole = self.log2phy[..., 0]
         self._sole_worker = list(sole.div(placement.slots_per_worker, rounding_mode="floor"))
         self._sole_local = list(sole.remainder(placement.slots_per_worker).to(torch.int32))
@@ -285,8 +286,9 @@ class RemoteExperts:
         counts = torch.bincount(experts, minlength=self.cfg.n_routed_experts)
         if pairs is None:
             self.load[li].add_(counts)
-        if pairs is None and not dead and placement is self.placement and not self._replicated[li]:
-            # one slot per expert in this layer and every worker up (the usual case): look up
+        if pairs is None and not dead and not self._replicated[li]:
+            # first send (placement is self.placement), one slot per expert in this layer and every
+            # worker up (the usual case): look the pairs' workers and local slots up
             worker = self._sole_worker[li].index_select(0, experts).view(topk_idx.shape)
             local = self._sole_local[li].index_select(0, experts).view(topk_idx.shape)
         else:
@@ -325,7 +327,8 @@ class RemoteExperts:
                     f"{[placement.workers[w] for w in sorted(dead)]})"
                 )
         if placement is self.placement and not self._replicated[li]:
-            return log2phy[experts, 0]  # one slot per expert: nothing to choose, no rotation to advance
+            # (a resend, or a worker is dead) one slot per expert: nothing to choose, no rotation
+            return log2phy[experts, 0]
         # round-robin over replicas across calls: the j-th pair for expert e in this call takes
         # replica (pairs already sent to e + j) % replicas, so replicas share e's load evenly
         # however few tokens each call brings (EPLB's model of a replicated expert)
@@ -363,8 +366,7 @@ class RemoteExperts:
         future = self._rpc_pool.submit(self._stub(address), req.data, timeout=self.dispatch_cfg.timeout_s)
         self.stats.rpcs += 1
         self.stats.bytes_sent += len(req.data)
-        row_bytes = x.shape[1] * x.element_size() + mine.shape[1] * 8  # hidden, slot (int32), weight (fp32)
-        self.stats.bytes_copied += T * row_bytes
+        self.stats.bytes_copied += req.hidden.nbytes + req.slot.nbytes + req.weight.nbytes
         return _Part(w, rows, mine, future)
 
     # ---- load counters ------------------------------------------------------------------
@@ -382,7 +384,7 @@ class RemoteExperts:
 
 
 _NO_SLOT = torch.tensor(-1, dtype=torch.int32)  # the slot of a pair another worker computes
-_NO_WEIGHT = torch.tensor(0.0)
+_NO_WEIGHT = torch.tensor(0.0, dtype=torch.float32)
 
 
 def _by_worker(worker: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
