@@ -144,11 +144,9 @@ class RemoteExperts:
         self.placement, self.addresses = placement, addresses
         self.log2phy, self.logcnt = placement.replicas(self.cfg.n_routed_experts)
         self._replicated = (self.logcnt > 1).any(-1).tolist()  # per MoE layer: some expert has replicas
-        # per MoE layer, each logical expert's first replica: its worker [E] int64, local slot [E]
-        # int32 (used for layers without replicas, where it is the expert's only slot)
-        sole = self.log2phy[..., 0]
-        self._sole_worker = list(sole.div(placement.slots_per_worker, rounding_mode="floor"))
-        self._sole_local = list(sole.remainder(placement.slots_per_worker).to(torch.int32))
+        # per MoE layer, each logical expert's first replica [E] (for layers without replicas: its
+        # only slot, looked up without replica choice)
+        self._sole_slot = list(self.log2phy[..., 0])
         self._live_cache: dict[frozenset[int], tuple[torch.Tensor, torch.Tensor]] = {}
         in_use = {addresses[w] for w in placement.workers}
         self._retired = (self._retired | set(self._channels)) - in_use
@@ -288,19 +286,18 @@ class RemoteExperts:
             self.load[li].add_(counts)
         if pairs is None and not dead and not self._replicated[li]:
             # first send (placement is self.placement), one slot per expert in this layer and every
-            # worker up (the usual case): look the pairs' workers and local slots up
-            worker = self._sole_worker[li].index_select(0, experts).view(topk_idx.shape)
-            local = self._sole_local[li].index_select(0, experts).view(topk_idx.shape)
+            # worker up (the usual case): a lookup
+            chosen = self._sole_slot[li].index_select(0, experts)
         else:
             chosen = self._choose_slots(pending, experts, counts, dead, strict)
-            if pairs is None:
-                slot = chosen.view(topk_idx.shape)
-            else:
-                slot = torch.full(topk_idx.shape, -1, dtype=torch.long)
-                slot[pairs] = chosen
-            S = placement.slots_per_worker
-            worker = slot.div(S, rounding_mode="floor")  # -1 (no slot) stays -1
-            local = slot.remainder(S).to(torch.int32)  # where worker is -1, masked below
+        if pairs is None:
+            slot = chosen.view(topk_idx.shape)
+        else:
+            slot = torch.full(topk_idx.shape, -1, dtype=torch.long)
+            slot[pairs] = chosen
+        S = placement.slots_per_worker
+        worker = slot.div(S, rounding_mode="floor")  # -1 (no slot) stays -1
+        local = slot.remainder(S).to(torch.int32)  # where worker is -1, masked below
         return [self._start(pending, w, mine, local, topk_weight) for w, mine in _by_worker(worker)]
 
     def _choose_slots(
