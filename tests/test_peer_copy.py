@@ -13,7 +13,7 @@ from services.attention.dispatch import RemoteExperts
 from services.experts.client import ExpertClient, load_placement
 from services.experts.server import ExpertWorkerConfig, read_model_config
 from services.experts.store import ExpertNotFound, SlotStore
-from services.model import wire
+from services.rpc import wire
 from services.model.checkpoint import CheckpointReader, expert_name
 from services.model.config import ModelConfig
 from services.model.model import ExpertCombine, ExpertDispatch

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.model import wire
+from services.rpc import wire
 from services.rpc import expert_pb2
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from services.model import wire
+from services.rpc import wire
 from services.model.config import ModelConfig
 from services.model.model import ExpertCombine, ExpertDispatch
 from services.model.placement import Placement

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import redis
 import torch
 
-from services.model.redis_store import connect, current_bucket, write_loads
+from services.redis_store import connect, current_bucket, write_loads
 
 log = logging.getLogger(__name__)
 

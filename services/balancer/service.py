@@ -29,7 +29,7 @@ from services.experts.server import ExpertWorkerConfig, read_model_config
 from services.experts.worker import ExpertWorker
 from services.model.config import ModelConfig
 from services.model.placement import Placement
-from services.model.redis_store import (
+from services.redis_store import (
     connect,
     current_bucket,
     persist_placement,

@@ -12,7 +12,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.model import wire
+from services.rpc import wire
 from services.model.config import ModelConfig
 from services.model.placement import Placement
 from services.rpc import expert_pb2, expert_pb2_grpc

@@ -1,7 +1,7 @@
 """The `moecluster.expert.v1.Expert` gRPC methods over a `SlotStore` (sync grpc handlers).
 
 The server runs each call on a thread of its pool, so a handler simply does its work: Dispatch
-decodes (zero-copy), computes the experts into the response's bytes (`services.model.wire`) and
+decodes (zero-copy), computes the experts into the response's bytes (`services.rpc.wire`) and
 returns them, with no further thread hand-off (concurrent calls decode in parallel and compute
 one at a time, so each finishes as early as it can). `LoadSlots` reads weights on a loader
 thread of lower CPU priority while `Dispatch` keeps serving the loaded versions, and copies
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.model import wire
+from services.rpc import wire
 from services.rpc import expert_pb2
 
 from .client import PeerFetcher

@@ -98,7 +98,7 @@ class ExpertServicer:
     def FetchExperts(self, request, context):
         """Peer copy: the weights of experts this worker holds (in any loaded version), one message
         per expert, in request order, in this worker's compute dtype. Python peers encode and
-        decode ExpertWeights with services/model/wire.py.
+        decode ExpertWeights with services/rpc/wire.py.
         INVALID_ARGUMENT: not a MoE layer, expert id out of range.
         NOT_FOUND: some requested expert is not held by a loaded version here (nothing is sent).
         """
