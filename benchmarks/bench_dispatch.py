@@ -12,7 +12,9 @@ fp32, top-6 of 64, intermediate 128). For T = 1, 8, 64, 256 tokens it measures, 
                    expert compute (on tensors decoded once, up front) - the transport under the
                    same load, without any of our per-call code; matched_transport_ms is it minus
                    that compute
-  dispatch_ms      encode + Dispatch RPC + decode (wire.py codec, one worker holds every expert)
+  dispatch_ms      encode + Dispatch RPC + decode (wire.py codec, one worker holds every expert;
+                   the request built as RemoteExperts builds one: laid out by
+                   DispatchRequestBuffer, the tensors copied in)
   compute_ms       the expert FFN time the worker reports in DispatchResponse.compute_seconds
   remote_experts_ms  the full client path: RemoteExperts.dispatch + combine (replica choice,
                    grouping, scatter-add)
@@ -151,6 +153,18 @@ def serve(model_dir: str, dtype: str, port_queue) -> None:
     server.wait_for_termination()
 
 
+def encode_request(req: wire.DispatchRequest) -> bytes:
+    """`req` serialized as the client serializes a request: laid out by `DispatchRequestBuffer`,
+    each tensor copied into its payload once (memcpy for contiguous CPU tensors)."""
+    buf = wire.DispatchRequestBuffer(
+        req.layer, req.placement_version, req.hidden.shape, req.hidden.dtype, req.slot.shape[1]
+    )
+    wire.copy_into(buf.hidden, req.hidden)
+    wire.copy_into(buf.slot, req.slot)
+    wire.copy_into(buf.weight, req.weight)
+    return buf.data
+
+
 class Client:
     """The ways of sending T tokens to the server process, timed."""
 
@@ -164,7 +178,7 @@ class Client:
 
     def run_dispatch(self, req: wire.DispatchRequest) -> float:
         """encode + RPC + decode; returns the worker's compute_seconds."""
-        data = self.dispatch(wire.encode_dispatch_request(req), timeout=60)
+        data = self.dispatch(encode_request(req), timeout=60)
         return wire.decode_dispatch_response(data).compute_seconds
 
     def run_remote(self, msg) -> None:
@@ -185,9 +199,9 @@ class Client:
         # the same bytes with every slot -1: the worker validates and answers zeros, so the
         # round trip is our fixed cost without expert compute (or the idle wake-ups it causes)
         idle_req = wire.DispatchRequest(layer, 1, x, torch.full((T, K), -1, dtype=torch.int32), weight)
-        msg = ExpertDispatch(layer, x, topk, weight)
+        msg = ExpertDispatch.routed(layer, 0, x, topk, weight, E)
         echo_payload = bytes(wire.tensor_bytes(x))
-        encoded_request = wire.encode_dispatch_request(req)
+        encoded_request = encode_request(req)
 
         for _ in range(5):  # warm up connections, allocator, kernels
             self.echo(echo_payload), self.matched(encoded_request), self.run_dispatch(req)

@@ -8,7 +8,7 @@ layer): uniform, Zipf(1.0), Zipf(1.5), and "skewed" (log-normal per expert, sigm
 [0.6, 1.2], times 5-20 for three hot experts per layer).
 
 Per case: plan time (median over repeats) and balancedness of ours and of the baseline
-(benchmarks/eplb_greedy_reference.py), both in the same run; a sound upper bound on balancedness
+(tests/eplb_greedy_reference.py), both in the same run; a sound upper bound on balancedness
 (``load_lower_bound``); and ``replan`` after 10% load drift (each expert's load times exp(0.1 N(0,1)))
 from our plan for the old loads: moved slots, balance vs the from-scratch plan, and what the
 from-scratch plans (ours, the baseline's) would churn. Also two resizes of the cluster.
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import eplb_greedy_reference as reference
 from services.balancer import eplb
+from tests import eplb_greedy_reference as reference
 
 LAYERS, EXPERTS, GROUPS = 58, 256, 8
 ASSIGNMENTS = 65536 * 8  # routed (token, expert) pairs per layer

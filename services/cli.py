@@ -9,17 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-
-def default_model_dir(preset: str = "tiny") -> Path:
-    """The generated preset checkpoint in the user cache (created on first use)."""
-    root = Path(os.environ.get("MOE_CLUSTER_CACHE", Path.home() / ".cache" / "moe-cluster"))
-    path = root / f"preset-{preset}"
-    if not (path / "config.json").is_file():
-        from services.model.presets import init_model
-
-        print(f"generating the {preset!r} preset checkpoint in {path} ...", file=sys.stderr)
-        init_model(path, preset)
-    return path
+from services.settings import NAMESPACE
 
 
 def _token_ids(text: str) -> list[int]:
@@ -44,6 +34,7 @@ def cmd_init_model(args) -> int:
 
 def cmd_generate(args) -> int:
     from services.model.engine import EngineConfig, LocalEngine
+    from services.model.presets import default_model_dir
     from services.model.sampling import SamplingParams
     from services.model.scheduler import RequestError
 
@@ -89,7 +80,7 @@ def cmd_up(args) -> int:
 
     from services.cluster import Cluster, ClusterConfig
 
-    overrides = {k: getattr(args, k) for k in _UP_FLAGS if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in up_flags() if getattr(args, k) is not None}
     try:
         cfg = (
             ClusterConfig.from_yaml(args.config, **overrides)
@@ -181,9 +172,27 @@ def cmd_bench(args) -> int:
     return 0
 
 
-_UP_FLAGS = ("model", "served_model_name", "address", "host", "port", "attention_workers", "expert_workers",
-             "redundant_experts", "redis_url", "dtype", "max_num_seqs", "max_model_len", "micro_batches",
-             "balancer_period_s", "api_key")  # fmt: skip
+def up_flags() -> dict[str, tuple[type, str]]:
+    """`moe-cluster up` flags: every scalar ClusterConfig field, as (type, help) by field name."""
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    from services.cluster import ClusterConfig
+
+    hints = get_type_hints(ClusterConfig)
+    flags = {}
+    for f in fields(ClusterConfig):
+        kind = next(
+            (
+                t
+                for t in (bool, int, float, str)
+                if t in (hints[f.name], *getattr(hints[f.name], "__args__", ()))
+            ),
+            None,
+        )
+        if kind is not None:
+            flags[f.name] = (kind, f.metadata.get("help", ""))
+    return flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,21 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("up", help="start the cluster: Ray, Redis, workers, balancer, OpenAI API")
     s.add_argument("--config", help="YAML file with cluster settings (flags override it)")
-    s.add_argument("--model", help="checkpoint directory (default: generate the tiny preset)")
-    s.add_argument("--served-model-name")
-    s.add_argument("--address", help="Ray cluster address to join (default: start a local one)")
-    s.add_argument("--host")
-    s.add_argument("--port", type=int)
-    s.add_argument("--attention-workers", type=int)
-    s.add_argument("--expert-workers", type=int)
-    s.add_argument("--redundant-experts", type=int, help="extra expert slots per MoE layer")
-    s.add_argument("--redis-url", help="external Redis (default: an embedded redis-server)")
-    s.add_argument("--dtype")
-    s.add_argument("--max-num-seqs", type=int)
-    s.add_argument("--max-model-len", type=int)
-    s.add_argument("--micro-batches", type=int, help="2 = ping-pong micro-batches, 1 = off (default)")
-    s.add_argument("--balancer-period-s", type=float)
-    s.add_argument("--api-key")
+    for name, (kind, help_) in up_flags().items():
+        s.add_argument(f"--{name.replace('_', '-')}", type=kind, help=help_)
     s.set_defaults(fn=cmd_up)
 
     for name, fn, help_ in (("status", cmd_status, "placement, expert workers, loads, balancedness"),
@@ -238,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "scale-experts":
             s.add_argument("num_workers", type=int)
         s.add_argument("--address", default="auto")
-        s.add_argument("--namespace", default="moe-cluster")
+        s.add_argument("--namespace", default=NAMESPACE)
         s.add_argument("--json", action="store_true")
         s.set_defaults(fn=fn)
 

@@ -20,44 +20,55 @@ from typing import Any
 import ray
 import yaml
 
+from services.settings import BALANCER_NAME, NAMESPACE, SharedSettings, attention_worker_name
+
 log = logging.getLogger(__name__)
 
-NAMESPACE = "moe-cluster"
-BALANCER_NAME = "moe-balancer"
+
+def _setting(default, help: str):
+    """A ClusterConfig field; `help` documents it in YAML and as a `moe-cluster up` flag."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class ClusterConfig:
-    """Everything `moe-cluster up` needs; the same keys in a YAML file (`--config`)."""
+    """Everything `moe-cluster up` needs; the same keys in a YAML file (`--config`). Every scalar
+    field is also a flag of `moe-cluster up` (model_dir -> --model-dir)."""
 
-    model: str | None = None  # checkpoint dir; None: the generated `tiny` preset
-    served_model_name: str | None = None  # default: the checkpoint dir's name
-    address: str | None = None  # Ray cluster to join; None: start a local one
-    host: str = "127.0.0.1"
-    port: int = 8000
-    attention_workers: int = 1
-    expert_workers: int = 2
-    redundant_experts: int = 0
-    redis_url: str | None = None  # None: start an embedded redis-server
-    key_prefix: str = "moe"
-    dtype: str = "float32"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    max_waiting: int = 512
-    micro_batches: int = 1  # 2 = ping-pong (opt-in: it pays when expert workers have cores/GPUs of their own)
-    attn_tp: int = 1
-    attention_threads: int = 1
-    expert_threads: int = 1
-    balancer_period_s: float = 30.0
-    balancer_window_buckets: int = 15
-    balancer_bucket_seconds: float = 2.0
-    balancer_min_gain: float = 0.02
-    api_key: str | None = None
-    num_cpus: int | None = None  # logical CPUs of a local Ray cluster (default: max(4, cores))
-    attention_resources: dict[str, float] = field(default_factory=dict)
-    expert_resources: dict[str, float] = field(default_factory=dict)
-    namespace: str = NAMESPACE
+    model: str | None = _setting(None, "checkpoint directory (default: generate the tiny preset)")
+    served_model_name: str | None = _setting(
+        None, "model name in the API (default: the checkpoint dir's name)"
+    )
+    address: str | None = _setting(None, "Ray cluster address to join (default: start a local one)")
+    host: str = _setting("127.0.0.1", "HTTP host of the OpenAI API")
+    port: int = _setting(8000, "HTTP port of the OpenAI API")
+    attention_workers: int = _setting(1, "attention workers (data parallel)")
+    expert_workers: int = _setting(2, "expert workers")
+    redundant_experts: int = _setting(0, "extra expert slots per MoE layer (replicas of hot experts)")
+    redis_url: str | None = _setting(None, "external Redis (default: an embedded redis-server)")
+    key_prefix: str = _setting("moe", "prefix of every Redis key")
+    dtype: str = _setting("float32", "weights and activations: float32, bfloat16, float16")
+    max_num_seqs: int = _setting(64, "sequences per step, per attention worker")
+    max_num_batched_tokens: int = _setting(2048, "tokens per step, per attention worker")
+    max_model_len: int | None = _setting(None, "context length (default: min(model's, 4096))")
+    max_waiting: int = _setting(512, "queued requests per attention worker before HTTP 429")
+    micro_batches: int = _setting(
+        1, "2 = ping-pong micro-batches (pays when experts have their own cores/GPUs)"
+    )
+    attn_tp: int = _setting(1, "attention tensor parallelism (head slices)")
+    attention_threads: int = _setting(1, "torch threads per attention worker")
+    expert_threads: int = _setting(1, "torch threads per expert worker")
+    balancer_period_s: float = _setting(30.0, "seconds between rebalancing checks (0: on demand only)")
+    balancer_window_buckets: int = _setting(15, "load window, in buckets")
+    balancer_bucket_seconds: float = _setting(2.0, "width of one load bucket")
+    balancer_min_gain: float = _setting(0.02, "balancedness gain needed to migrate experts")
+    api_key: str | None = _setting(None, "require this bearer token on the API")
+    num_cpus: int | None = _setting(None, "logical CPUs of a local Ray cluster (default: max(4, cores))")
+    attention_resources: dict[str, float] = _setting({}, "Ray resources each attention worker needs")
+    expert_resources: dict[str, float] = _setting({}, "Ray resources each expert worker needs")
+    namespace: str = _setting(NAMESPACE, "Ray namespace of the cluster's actors")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> ClusterConfig:
@@ -83,6 +94,12 @@ class ClusterConfig:
             raise ValueError("redundant_experts must be >= 0")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
+        self.shared(None)  # checks the shared settings
+
+    def shared(self, redis_url: str | None) -> SharedSettings:
+        """The settings every service of this cluster shares (with the Redis actually used)."""
+        return SharedSettings(namespace=self.namespace, redis_url=redis_url, key_prefix=self.key_prefix,
+                              bucket_seconds=self.balancer_bucket_seconds)  # fmt: skip
 
 
 @dataclass
@@ -106,19 +123,17 @@ def start_backend(
     from services.balancer.service import Balancer, BalancerConfig
     from services.model.engine import EngineConfig
 
+    shared = cfg.shared(redis_url)
     lifetime = {"lifetime": "detached", "get_if_exists": True} if detached else {}
     step(f"starting {cfg.expert_workers} expert workers and loading the placement")
-    balancer = Balancer.options(name=BALANCER_NAME, namespace=cfg.namespace, **lifetime).remote(
+    balancer = Balancer.options(name=BALANCER_NAME, namespace=shared.namespace, **lifetime).remote(
         BalancerConfig(
             model=model_dir,
             expert_workers=cfg.expert_workers,
             redundant_experts=cfg.redundant_experts,
-            redis_url=redis_url,
-            key_prefix=cfg.key_prefix,
-            namespace=cfg.namespace,
+            shared=shared,
             period_s=cfg.balancer_period_s,
             window_buckets=cfg.balancer_window_buckets,
-            bucket_seconds=cfg.balancer_bucket_seconds,
             min_gain=cfg.balancer_min_gain,
             expert_dtype=cfg.dtype,
             expert_threads=cfg.expert_threads,
@@ -142,16 +157,10 @@ def start_backend(
     )
     attention = {}
     for i in range(cfg.attention_workers):
-        name = f"moe-attn-{i}"
-        wcfg = AttentionWorkerConfig(
-            engine=engine,
-            worker_id=name,
-            redis_url=redis_url,
-            key_prefix=cfg.key_prefix,
-            load_bucket_seconds=cfg.balancer_bucket_seconds,
-        )
+        name = attention_worker_name(i)
+        wcfg = AttentionWorkerConfig(engine=engine, worker_id=name, shared=shared)
         attention[name] = AttentionWorker.options(
-            name=name, namespace=cfg.namespace, resources=cfg.attention_resources or None, **lifetime
+            name=name, namespace=shared.namespace, resources=cfg.attention_resources or None, **lifetime
         ).remote(wcfg, info["placement"], info["addresses"])
     ready = ray.get([a.ready.remote() for a in attention.values()])
     ray.get(balancer.register_attention.remote(list(attention)))
@@ -173,7 +182,7 @@ def router_config(cfg: ClusterConfig, backend: Backend):
 
 
 def resolve_model(cfg: ClusterConfig) -> str:
-    from services.cli import default_model_dir
+    from services.model.presets import default_model_dir
 
     return str(Path(cfg.model).resolve()) if cfg.model else str(default_model_dir("tiny"))
 

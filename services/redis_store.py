@@ -93,26 +93,28 @@ def write_loads(
     one pipelined round trip."""
     key = load_key(prefix, bucket)
     pipe = client.pipeline(transaction=False)
-    layer, expert = torch.nonzero(counts, as_tuple=True)
-    for l_, e_, v in zip(layer.tolist(), expert.tolist(), counts[layer, expert].tolist(), strict=True):
+    moe_layer, expert = torch.nonzero(counts, as_tuple=True)
+    for l_, e_, v in zip(
+        moe_layer.tolist(), expert.tolist(), counts[moe_layer, expert].tolist(), strict=True
+    ):
         pipe.hincrby(key, f"{l_}:{e_}", v)
     pipe.expire(key, ttl_seconds)
     pipe.execute()
 
 
 def read_load_window(
-    client: redis.Redis, prefix: str, last_bucket: int, window: int, num_layers: int, num_experts: int
+    client: redis.Redis, prefix: str, last_bucket: int, window: int, num_moe_layers: int, num_experts: int
 ) -> torch.Tensor:
-    """Sum of buckets (last_bucket - window, last_bucket] -> [num_layers, num_experts] int64."""
+    """Sum of buckets (last_bucket - window, last_bucket] -> [num_moe_layers, num_experts] int64."""
     pipe = client.pipeline(transaction=False)
     for b in range(last_bucket - window + 1, last_bucket + 1):
         pipe.hgetall(load_key(prefix, b))
-    total = torch.zeros(num_layers, num_experts, dtype=torch.long)
+    total = torch.zeros(num_moe_layers, num_experts, dtype=torch.long)
     for fields in pipe.execute():
         for k, v in fields.items():
-            layer, expert = (int(x) for x in k.split(b":"))
-            if 0 <= layer < num_layers and 0 <= expert < num_experts:
-                total[layer, expert] += int(v)
+            moe_layer, expert = (int(x) for x in k.split(b":"))
+            if 0 <= moe_layer < num_moe_layers and 0 <= expert < num_experts:
+                total[moe_layer, expert] += int(v)
     return total
 
 

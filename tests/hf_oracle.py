@@ -96,20 +96,25 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
     return tokens, logits
 
 
+def run_requests(engine, prompts, params):
+    """What engine.generate does, step by step: the completions in input order, each request's
+    logits at its final step, and the routed expert load [num_moe_layers, E] summed over steps."""
+    from services.model.engine import Completion
+
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {rid: Completion(rid, list(p), [], "", "", []) for rid, p in zip(ids, prompts, strict=True)}
+    last, load = {}, 0
+    while engine.has_unfinished():
+        result = engine.step()
+        load = load + result.expert_load
+        for rid, row in zip(result.logits_ids, result.logits, strict=True):
+            last[rid] = row.clone()
+        for out in result.outputs:
+            done[out.request_id].add(out)
+    return [done[rid] for rid in ids], [last[rid] for rid in ids], load
+
+
 def generate_with_logits(engine, prompts, params):
     """engine.generate, also returning each request's logits at its final step."""
-    last = {}
-    finish_step = engine.finish_step
-
-    def spy(chunks, logits):
-        want = [c.seq.request_id for c in chunks if c.wants_logits]
-        for rid, row in zip(want, logits, strict=True):
-            last[rid] = row.clone()
-        return finish_step(chunks, logits)
-
-    engine.finish_step = spy
-    try:
-        outs = engine.generate(prompts, params)
-    finally:
-        engine.finish_step = finish_step
-    return outs, [last[o.request_id] for o in outs]
+    outs, logits, _ = run_requests(engine, prompts, params)
+    return outs, logits

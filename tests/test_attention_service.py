@@ -60,8 +60,9 @@ def test_consumer_going_away_aborts_and_frees_blocks(service):
             break
         await gen.aclose()
         await asyncio.sleep(0.2)
-        return await service.run_in_loop(
-            lambda e: (e.has_unfinished(), e.scheduler.num_free_blocks, e.cache.num_blocks)
+        e = service.engine
+        return await service.between_steps(
+            lambda: (e.has_unfinished(), e.scheduler.num_free_blocks, e.cache.num_blocks)
         )
 
     busy, free, total = asyncio.run(main())
@@ -92,7 +93,7 @@ class _FlakyExperts:
     """Wraps a backend; fails the first `n` dispatches (like a dead expert worker)."""
 
     def __init__(self, inner, n):
-        self.inner, self.n, self.load = inner, n, inner.load
+        self.inner, self.n = inner, n
 
     def dispatch(self, msg):
         if self.n > 0:

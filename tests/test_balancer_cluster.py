@@ -13,10 +13,11 @@ import torch
 
 from services.balancer.eplb import gpu_loads
 from services.model.engine import EngineConfig, LocalEngine
-from services.redis_store import EmbeddedRedis
 from services.model.sampling import SamplingParams
+from services.redis_store import EmbeddedRedis
 
 from .clusters import tiny_cluster
+from .hf_oracle import run_requests
 
 pytestmark = pytest.mark.cluster
 
@@ -63,9 +64,9 @@ def workload(tiny_model, cluster) -> Workload:
     best = None
     for token in CANDIDATE_TOKENS:
         prompts = _prompts(token)
-        engine.experts.take_load()
-        expected = [o.token_ids for o in engine.generate(prompts, params)]
-        worker_load = gpu_loads(phy2log, engine.experts.take_load().double(), num_workers).sum(0)
+        outs, _, load = run_requests(engine, prompts, params)
+        expected = [o.token_ids for o in outs]
+        worker_load = gpu_loads(phy2log, load.double(), num_workers).sum(0)
         balance = float(worker_load.mean() / worker_load.max())
         if best is None or balance < best.predicted_balance:
             best = Workload(prompts, expected, balance)

@@ -24,9 +24,9 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
+from services import serve as serve_app
 from services.cluster import ClusterConfig
 from services.redis_store import free_port
-from services.router import deploy as serve_app
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 RAY_UP = sorted(DEPLOY.glob("ray-up-*.yaml"))

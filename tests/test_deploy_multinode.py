@@ -1,7 +1,7 @@
 """The deploy layout on a real multi-node Ray cluster (`ray.cluster_utils.Cluster`, every node a
 separate raylet on this machine): a head with no custom resources, one `attention_node` and two
 `expert_node` machines, as deploy/ declares them, with the app deployed from deploy/serve.yaml the
-way `serve run` / `serve deploy` / KubeRay do (the builder services.router.deploy:app, detached
+way `serve run` / `serve deploy` / KubeRay do (the builder services.serve:app, detached
 workers, Redis URL and API key from the environment).
 
 Shows that workers land by resource, that EPLB's nodes are the Ray nodes the expert workers run on
@@ -24,10 +24,10 @@ from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
 from services.balancer.policy import Pool
-from services.cluster import BALANCER_NAME, NAMESPACE
 from services.model.engine import EngineConfig, LocalEngine
-from services.redis_store import EmbeddedRedis, free_port
 from services.model.sampling import SamplingParams
+from services.redis_store import EmbeddedRedis, free_port
+from services.settings import BALANCER_NAME, NAMESPACE
 
 pytestmark = pytest.mark.cluster
 

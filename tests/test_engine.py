@@ -38,10 +38,10 @@ def test_batched_staggered_requests_equal_running_alone(engine):
     for i, p in enumerate(prompts):  # a new request arrives every 3 steps
         ids.append(engine.add_request(p, GREEDY))
         for _ in range(3 if i < len(prompts) - 1 else 0):
-            for out in engine.step():
+            for out in engine.step().outputs:
                 results.setdefault(out.request_id, []).extend(out.token_ids)
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             results.setdefault(out.request_id, []).extend(out.token_ids)
     assert [results[r] for r in ids] == alone
     assert engine.scheduler.num_free_blocks == engine.cache.num_blocks

@@ -1,6 +1,6 @@
-"""Tests for the expert-parallelism load balancer (services/balancer/eplb.py).
+"""Tests for the expert-parallelism load balancer (services/balancer/eplb/).
 
-The baseline is benchmarks/eplb_greedy_reference.py, a port of DeepSeek's published greedy EPLB.
+The baseline is tests/eplb_greedy_reference.py, a port of DeepSeek's published greedy EPLB.
 """
 
 import numpy as np
@@ -9,8 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks import eplb_greedy_reference as reference
 from services.balancer import eplb
+from services.balancer.eplb.greedy import _greedy_plan
+
+from . import eplb_greedy_reference as reference
 
 # The worked example of DeepSeek's EPLB README.
 EXAMPLE = torch.tensor(
@@ -143,7 +145,7 @@ def test_greedy_candidate_is_exactly_the_reference(problem):
     """Candidate A of our planner is the published greedy, vectorised: identical placements."""
     weight, num_replicas, num_groups, num_nodes, num_gpus = problem
     groups, nodes = (num_groups, num_nodes) if num_groups % num_nodes == 0 else (1, 1)
-    ours = eplb._greedy_plan(weight.float(), num_replicas, groups, nodes, num_gpus)
+    ours = _greedy_plan(weight.float(), num_replicas, groups, nodes, num_gpus)
     ref = reference.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)[0]
     assert np.array_equal(ours, ref.numpy())
 

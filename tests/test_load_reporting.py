@@ -14,6 +14,7 @@ from services.redis_store import (
     restore_placement,
     write_loads,
 )
+from services.settings import SharedSettings
 
 
 def test_write_and_read_window(redis_server):
@@ -37,7 +38,7 @@ def test_placement_round_trip(redis_server):
 
 def test_reporter_flushes_in_the_background(redis_server):
     cfg = LoadReporterConfig(
-        redis_url=redis_server.url, key_prefix="t3", flush_seconds=0.05, bucket_seconds=60
+        SharedSettings(redis_url=redis_server.url, key_prefix="t3", bucket_seconds=60), 0.05
     )
     rep = LoadReporter(cfg, 2, 4)
     rep.add(torch.tensor([[1, 0, 0, 2], [0, 0, 7, 0]]))
@@ -53,7 +54,7 @@ def test_reporter_flushes_in_the_background(redis_server):
 def test_redis_down_keeps_counts_then_flushes_when_back():
     server = EmbeddedRedis.start()
     port = int(server.url.rsplit(":", 1)[1].split("/")[0])
-    cfg = LoadReporterConfig(redis_url=server.url, key_prefix="t4", flush_seconds=3600, bucket_seconds=60)
+    cfg = LoadReporterConfig(SharedSettings(redis_url=server.url, key_prefix="t4", bucket_seconds=60), 3600)
     rep = LoadReporter(cfg, 1, 2)
     server.stop()
     rep.add(torch.tensor([[4, 1]]))
@@ -73,7 +74,7 @@ def test_redis_down_keeps_counts_then_flushes_when_back():
 
 
 def test_counts_pending_too_long_are_dropped_and_counted():
-    cfg = LoadReporterConfig(redis_url="redis://127.0.0.1:1/0", flush_seconds=3600, max_pending_seconds=0.0)
+    cfg = LoadReporterConfig(SharedSettings(redis_url="redis://127.0.0.1:1/0"), 3600, max_pending_seconds=0.0)
     rep = LoadReporter(cfg, 1, 2)
     rep.add(torch.tensor([[3, 3]]))
     time.sleep(0.01)

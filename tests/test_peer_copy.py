@@ -13,16 +13,16 @@ from services.attention.dispatch import RemoteExperts
 from services.experts.client import ExpertClient, load_placement
 from services.experts.server import ExpertWorkerConfig, read_model_config
 from services.experts.store import ExpertNotFound, SlotStore
-from services.rpc import wire
 from services.model.checkpoint import CheckpointReader, expert_name
 from services.model.config import ModelConfig
 from services.model.model import ExpertCombine, ExpertDispatch
 from services.model.moe import LocalExperts
 from services.model.placement import Placement
 from services.model.presets import init_model
-from services.rpc import expert_pb2
+from services.rpc import expert_pb2, wire
 
 from .test_experts_grpc import DEAD, ServerThread, _call_dispatch, _valid
+from .wire_encoders import encode_dispatch_request, tensor_to_proto
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_expert_weights_codec_matches_protobuf(dtype, layer, expert):
     w13, w2 = torch.randn(6, 5, generator=g).to(dtype), torch.randn(5, 3, generator=g).to(dtype)
     ours = wire.encode_expert_weights(wire.ExpertWeights(layer, expert, w13, w2))
     theirs = expert_pb2.ExpertWeights(
-        layer=layer, logical_expert=expert, w13=wire.tensor_to_proto(w13), w2=wire.tensor_to_proto(w2)
+        layer=layer, logical_expert=expert, w13=tensor_to_proto(w13), w2=tensor_to_proto(w2)
     )
     assert ours == theirs.SerializeToString()
     back = wire.decode_expert_weights(ours)
@@ -162,8 +162,8 @@ def test_worker_without_checkpoint_loads_from_peer(pair, model):
         for layer in cfg.moe_layers:
             req_b, logical = _valid(cfg, experts, T=13, seed=layer, version=1, layer=layer)
             req_a = wire.DispatchRequest(layer, 2, req_b.hidden, req_b.slot, req_b.weight)
-            out_b = _call_dispatch(ch_b, wire.encode_dispatch_request(req_b)).output
-            out_a = _call_dispatch(ch_a, wire.encode_dispatch_request(req_a)).output
+            out_b = _call_dispatch(ch_b, encode_dispatch_request(req_b)).output
+            out_a = _call_dispatch(ch_a, encode_dispatch_request(req_a)).output
             assert torch.equal(out_b, out_a)
             want = everything.packed.forward(layer, req_b.hidden, logical, req_b.weight)
             torch.testing.assert_close(out_b, want, rtol=1e-5, atol=1e-6)
@@ -176,7 +176,7 @@ def test_worker_without_checkpoint_loads_from_peer(pair, model):
         assert "no checkpoint on this node" in err.value.details()
         stats = cb.stats()
         assert list(stats.loaded_versions) == [1] and list(stats.loading_versions) == []
-        out = _call_dispatch(ch_b, wire.encode_dispatch_request(req_b)).output
+        out = _call_dispatch(ch_b, encode_dispatch_request(req_b)).output
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
     # FetchExperts itself: NOT_FOUND for what is not held, INVALID_ARGUMENT for bad ids
@@ -223,7 +223,7 @@ def test_partial_checkpoint_and_config_from_the_caller(model, tmp_path):
         )
         with grpc.insecure_channel(c.address, options=wire.grpc_options()) as ch:
             req, logical = _valid(cfg, [2, 14], T=7, seed=5)
-            out = _call_dispatch(ch, wire.encode_dispatch_request(req)).output
+            out = _call_dispatch(ch, encode_dispatch_request(req)).output
             torch.testing.assert_close(
                 out, everything.packed.forward(req.layer, req.hidden, logical, req.weight)
             )
@@ -251,11 +251,11 @@ def test_scale_up_onto_a_node_without_checkpoint(pair, model):
     T, K = 24, cfg.num_experts_per_tok
     x = torch.randn(T, cfg.hidden_size, generator=g)
     topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    msg = ExpertDispatch(cfg.moe_layers[1], x, topk, torch.rand(T, K, generator=g))
+    msg = ExpertDispatch.routed(cfg.moe_layers[1], 1, x, topk, torch.rand(T, K, generator=g), E)
     experts = RemoteExperts(cfg, v2)
     try:
         got = experts.combine(ExpertCombine(experts.dispatch(msg)))
     finally:
         experts.close()
-    torch.testing.assert_close(got, everything.packed.forward(msg.layer, x, topk, msg.topk_weight))
+    torch.testing.assert_close(got, everything.packed.forward(msg.decoder_layer, x, topk, msg.topk_weight))
     assert cb.stats().dispatch_calls == 1

@@ -89,7 +89,7 @@ def test_no_block_leaks_under_random_aborts_and_stops():
             sched.add(s)
             live.append(s)
         if live and rng.random() < 0.1:
-            sched.abort(rng.choice(live).request_id)
+            sched.finish_id(rng.choice(live).request_id, "abort")
         chunks = sched.schedule()
         want = [c for c in chunks if c.wants_logits]
         sched.update(chunks, [rng.choice([1, 5, 9, 9, 9, 9]) for _ in want], [None] * len(want))
@@ -116,8 +116,8 @@ def test_bad_requests_and_full_queue():
 
 def test_abort_of_unknown_or_finished_request_is_harmless():
     sched = Scheduler(SchedulerConfig(), num_blocks=4)
-    assert sched.abort("nope") is None
+    assert sched.finish_id("nope", "abort") is None
     s = _seq(3, max_tokens=1)
     sched.add(s)
     _run(sched)
-    assert sched.abort(s.request_id) is None and s.finish_reason == "length"
+    assert sched.finish_id(s.request_id, "abort") is None and s.finish_reason == "length"

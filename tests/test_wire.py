@@ -9,8 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.rpc import wire
-from services.rpc import expert_pb2
+from services.rpc import expert_pb2, wire
+
+from .wire_encoders import (
+    encode_dispatch_request,
+    encode_dispatch_response,
+    tensor_from_proto,
+    tensor_to_proto,
+)
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -31,9 +37,9 @@ def _buffer_range(b: bytes) -> tuple[int, int]:
 @pytest.mark.parametrize("shape", [(3, 7), (1, 7168), (0, 5), (4,), ()], ids=str)
 def test_proto_tensor_round_trip(dtype, shape):
     t = _random(shape, dtype)
-    msg = wire.tensor_to_proto(t)
+    msg = tensor_to_proto(t)
     assert msg.dtype == wire.dtype_name(dtype) and list(msg.shape) == list(shape)
-    back = wire.tensor_from_proto(expert_pb2.Tensor.FromString(msg.SerializeToString()))
+    back = tensor_from_proto(expert_pb2.Tensor.FromString(msg.SerializeToString()))
     assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
 
 
@@ -43,7 +49,7 @@ def test_dispatch_round_trip_is_zero_copy_on_receive(dtype):
     slot = torch.tensor([[0, -1, 3]] * 9, dtype=torch.int32)
     weight = torch.rand(9, 3)
     req = wire.DispatchRequest(layer=3, placement_version=7, hidden=hidden, slot=slot, weight=weight)
-    data = wire.encode_dispatch_request(req)
+    data = encode_dispatch_request(req)
     back = wire.decode_dispatch_request(data)
     assert (back.layer, back.placement_version) == (3, 7)
     for got, want in ((back.hidden, hidden), (back.slot, slot), (back.weight, weight)):
@@ -54,7 +60,7 @@ def test_dispatch_round_trip_is_zero_copy_on_receive(dtype):
         )
     assert req.nbytes() == hidden.numel() * hidden.element_size() + slot.numel() * 4 + weight.numel() * 4
 
-    resp = wire.decode_dispatch_response(wire.encode_dispatch_response(wire.DispatchResponse(hidden, 0.5)))
+    resp = wire.decode_dispatch_response(encode_dispatch_response(wire.DispatchResponse(hidden, 0.5)))
     assert resp.compute_seconds == 0.5 and torch.equal(resp.output, hidden)
 
 
@@ -62,7 +68,7 @@ def _pb_request(layer, version, hidden, slot, weight):
     msg = expert_pb2.DispatchRequest(layer=layer, placement_version=version)
     for name, t in (("hidden", hidden), ("slot", slot), ("weight", weight)):
         if t is not None:
-            wire.tensor_to_proto(t, getattr(msg, name))
+            tensor_to_proto(t, getattr(msg, name))
     return msg
 
 
@@ -83,7 +89,7 @@ def test_codec_matches_generated_classes(
     hidden = _random((tokens, hidden_size), dtype)
     slot = torch.randint(-1, 8, (tokens, top_k), dtype=torch.int32)
     weight = torch.rand(tokens, top_k) if with_weight else None
-    ours = wire.encode_dispatch_request(wire.DispatchRequest(layer, version, hidden, slot, weight))
+    ours = encode_dispatch_request(wire.DispatchRequest(layer, version, hidden, slot, weight))
     theirs = _pb_request(layer, version, hidden, slot, weight).SerializeToString()
     assert ours == theirs
     back = wire.decode_dispatch_request(theirs)
@@ -91,8 +97,8 @@ def test_codec_matches_generated_classes(
     assert torch.equal(back.hidden, hidden) and torch.equal(back.slot, slot)
     assert back.weight is None if weight is None else torch.equal(back.weight, weight)
 
-    resp = expert_pb2.DispatchResponse(output=wire.tensor_to_proto(hidden), compute_seconds=seconds)
-    assert wire.encode_dispatch_response(wire.DispatchResponse(hidden, seconds)) == resp.SerializeToString()
+    resp = expert_pb2.DispatchResponse(output=tensor_to_proto(hidden), compute_seconds=seconds)
+    assert encode_dispatch_response(wire.DispatchResponse(hidden, seconds)) == resp.SerializeToString()
     decoded = wire.decode_dispatch_response(resp.SerializeToString())
     assert decoded.compute_seconds == seconds and torch.equal(decoded.output, hidden)
 
@@ -100,7 +106,7 @@ def test_codec_matches_generated_classes(
 def test_decoder_accepts_any_field_order_unknown_fields_and_unpacked_shape():
     hidden = torch.randn(2, 3)
     pieces = [
-        expert_pb2.DispatchRequest(hidden=wire.tensor_to_proto(hidden)).SerializeToString(),
+        expert_pb2.DispatchRequest(hidden=tensor_to_proto(hidden)).SerializeToString(),
         b"\xf8\x07\x2a",  # unknown field 127 (varint 42)
         expert_pb2.DispatchRequest(placement_version=5).SerializeToString(),
         expert_pb2.DispatchRequest(layer=2).SerializeToString(),
@@ -153,7 +159,7 @@ def test_fast_decode_agrees_with_the_general_parser(
     out.output.copy_(hidden)
     for data, fast, general, same in (
         (
-            wire.encode_dispatch_request(req),
+            encode_dispatch_request(req),
             wire._request_as_written,
             wire._parse_dispatch_request,
             _same_request,
@@ -228,7 +234,7 @@ def test_encoding_copies_any_layout_once():
     strided = wire.DispatchRequest(1, 2, hidden.t().contiguous().t(), slot.t(), weight.t())
     assert not strided.hidden.is_contiguous() and not strided.slot.is_contiguous()
     contiguous = wire.DispatchRequest(1, 2, hidden, slot.t().contiguous(), weight.t().contiguous())
-    assert wire.encode_dispatch_request(strided) == wire.encode_dispatch_request(contiguous)
+    assert encode_dispatch_request(strided) == encode_dispatch_request(contiguous)
 
 
 @pytest.mark.parametrize(
@@ -246,7 +252,7 @@ def test_negative_dimensions_are_refused_on_every_path(data):
 
 def test_unsupported_tensor_dtype_on_send():
     with pytest.raises(wire.WireError, match="cannot go on the wire"):
-        wire.tensor_to_proto(torch.zeros(2, dtype=torch.float64))
+        tensor_to_proto(torch.zeros(2, dtype=torch.float64))
     with pytest.raises(wire.WireError, match="cannot go on the wire"):
         wire.DispatchResponseBuffer((2, 3), torch.float64)
 
@@ -264,13 +270,13 @@ def test_messages_built_in_place_are_the_protobuf_bytes(dtype):
     req.slot.copy_(slot.long())  # cast on the way in
     req.weight.copy_(weight)
     assert req.data == _pb_request(5, 2**40, x[rows], slot, weight).SerializeToString()
-    assert req.data == wire.encode_dispatch_request(wire.DispatchRequest(5, 2**40, x[rows], slot, weight))
+    assert req.data == encode_dispatch_request(wire.DispatchRequest(5, 2**40, x[rows], slot, weight))
 
     resp = wire.DispatchResponseBuffer((4, 48), dtype)
     resp.output.copy_(x[rows] * 2)
     data = resp.finish(0.25)
     parsed = expert_pb2.DispatchResponse.FromString(data)
-    assert parsed.compute_seconds == 0.25 and torch.equal(wire.tensor_from_proto(parsed.output), x[rows] * 2)
-    assert data == wire.encode_dispatch_response(wire.DispatchResponse(x[rows] * 2, 0.25))
+    assert parsed.compute_seconds == 0.25 and torch.equal(tensor_from_proto(parsed.output), x[rows] * 2)
+    assert data == encode_dispatch_response(wire.DispatchResponse(x[rows] * 2, 0.25))
     empty = wire.DispatchResponseBuffer((0, 48), dtype).finish(0.0)  # always carries the seconds
     assert expert_pb2.DispatchResponse.FromString(empty).output.shape == [0, 48]

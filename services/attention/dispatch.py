@@ -1,28 +1,26 @@
 """The attention worker's dispatch client: `RemoteExperts`, the ExpertBackend over gRPC workers.
 
-Per MoE layer of a step:
+Slot choice is the pure `SlotRouter` (slot_router.py); this module is the transport. Per MoE
+layer of a step:
 
-    dispatch(ExpertDispatch(layer, x [T, H], topk_idx [T, K], topk_weight [T, K]))
-      1. count routed tokens per (MoE layer, logical expert)            -> self.load
-      2. pick a replica per (token, choice): round-robin over e's replicas, continuing across
-         calls (balanced however small the batch, deterministic); in a layer without replicas
-         a table lookup (expert -> worker, local slot)                   -> global slot
-      3. group by worker (slot // S): each worker gets only its tokens: hidden rows [Tw, H],
-         local slots [Tw, K] int32 (-1 where another worker computes the pair), weights fp32
-      4. start all RPCs and return a handle: each RPC is a blocking call of the sync gRPC API
-         in a persistent thread of this client (so it overlaps the shared experts / the other
+    dispatch(ExpertDispatch(decoder_layer, moe_layer, x [T, H], topk_idx [T, K], topk_weight, counts))
+      1. the router maps each (token, choice) pair to a slot on a worker          -> Route
+      2. each worker gets only its rows: hidden [Tw, H], local slots [Tw, K] int32 (-1 where
+         another worker computes the pair), weights fp32, laid out in the request's bytes
+      3. all RPCs start and a handle returns: each RPC is a blocking call of the sync gRPC API in
+         a persistent thread of this client (so it overlaps the shared experts / the other
          micro-batch). Measured here, that is 0.15-0.3 ms cheaper per call than
          `stub.future(...)`, whose channel starts a new polling thread whenever its number of
          calls in flight rises from zero, i.e. on every layer of a synchronous driver.
     combine(ExpertCombine(handle))
-      5. wait, scatter-add the partial sums in fp32 into [T, H], return in x's dtype (when one
+      4. wait, scatter-add the partial sums in fp32 into [T, H], return in x's dtype (when one
          worker computed every pair, its answer is the result, copied out of the response)
 
 Failures: a Dispatch that fails with a transport-like status (UNAVAILABLE, DEADLINE_EXCEEDED,
-...) marks its worker dead for `dead_worker_cooldown_s` and its pairs are resent to other
-replicas of the same experts on live workers; when an expert has no live replica the step raises
+...) marks its worker dead for `dead_worker_cooldown_s` and its pairs are resent on the router's
+resend route (other replicas on live workers); when an expert has no live replica the step raises
 `ExpertUnavailableError`. INVALID_ARGUMENT / FAILED_PRECONDITION are bugs or placement mismatches
-and raise `ExpertDispatchError` at once. Replica choice skips dead workers while they cool down.
+and raise `ExpertDispatchError` at once. Routes skip dead workers while they cool down.
 
 Not thread-safe: one driver thread per instance (the attention worker's step loop).
 """
@@ -38,10 +36,14 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from services.rpc import wire
 from services.model.config import ModelConfig
 from services.model.model import ExpertCombine, ExpertDispatch
 from services.model.placement import Placement
+from services.rpc import wire
+
+from .slot_router import ExpertDispatchError, ExpertUnavailableError, Route, SlotRouter
+
+__all__ = ["DispatchConfig", "ExpertDispatchError", "ExpertUnavailableError", "RemoteExperts", "sum_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +57,6 @@ RETRYABLE = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
 }
-
-
-class ExpertDispatchError(RuntimeError):
-    """A Dispatch was refused (bad request, unknown placement version) or answered wrongly."""
-
-
-class ExpertUnavailableError(ExpertDispatchError):
-    """Some routed experts have no replica on a live worker."""
 
 
 @dataclass
@@ -97,8 +91,7 @@ class PendingDispatch:
     """The handle `dispatch` returns; `combine` consumes it."""
 
     msg: ExpertDispatch
-    moe_index: int
-    placement: Placement
+    router: SlotRouter  # the placement it was routed with (a resend uses the same one)
     addresses: dict[str, str]
     parts: list[_Part] = field(default_factory=list)
 
@@ -114,12 +107,6 @@ class RemoteExperts:
         dispatch_cfg: DispatchConfig | None = None,
     ):
         self.cfg, self.dispatch_cfg = cfg, dispatch_cfg or DispatchConfig()
-        self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
-        self.load = torch.zeros(cfg.num_moe_layers, cfg.n_routed_experts, dtype=torch.long)
-        self._sent = torch.zeros(
-            cfg.num_moe_layers, cfg.n_routed_experts, dtype=torch.long
-        )  # replica rotation
-        self.wait_seconds = 0.0  # time combine() spent blocked on expert workers
         self.stats = DispatchStats()
         self._channels: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
         self._retired: set[str] = set()
@@ -129,25 +116,23 @@ class RemoteExperts:
         self.set_placement(placement, addresses)
 
     # ---- placement ----------------------------------------------------------------------
+    @property
+    def placement(self) -> Placement:
+        return self.router.placement
+
     def set_placement(self, placement: Placement, addresses: Mapping[str, str] | None = None) -> None:
         """Route later dispatches with `placement` (call between steps). `addresses`: worker id ->
         "host:port" (None: the worker ids are the addresses). Every worker must already serve
         `placement.version`. Channels to addresses no longer used close once nothing is pending."""
-        if placement.phy2log.shape[0] != self.cfg.num_moe_layers:
+        if placement.num_moe_layers != self.cfg.num_moe_layers:
             raise ValueError(
-                f"placement has {placement.phy2log.shape[0]} MoE layers, model has {self.cfg.num_moe_layers}"
+                f"placement has {placement.num_moe_layers} MoE layers, model has {self.cfg.num_moe_layers}"
             )
         addresses = dict(addresses) if addresses is not None else {w: w for w in placement.workers}
         missing = [w for w in placement.workers if w not in addresses]
         if missing:
             raise ValueError(f"no address for workers {missing}")
-        self.placement, self.addresses = placement, addresses
-        self.log2phy, self.logcnt = placement.replicas(self.cfg.n_routed_experts)
-        self._replicated = (self.logcnt > 1).any(-1).tolist()  # per MoE layer: some expert has replicas
-        # per MoE layer, each logical expert's first replica [E] (for layers without replicas: its
-        # only slot, looked up without replica choice)
-        self._sole_slot = list(self.log2phy[..., 0])
-        self._live_cache: dict[frozenset[int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.router, self.addresses = SlotRouter(placement, self.cfg.n_routed_experts), addresses
         in_use = {addresses[w] for w in placement.workers}
         self._retired = (self._retired | set(self._channels)) - in_use
         self._close_retired()
@@ -173,42 +158,23 @@ class RemoteExperts:
             entry = self._channels[address] = (channel, call)
         return entry[1]
 
-    def _dead_workers(self, placement: Placement, addresses: dict[str, str]) -> set[int]:
+    def _dead_workers(self, pending: PendingDispatch) -> frozenset[int]:
+        """Indices (in the pending dispatch's placement) of workers that failed recently."""
         now, cooldown = time.monotonic(), self.dispatch_cfg.dead_worker_cooldown_s
         self._dead = {a: t for a, t in self._dead.items() if now - t < cooldown}
-        return {i for i, w in enumerate(placement.workers) if addresses[w] in self._dead}
-
-    def _live_replicas(self, pending: PendingDispatch, dead: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log2phy [L, E, R], logcnt [L, E]) with replicas on `dead` workers moved behind the
-        live ones and not counted; an expert with no live replica keeps all of its replicas."""
-        placement = pending.placement
-        if placement is self.placement:
-            log2phy, logcnt = self.log2phy, self.logcnt
-        else:
-            log2phy, logcnt = placement.replicas(self.cfg.n_routed_experts)
-        if not dead:
-            return log2phy, logcnt
-        key = frozenset(dead)
-        if placement is self.placement and key in self._live_cache:
-            return self._live_cache[key]
-        worker = torch.where(log2phy >= 0, log2phy // placement.slots_per_worker, -1)
-        live = (log2phy >= 0) & ~torch.isin(worker, torch.tensor(sorted(dead)))
-        live_cnt = live.sum(-1)
-        order = torch.argsort((~live).to(torch.int8), dim=-1, stable=True)
-        result = (
-            torch.where((live_cnt > 0)[..., None], torch.gather(log2phy, -1, order), log2phy),
-            torch.where(live_cnt > 0, live_cnt, logcnt),
-        )
-        if placement is self.placement:
-            self._live_cache[key] = result
-        return result
+        if not self._dead:
+            return frozenset()
+        workers = pending.router.placement.workers
+        return frozenset(i for i, w in enumerate(workers) if pending.addresses[w] in self._dead)
 
     # ---- dispatch / combine ------------------------------------------------------------
     def dispatch(self, msg: ExpertDispatch) -> PendingDispatch:
         """Start the expert RPCs of one MoE layer; returns at once."""
-        li = self.moe_index[msg.layer]
-        pending = PendingDispatch(msg, li, self.placement, self.addresses)
-        pending.parts = self._send(pending, None, self._dead_workers(self.placement, self.addresses))
+        pending = PendingDispatch(msg, self.router, self.addresses)
+        route = pending.router.first(
+            msg.moe_layer, msg.topk_idx.cpu(), msg.expert_counts.cpu(), self._dead_workers(pending)
+        )
+        pending.parts = self._send(pending, route)
         self._pending += 1
         return pending
 
@@ -220,9 +186,7 @@ class RemoteExperts:
             while parts:
                 failed = []
                 for part in parts:
-                    t0 = time.perf_counter()
                     output = self._result(pending, part, failed)
-                    self.wait_seconds += time.perf_counter() - t0
                     if output is not None:
                         answered.append((part.rows, output))
                 if not failed:
@@ -230,8 +194,9 @@ class RemoteExperts:
                 failed_workers |= {p.worker for p in failed}
                 pairs = torch.stack([p.pairs for p in failed]).any(0)
                 self.stats.resent_pairs += int(pairs.sum())
-                dead = self._dead_workers(pending.placement, pending.addresses) | failed_workers
-                parts = self._send(pending, pairs, dead, strict=True)
+                dead = self._dead_workers(pending) | failed_workers
+                route = pending.router.resend(pending.msg.moe_layer, pending.msg.topk_idx.cpu(), pairs, dead)
+                parts = self._send(pending, route)
         except BaseException:
             for part in parts:  # don't start RPCs for a step that failed (running ones time out)
                 part.future.cancel()
@@ -243,23 +208,19 @@ class RemoteExperts:
 
     def _result(self, pending: PendingDispatch, part: _Part, failed: list[_Part]) -> torch.Tensor | None:
         """A part's output [Tw, H], or None after recording a worker failure in `failed`."""
-        address = pending.addresses[pending.placement.workers[part.worker]]
+        placement = pending.router.placement
+        address = pending.addresses[placement.workers[part.worker]]
         try:
             data = part.future.result()
         except grpc.RpcError as e:
             code = e.code()
             if code not in RETRYABLE:
                 raise ExpertDispatchError(
-                    f"layer {pending.msg.layer}: worker {address} refused Dispatch "
-                    f"(placement version {pending.placement.version}): {code.name}: {e.details()}"
+                    f"decoder layer {pending.msg.decoder_layer}: worker {address} refused Dispatch "
+                    f"(placement version {placement.version}): {code.name}: {e.details()}"
                 ) from None
-            log.warning(
-                "layer %d: worker %s failed (%s: %s); resending",
-                pending.msg.layer,
-                address,
-                code.name,
-                e.details(),
-            )
+            log.warning("decoder layer %d: worker %s failed (%s: %s); resending",
+                        pending.msg.decoder_layer, address, code.name, e.details())  # fmt: skip
             self._dead[address] = time.monotonic()
             failed.append(part)
             return None
@@ -272,67 +233,10 @@ class RemoteExperts:
             raise ExpertDispatchError(f"worker {address} answered shape {got}, expected {list(want)}")
         return output
 
-    def _send(
-        self, pending: PendingDispatch, pairs: torch.Tensor | None, dead: set[int], strict: bool = False
-    ) -> list[_Part]:
-        """Choose slots for the (token, choice) pairs in `pairs` [T, K] bool (None: all of them, the
-        first send, which also counts the load) avoiding `dead` workers, and start one RPC per
-        worker involved. strict: raise when a pair has no live replica."""
-        msg, placement, li = pending.msg, pending.placement, pending.moe_index
-        topk_idx, topk_weight = msg.topk_idx.cpu(), msg.topk_weight.cpu().float()
-        experts = topk_idx.reshape(-1) if pairs is None else topk_idx[pairs]  # [N] logical expert per pair
-        counts = torch.bincount(experts, minlength=self.cfg.n_routed_experts)
-        if pairs is None:
-            self.load[li].add_(counts)
-        if pairs is None and not dead and not self._replicated[li]:
-            # first send (placement is self.placement), one slot per expert in this layer and every
-            # worker up (the usual case): a lookup
-            chosen = self._sole_slot[li].index_select(0, experts)
-        else:
-            chosen = self._choose_slots(pending, experts, counts, dead, strict)
-        if pairs is None:
-            slot = chosen.view(topk_idx.shape)
-        else:
-            slot = torch.full(topk_idx.shape, -1, dtype=torch.long)
-            slot[pairs] = chosen
-        S = placement.slots_per_worker
-        worker = slot.div(S, rounding_mode="floor")  # -1 (no slot) stays -1
-        local = slot.remainder(S).to(torch.int32)  # where worker is -1, masked below
-        return [self._start(pending, w, mine, local, topk_weight) for w, mine in _by_worker(worker)]
-
-    def _choose_slots(
-        self,
-        pending: PendingDispatch,
-        experts: torch.Tensor,
-        counts: torch.Tensor,
-        dead: set[int],
-        strict: bool,
-    ) -> torch.Tensor:
-        """Global slot [N] for each pair's logical expert in `experts` [N] (counts: its bincount),
-        avoiding `dead` workers' replicas; strict: raise when an expert has no live replica."""
-        placement, li = pending.placement, pending.moe_index
-        log2phy, logcnt = self._live_replicas(pending, dead)
-        log2phy, logcnt = log2phy[li], logcnt[li]
-        if strict and dead:
-            slots = log2phy[experts, 0]
-            stranded = torch.isin(slots // placement.slots_per_worker, torch.tensor(sorted(dead)))
-            if bool(stranded.any()):
-                lost = sorted(set(experts[stranded].tolist()))
-                raise ExpertUnavailableError(
-                    f"layer {pending.msg.layer}: logical experts {lost} have no replica on a live worker "
-                    f"(placement version {placement.version}, failed workers "
-                    f"{[placement.workers[w] for w in sorted(dead)]})"
-                )
-        if placement is self.placement and not self._replicated[li]:
-            # (a resend, or a worker is dead) one slot per expert: nothing to choose, no rotation
-            return log2phy[experts, 0]
-        # round-robin over replicas across calls: the j-th pair for expert e in this call takes
-        # replica (pairs already sent to e + j) % replicas, so replicas share e's load evenly
-        # however few tokens each call brings (EPLB's model of a replicated expert)
-        sent = self._sent[li]
-        rank = sent[experts] + replica_rank(experts, counts)
-        sent += counts
-        return log2phy[experts, rank % logcnt[experts]]
+    def _send(self, pending: PendingDispatch, route: Route) -> list[_Part]:
+        """Start one RPC per worker of `route`."""
+        weight = pending.msg.topk_weight.cpu().float()
+        return [self._start(pending, w, mine, route.local_slot, weight) for w, mine in route.shares]
 
     def _start(
         self, pending: PendingDispatch, w: int, mine: torch.Tensor, local: torch.Tensor, weight: torch.Tensor
@@ -341,12 +245,12 @@ class RemoteExperts:
         routing weights `weight` [T, K]): its request holds only the rows it computes something for.
         The request is laid out first and its tensors are built in place: the gather of the rows is
         the one copy of the hidden states."""
-        x, placement = pending.msg.x, pending.placement
+        x, placement = pending.msg.x, pending.router.placement
         hit = mine.any(1)  # [T]
         rows = None if bool(hit.all()) else hit.nonzero().view(-1)
         T = x.shape[0] if rows is None else rows.numel()
         req = wire.DispatchRequestBuffer(
-            pending.msg.layer, placement.version, (T, x.shape[1]), x.dtype, mine.shape[1]
+            pending.msg.decoder_layer, placement.version, (T, x.shape[1]), x.dtype, mine.shape[1]
         )
         if rows is None:
             wire.copy_into(req.hidden, x)
@@ -366,13 +270,6 @@ class RemoteExperts:
         self.stats.bytes_copied += req.hidden.nbytes + req.slot.nbytes + req.weight.nbytes
         return _Part(w, rows, mine, future)
 
-    # ---- load counters ------------------------------------------------------------------
-    def take_load(self) -> torch.Tensor:
-        """Routed (token, choice) counts per (MoE layer, logical expert) since the last call:
-        [num_moe_layers, n_routed_experts] int64 (the attention worker flushes them to Redis)."""
-        load, self.load = self.load, torch.zeros_like(self.load)
-        return load
-
     def close(self) -> None:
         self._rpc_pool.shutdown(wait=False, cancel_futures=True)
         for channel, _ in self._channels.values():
@@ -382,12 +279,6 @@ class RemoteExperts:
 
 _NO_SLOT = torch.tensor(-1, dtype=torch.int32)  # the slot of a pair another worker computes
 _NO_WEIGHT = torch.tensor(0.0, dtype=torch.float32)
-
-
-def _by_worker(worker: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """(w, worker == w) [T, K] bool for each worker w named in `worker` [T, K] (-1: none)."""
-    named = torch.bincount(worker.view(-1) + 1).tolist()[1:]
-    return [(w, worker == w) for w, n in enumerate(named) if n]
 
 
 def sum_rows(answered: list[tuple[torch.Tensor | None, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
@@ -403,13 +294,3 @@ def sum_rows(answered: list[tuple[torch.Tensor | None, torch.Tensor]], x: torch.
         else:
             out.index_add_(0, rows, output.float())
     return out.to(device=x.device, dtype=x.dtype)
-
-
-def replica_rank(experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """For each entry of `experts` [N], how many earlier entries name the same expert
-    ([3, 5, 3, 3] -> [0, 0, 1, 2]); counts = bincount(experts) over all experts."""
-    order = torch.argsort(experts, stable=True)
-    first = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(experts)
-    rank[order] = torch.arange(experts.numel()) - first[experts[order]]
-    return rank

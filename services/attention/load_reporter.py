@@ -18,25 +18,25 @@ import redis
 import torch
 
 from services.redis_store import connect, current_bucket, write_loads
+from services.settings import SharedSettings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadReporterConfig:
-    redis_url: str
-    key_prefix: str = "moe"
-    bucket_seconds: float = 2.0
-    ttl_seconds: int = 600
+    shared: SharedSettings  # redis_url (required), key_prefix, bucket_seconds, ttl_seconds
     flush_seconds: float = 1.0
     max_pending_seconds: float = 120.0
 
 
 class LoadReporter:
-    def __init__(self, cfg: LoadReporterConfig, num_layers: int, num_experts: int):
-        self.cfg = cfg
-        self._client = connect(cfg.redis_url)
-        self._pending = torch.zeros(num_layers, num_experts, dtype=torch.long)
+    def __init__(self, cfg: LoadReporterConfig, num_moe_layers: int, num_experts: int):
+        if not cfg.shared.redis_url:
+            raise ValueError("LoadReporter needs SharedSettings.redis_url")
+        self.cfg, self.shared = cfg, cfg.shared
+        self._client = connect(cfg.shared.redis_url)
+        self._pending = torch.zeros(num_moe_layers, num_experts, dtype=torch.long)
         self._pending_since: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -62,8 +62,9 @@ class LoadReporter:
         if since is None or not bool(counts.any()):
             return True
         try:
-            write_loads(self._client, self.cfg.key_prefix, current_bucket(self.cfg.bucket_seconds), counts,
-                        self.cfg.ttl_seconds)  # fmt: skip
+            shared = self.shared
+            write_loads(self._client, shared.key_prefix, current_bucket(shared.bucket_seconds), counts,
+                        shared.ttl_seconds)  # fmt: skip
             self.flushed_tokens += int(counts.sum())
             self.last_error = None
             return True

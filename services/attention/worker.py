@@ -17,18 +17,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
 
 from services.attention.dispatch import DispatchConfig, RemoteExperts
 from services.attention.load_reporter import LoadReporter, LoadReporterConfig
-from services.model.engine import Engine, EngineConfig, RequestOutput, load_engine
+from services.model.engine import Engine, EngineConfig, Refusal, RequestOutput, StepResult, load_engine
 from services.model.moe import LocalExperts
 from services.model.placement import Placement
 from services.model.sampling import SamplingParams
 from services.model.scheduler import QueueFullError
+from services.settings import SharedSettings
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,7 @@ log = logging.getLogger(__name__)
 class AttentionWorkerConfig:
     engine: EngineConfig
     worker_id: str = "attn-0"
-    redis_url: str | None = None  # load counts go here; None: counted, not reported
-    key_prefix: str = "moe"
-    load_flush_steps: int = 8  # hand counts to the Redis reporter every N steps
-    load_bucket_seconds: float = 2.0  # must match the balancer's bucket_seconds
+    shared: SharedSettings = field(default_factory=SharedSettings)  # no redis_url: loads not reported
     dispatch_timeout_s: float = 10.0
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
     idle_wait_s: float = 0.05
@@ -57,25 +55,37 @@ class StepTimes:
     failed_steps: int = 0
     max_step_s: float = 0.0
 
+    def add(self, result: StepResult) -> None:
+        self.steps += 1
+        self.tokens += result.num_tokens
+        self.step_s += result.seconds
+        self.max_step_s = max(self.max_step_s, result.seconds)
+        self.expert_wait_s += result.expert_wait_s
+
 
 @dataclass
 class _Command:
-    kind: str  # add | abort | placement | call
+    kind: str  # add | abort | call
     args: tuple = ()
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 class AttentionService:
-    """Runs `engine` on a dedicated thread; thread-safe entry points for an asyncio caller."""
+    """Runs `engine` on a dedicated thread; thread-safe entry points for an asyncio caller.
 
-    def __init__(self, cfg: AttentionWorkerConfig, engine: Engine, load_reporter=None):
+    The thread's loop: apply queued commands (new requests, aborts, calls such as a placement
+    switch) at the step boundary, run `engine.step()`, hand its outputs to the requests' queues
+    and its expert load to the load reporter.
+    """
+
+    def __init__(self, cfg: AttentionWorkerConfig, engine: Engine, load_reporter: LoadReporter | None = None):
         self.cfg, self.engine, self.load_reporter = cfg, engine, load_reporter
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.times = StepTimes()
         # (end time, seconds, sequences, tokens, placement version) per step
         self.step_trace: deque[tuple[float, float, int, int, int]] = deque(maxlen=20_000)
-        self.placement_version = 0
+        self.placement_version = 0  # of the expert backend (0: experts in process)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{cfg.worker_id}-engine", daemon=True)
         self._thread.start()
@@ -110,13 +120,9 @@ class AttentionService:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Command("abort", (request_id,)))
 
-    async def set_placement(self, placement, addresses) -> int:
-        """Switch the expert backend to a new placement at the next step boundary; returns when
-        no step uses the previous one any more."""
-        return await self._call("placement", placement, addresses)
-
-    async def run_in_loop(self, fn: Callable[[Engine], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps (stats, tests)."""
+    async def between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the engine thread at the next step boundary (placement switches, stats,
+        tests); returns its result."""
         return await self._call("call", fn)
 
     async def _call(self, kind: str, *args):
@@ -125,19 +131,12 @@ class AttentionService:
         return await asyncio.wrap_future(cmd.done)
 
     def stats(self) -> dict:
-        e = self.engine
-        sched = e.scheduler
         return {
             "worker_id": self.cfg.worker_id,
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "kv_blocks_total": e.cache.num_blocks,
-            "kv_blocks_used": e.cache.num_blocks - sched.num_free_blocks,
-            "preemptions": sched.num_preemptions,
+            **self.engine.stats(),
             "placement_version": self.placement_version,
             "times": asdict(self.times),
             "load_reporter": self.load_reporter.stats() if self.load_reporter else None,
-            "dispatch": asdict(e.experts.stats) if is_dataclass(getattr(e.experts, "stats", None)) else None,
         }
 
     def close(self) -> None:
@@ -157,13 +156,8 @@ class AttentionService:
                 if self.engine.abort(request_id):
                     self._emit(RequestOutput(request_id, finished=True, finish_reason="abort"))
                 cmd.done.set_result(None)
-            elif cmd.kind == "placement":
-                placement, addresses = cmd.args
-                self.engine.experts.set_placement(placement, addresses)
-                self.placement_version = placement.version
-                cmd.done.set_result(placement.version)
             elif cmd.kind == "call":
-                cmd.done.set_result(cmd.args[0](self.engine))
+                cmd.done.set_result(cmd.args[0]())
         except Exception as e:  # refused request or bad command: report to the caller
             cmd.done.set_exception(e)
 
@@ -196,7 +190,7 @@ class AttentionService:
             if not self.engine.has_unfinished():
                 continue
             try:
-                self._step()
+                result = self.engine.step()
                 failing_since = None
             except Exception as e:
                 self.times.failed_steps += 1
@@ -204,55 +198,32 @@ class AttentionService:
                 if time.monotonic() - failing_since > self.cfg.step_retry_s:
                     log.error("%s: step failing for %.0fs, failing its requests: %s",
                               self.cfg.worker_id, self.cfg.step_retry_s, e)  # fmt: skip
-                    self._fail_running(f"{type(e).__name__}: {e}")
+                    for out in self.engine.fail(self.engine.unfinished_ids(), f"{type(e).__name__}: {e}"):
+                        self._emit(out)
                     failing_since = None
                 else:
                     log.warning("%s: step failed (%s); retrying", self.cfg.worker_id, e)
                     time.sleep(0.05)
+                continue
+            self._finish(result)
 
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        engine = self.engine
-        chunks, batches = engine.prepare()
-        if not batches:
+    def _finish(self, result: StepResult) -> None:
+        if not result.num_seqs:
             return
-        wait_before = getattr(engine.experts, "wait_seconds", 0.0)
-        logits = engine.run_model(batches)
-        outputs = engine.finish_step(chunks, logits)
-        times = self.times
-        times.steps += 1
-        tokens = sum(c.num_tokens for c in chunks)
-        times.tokens += tokens
-        elapsed = time.perf_counter() - t0
-        times.step_s += elapsed
-        times.max_step_s = max(times.max_step_s, elapsed)
-        self.step_trace.append((time.time(), elapsed, len(chunks), tokens, self.placement_version))
-        times.expert_wait_s += getattr(engine.experts, "wait_seconds", 0.0) - wait_before
-        for out in outputs:
+        self.times.add(result)
+        self.step_trace.append(
+            (time.time(), result.seconds, result.num_seqs, result.num_tokens, self.placement_version)
+        )
+        for out in result.outputs:
             self._emit(out)
-        if self.load_reporter is not None and times.steps % self.cfg.load_flush_steps == 0:
-            self.load_reporter.add(engine.experts.take_load())
-
-    def _fail_running(self, message: str) -> None:
-        sched = self.engine.scheduler
-        for seq in list(sched.running) + list(sched.waiting):
-            sched.finish(seq, "error")
-            self._emit(RequestOutput(seq.request_id, finished=True, finish_reason="error", error=message))
+        if self.load_reporter is not None:
+            self.load_reporter.add(result.expert_load)
 
 
-def output_to_dict(out: RequestOutput) -> dict:
-    """A RequestOutput as plain data for the control plane (Ray) to the router."""
-    d = asdict(out)
-    d["logprobs"] = [
-        None if lp is None else {"token_logprob": lp.token_logprob, "top": lp.top} for lp in out.logprobs
-    ]
-    return d
-
-
-def error_dict(e: Exception) -> dict:
+def refusal(e: Exception) -> Refusal:
     """A refused request, as the first (and last) item of the output stream."""
     status = 429 if isinstance(e, QueueFullError) else 400
-    return {"refused": {"status": status, "message": str(e), "param": getattr(e, "param", None)}}
+    return Refusal(status, str(e), getattr(e, "param", None))
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -267,35 +238,35 @@ class AttentionWorker:
         self, cfg: AttentionWorkerConfig, placement: dict | None = None, addresses: dict | None = None
     ):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.remote_experts: RemoteExperts | None = None
 
         def make_experts(mcfg, reader, dtype):
             if placement is None:  # single process: every routed expert here
                 return LocalExperts.load_all(reader, mcfg, dtype).to(cfg.engine.device)
-            return RemoteExperts(mcfg, Placement.from_dict(placement), addresses,
-                                 DispatchConfig(timeout_s=cfg.dispatch_timeout_s))  # fmt: skip
+            self.remote_experts = RemoteExperts(mcfg, Placement.from_dict(placement), addresses,
+                                                DispatchConfig(timeout_s=cfg.dispatch_timeout_s))  # fmt: skip
+            return self.remote_experts
 
         mcfg, model, experts, tokenizer = load_engine(cfg.engine, make_experts)
         engine = Engine(mcfg, model, experts, cfg.engine, tokenizer)
         reporter = None
-        if cfg.redis_url:
+        if cfg.shared.redis_url:
             reporter = LoadReporter(
-                LoadReporterConfig(cfg.redis_url, cfg.key_prefix, bucket_seconds=cfg.load_bucket_seconds),
-                mcfg.num_moe_layers,
-                mcfg.n_routed_experts,
+                LoadReporterConfig(cfg.shared), mcfg.num_moe_layers, mcfg.n_routed_experts
             )
         self.service = AttentionService(cfg, engine, reporter)
         self.service.placement_version = 0 if placement is None else int(placement["version"])
         self.cfg = cfg
 
     async def generate(self, prompt_ids: list[int], params: dict, request_id: str):
-        """Stream of output dicts (call with num_returns="streaming"); a refused request yields
-        one {"refused": {"status", "message", "param"}} item."""
+        """Stream of `RequestOutput`s (call with num_returns="streaming"); a refused request
+        yields one `Refusal`."""
         stream = self.service.generate(prompt_ids, SamplingParams(**params), request_id)
         try:
             async for out in stream:
-                yield output_to_dict(out)
+                yield out
         except (ValueError, QueueFullError) as e:  # refused when submitted: nothing streamed yet
-            yield error_dict(e)
+            yield refusal(e)
         finally:
             await stream.aclose()  # a caller that went away aborts the request (see AttentionService)
 
@@ -303,10 +274,22 @@ class AttentionWorker:
         self.service.abort(request_id)
 
     async def set_placement(self, placement: dict, addresses: dict) -> int:
-        return await self.service.set_placement(Placement.from_dict(placement), addresses)
+        """Switch to a new placement at the next step boundary; returns (its version) once no step
+        uses the previous one any more."""
+        new = Placement.from_dict(placement)
+
+        def switch() -> int:
+            self.remote_experts.set_placement(new, addresses)
+            self.service.placement_version = new.version
+            return new.version
+
+        if self.remote_experts is None:
+            raise ValueError("this attention worker runs its experts in process")
+        return await self.service.between_steps(switch)
 
     async def stats(self) -> dict:
-        return self.service.stats()
+        dispatch = asdict(self.remote_experts.stats) if self.remote_experts else None
+        return {**self.service.stats(), "dispatch": dispatch}
 
     async def step_trace(self, since: float = 0.0) -> list[tuple[float, float, int, int, int]]:
         """(wall-clock end, duration s, sequences, tokens, placement version) of recent steps that
@@ -314,8 +297,7 @@ class AttentionWorker:
         return [t for t in self.service.step_trace if t[0] > since]
 
     async def ready(self) -> dict:
-        s = self.service.stats()
-        return {"worker_id": self.cfg.worker_id, "placement_version": s["placement_version"],
+        return {"worker_id": self.cfg.worker_id, "placement_version": self.service.placement_version,
                 "max_model_len": self.service.engine.max_model_len}  # fmt: skip
 
     async def shutdown(self) -> None:

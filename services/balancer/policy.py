@@ -79,7 +79,7 @@ def current_in_pool(current: Placement, pool: Pool, slots: int) -> torch.Tensor:
     worker that sorts before the others (`Pool.grouped` orders workers by node) would shift every
     later worker's slots, and slot-by-slot comparison would see moves that are only renumbering.
     """
-    out = torch.full((current.num_layers, pool.num_workers * slots), -1, dtype=torch.long)
+    out = torch.full((current.num_moe_layers, pool.num_workers * slots), -1, dtype=torch.long)
     keep = min(slots, current.slots_per_worker)
     for i, worker in enumerate(pool.workers):
         if worker in current.workers:

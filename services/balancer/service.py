@@ -36,6 +36,7 @@ from services.redis_store import (
     read_load_window,
     restore_placement,
 )
+from services.settings import SharedSettings, expert_worker_name
 
 from .eplb import gpu_loads, placement_stats
 from .policy import Decision, Pool, decide, initial_placement, slots_per_worker
@@ -48,12 +49,9 @@ class BalancerConfig:
     model: str
     expert_workers: int = 2
     redundant_experts: int = 0  # extra slots per MoE layer, over all workers
-    redis_url: str | None = None
-    key_prefix: str = "moe"
-    namespace: str = "moe-cluster"
+    shared: SharedSettings = field(default_factory=SharedSettings)  # Redis, key prefix, namespace
     period_s: float = 30.0  # 0: rebalance only on demand
-    window_buckets: int = 15
-    bucket_seconds: float = 2.0
+    window_buckets: int = 15  # load window: the last N buckets of shared.bucket_seconds
     min_gain: float = 0.02  # balancedness gain needed to migrate (hysteresis)
     expert_dtype: str = "float32"
     expert_threads: int = 1
@@ -87,7 +85,8 @@ class BalancerCore:
         self.model_cfg = ModelConfig.from_dir(cfg.model)
         # expert workers get config.json from here: their nodes need no checkpoint (peer copy)
         self.model_config_json = read_model_config(cfg.model)
-        self.redis = connect(cfg.redis_url) if cfg.redis_url else None
+        self.shared = cfg.shared
+        self.redis = connect(cfg.shared.redis_url) if cfg.shared.redis_url else None
         self.workers: dict[str, ray.actor.ActorHandle] = {}  # worker id -> actor
         self.addresses: dict[str, str] = {}  # worker id -> host:port
         self.nodes: dict[str, str] = {}  # worker id -> Ray node id
@@ -108,8 +107,8 @@ class BalancerCore:
                                   num_threads=self.cfg.expert_threads, host=self.cfg.expert_host,
                                   model_config=self.model_config_json)  # fmt: skip
         actor = ExpertWorker.options(
-            name=f"moe-{wid}",
-            namespace=self.cfg.namespace,
+            name=expert_worker_name(wid),
+            namespace=self.shared.namespace,
             resources=self.cfg.expert_resources or None,
             lifetime="detached" if self.cfg.detached else None,
         ).remote(wcfg)
@@ -155,7 +154,7 @@ class BalancerCore:
         if self.redis is None:
             return None
         try:
-            d = restore_placement(self.redis, self.cfg.key_prefix)
+            d = restore_placement(self.redis, self.shared.key_prefix)
         except Exception as e:  # Redis down: start fresh
             log.warning("cannot read the persisted placement: %s", e)
             return None
@@ -167,7 +166,7 @@ class BalancerCore:
         if self.redis is None:
             return
         try:
-            persist_placement(self.redis, self.cfg.key_prefix, placement.to_dict())
+            persist_placement(self.redis, self.shared.key_prefix, placement.to_dict())
         except Exception as e:
             log.warning("cannot persist placement v%d: %s", placement.version, e)
 
@@ -176,16 +175,16 @@ class BalancerCore:
 
     def register_attention(self, names: list[str]) -> None:
         for n in names:
-            self.attention[n] = ray.get_actor(n, namespace=self.cfg.namespace)
+            self.attention[n] = ray.get_actor(n, namespace=self.shared.namespace)
 
     # ---- loads and rebalancing ----------------------------------------------------------
     def read_loads(self) -> torch.Tensor | None:
         if self.redis is None:
             return None
-        cfg = self.cfg
+        shared, m = self.shared, self.model_cfg
         try:
-            loads = read_load_window(self.redis, cfg.key_prefix, current_bucket(cfg.bucket_seconds),
-                                     cfg.window_buckets, self.model_cfg.num_moe_layers, self.model_cfg.n_routed_experts)  # fmt: skip
+            loads = read_load_window(self.redis, shared.key_prefix, current_bucket(shared.bucket_seconds),
+                                     self.cfg.window_buckets, m.num_moe_layers, m.n_routed_experts)  # fmt: skip
         except Exception as e:
             log.warning("cannot read loads from Redis: %s", e)
             return None

@@ -12,10 +12,9 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.rpc import wire
 from services.model.config import ModelConfig
 from services.model.placement import Placement
-from services.rpc import expert_pb2, expert_pb2_grpc
+from services.rpc import expert_pb2, expert_pb2_grpc, wire
 
 from .store import ExpertNotFound, check_expert_weights
 
@@ -81,7 +80,7 @@ class ExpertClient:
         self.channel.close()
 
 
-def worker_slots(placement: Placement, worker: int, moe_layers: Sequence[int]) -> dict[int, list[int]]:
+def worker_layout(placement: Placement, worker: int, moe_layers: Sequence[int]) -> dict[int, list[int]]:
     """{decoder layer: logical expert per local slot} of one worker of `placement`."""
     experts = placement.worker_experts(worker)
     return {layer: experts[n].tolist() for n, layer in enumerate(moe_layers)}
@@ -99,7 +98,7 @@ def load_placement(
     holding loaded versions (the current pool), to copy experts from where a worker's node has
     no checkpoint (each worker skips its own address)."""
     clients = [ExpertClient(addresses[w]) for w in placement.workers]
-    layouts = [worker_slots(placement, i, moe_layers) for i in range(len(clients))]
+    layouts = [worker_layout(placement, i, moe_layers) for i in range(len(clients))]
     try:
         with ThreadPoolExecutor(len(clients)) as pool:
             futures = [

@@ -18,8 +18,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
-from services.rpc import wire
 from services.model.config import ModelConfig, parse_dtype
+from services.rpc import wire
 
 from .servicer import ExpertServicer, add_expert_service
 from .store import SlotStore

@@ -27,8 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.rpc import wire
-from services.rpc import expert_pb2
+from services.rpc import expert_pb2, wire
 
 from .client import PeerFetcher
 from .store import (

@@ -8,6 +8,7 @@ result is compared to.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from .checkpoint import CheckpointReader
 from .config import ModelConfig, parse_dtype
 from .kv_cache import PagedLatentCache, blocks_needed
-from .model import DeepseekV3, ExpertBackend, StepBatch, StepGen, run_interleaved
+from .model import DeepseekV3, ExpertBackend, ExpertTally, StepBatch, run_interleaved
 from .moe import LocalExperts
 from .sampling import SamplingParams, TokenLogprobs, sample
 from .scheduler import Chunk, RequestError, Scheduler, SchedulerConfig, SeqStatus, Sequence
@@ -75,6 +76,16 @@ class RequestOutput:
 
 
 @dataclass
+class Refusal:
+    """A request the engine would not take (the only item of its output stream): HTTP `status`
+    (400 invalid, 429 queue full), the message and the offending request field."""
+
+    status: int
+    message: str
+    param: str | None = None
+
+
+@dataclass
 class Completion:
     """A finished request (what `generate` returns)."""
 
@@ -84,6 +95,13 @@ class Completion:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprobs | None]
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.text += out.text
+        if out.finished:
+            self.finish_reason = out.finish_reason
 
 
 def split_micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
@@ -104,7 +122,24 @@ def split_micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
     return [p for p in parts if p]
 
 
+@dataclass
+class StepResult:
+    """What one engine step did."""
+
+    outputs: list[RequestOutput]  # one per request that got a token or finished
+    num_seqs: int  # sequences in the step
+    num_tokens: int  # tokens computed (prefill chunks + decodes)
+    expert_load: torch.Tensor  # [num_moe_layers, n_routed_experts] int64 routed pairs (CPU)
+    expert_wait_s: float  # seconds blocked on routed experts
+    seconds: float  # wall time of the step
+    logits: torch.Tensor | None = None  # [len(logits_ids), vocab] fp32: the rows sampled from
+    logits_ids: list[str] = field(default_factory=list)  # request id of each logits row
+
+
 class Engine:
+    """Scheduler + model + expert backend + sampler. Not thread-safe: one thread drives it
+    (`add_request`, `abort`, `fail` between calls of `step`)."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -124,7 +159,6 @@ class Engine:
             cfg.num_hidden_layers, num_blocks, cfg.latent_dim, model.dtype, model.device
         )
         self._detok: dict[str, Detokenizer] = {}
-        self._text: dict[str, list[str]] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -150,24 +184,69 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; call it between steps (its blocks are freed at once)."""
-        seq = self.scheduler.abort(request_id)
-        self._detok.pop(request_id, None)
-        return seq is not None
+        return bool(self._end([request_id], "abort", None))
+
+    def fail(self, request_ids: list[str], error: str) -> list[RequestOutput]:
+        """End these requests with finish_reason "error" (unknown or finished ids are skipped) and
+        drop every state they hold (cache blocks, detokenizer); returns their final outputs."""
+        return self._end(request_ids, "error", error)
+
+    def _end(self, request_ids: list[str], reason: str, error: str | None) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            seq = self.scheduler.finish_id(request_id, reason)
+            self._detok.pop(request_id, None)
+            if seq is not None:
+                outputs.append(RequestOutput(request_id, finished=True, finish_reason=reason, error=error,
+                                             num_prompt_tokens=len(seq.prompt_ids),
+                                             num_output_tokens=len(seq.output_ids)))  # fmt: skip
+        return outputs
+
+    def unfinished_ids(self) -> list[str]:
+        """Requests running or waiting, running first."""
+        return [s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- one step -----------------------------------------------------------------------
-    def prepare(self) -> tuple[list[Chunk], list[StepBatch]]:
-        """Schedule a step: its chunks, and one StepBatch per micro-batch (none if idle)."""
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return chunks, []
-        return chunks, [
-            self.build_batch(part) for part in split_micro_batches(chunks, self.engine_cfg.micro_batches)
-        ]
+    def stats(self) -> dict:
+        sched = self.scheduler
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "kv_blocks_total": self.cache.num_blocks,
+            "kv_blocks_used": self.cache.num_blocks - sched.num_free_blocks,
+            "preemptions": sched.num_preemptions,
+        }
 
-    def build_batch(self, chunks: list[Chunk]) -> StepBatch:
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Schedule, run the model (micro-batches interleaved at expert waits), sample, advance.
+        A step that raises changed no request: the next step schedules the same work again."""
+        t0 = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        tally = ExpertTally(torch.zeros(self.cfg.num_moe_layers, self.cfg.n_routed_experts,
+                                        dtype=torch.long, device=self.model.device))  # fmt: skip
+        if not chunks:
+            return StepResult([], 0, 0, tally.load.cpu(), 0.0, time.perf_counter() - t0)
+        parts = split_micro_batches(chunks, self.engine_cfg.micro_batches)
+        steps = [self.model.forward(self._batch(part), self.cache.kv) for part in parts]
+        logits = run_interleaved(steps, self.experts, tally)
+        logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+        want = [c.seq for c in chunks if c.wants_logits]
+        outputs = self._advance(chunks, want, logits)
+        return StepResult(
+            outputs,
+            num_seqs=len(chunks),
+            num_tokens=sum(c.num_tokens for c in chunks),
+            expert_load=tally.load.cpu(),
+            expert_wait_s=tally.wait_s,
+            seconds=time.perf_counter() - t0,
+            logits=logits,
+            logits_ids=[s.request_id for s in want],
+        )
+
+    def _batch(self, chunks: list[Chunk]) -> StepBatch:
         return StepBatch.build(
             [
                 (c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.seq.block_ids, c.wants_logits)
@@ -176,16 +255,13 @@ class Engine:
             self.model.device,
         )
 
-    def forward(self, batch: StepBatch) -> StepGen:
-        return self.model.forward(batch, self.cache.kv)
-
-    def finish_step(self, chunks: list[Chunk], logits: torch.Tensor) -> list[RequestOutput]:
-        """Sample from `logits` (one row per chunk that wanted logits) and advance requests."""
-        want = [c.seq for c in chunks if c.wants_logits]
+    def _advance(
+        self, chunks: list[Chunk], want: list[Sequence], logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        """Sample from `logits` (one row per sequence in `want`) and advance the requests."""
         tokens, logprobs = sample(logits, [s.params for s in want], [s.generator for s in want])
-        advanced = self.scheduler.update(chunks, tokens, logprobs)
         outputs = []
-        for seq in advanced:
+        for seq in self.scheduler.update(chunks, tokens, logprobs):
             out = RequestOutput(
                 seq.request_id,
                 token_ids=[seq.output_ids[-1]],
@@ -206,17 +282,6 @@ class Engine:
             outputs.append(out)
         return outputs
 
-    def run_model(self, batches: list[StepBatch]) -> torch.Tensor:
-        """Forward the micro-batches (interleaved at expert waits); logits in chunk order."""
-        logits = run_interleaved([self.forward(b) for b in batches], self.experts)
-        return logits[0] if len(logits) == 1 else torch.cat(logits)
-
-    def step(self) -> list[RequestOutput]:
-        chunks, batches = self.prepare()
-        if not batches:
-            return []
-        return self.finish_step(chunks, self.run_model(batches))
-
     # ---- offline batch ------------------------------------------------------------------
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -226,13 +291,8 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         acc = {rid: Completion(rid, list(p), [], "", "", []) for rid, p in zip(ids, prompts, strict=True)}
         while self.has_unfinished():
-            for out in self.step():
-                c = acc[out.request_id]
-                c.token_ids += out.token_ids
-                c.logprobs += out.logprobs
-                c.text += out.text
-                if out.finished:
-                    c.finish_reason = out.finish_reason
+            for out in self.step().outputs:
+                acc[out.request_id].add(out)
         return [acc[rid] for rid in ids]
 
 

@@ -3,17 +3,19 @@ the MoE gate, shared experts, final norm and LM head. Routed experts are *not* h
 MoE layer the forward pass hands the routed tokens to an expert backend (local packed experts
 in `LocalEngine`, gRPC expert workers in the cluster) through two generator messages:
 
-    handle = yield ExpertDispatch(layer, x, topk_idx, topk_weight)   # backend starts the work
-    ... shared experts run here, overlapping the routed work ...
-    routed = yield ExpertCombine(handle)                             # backend returns [T, H]
+    handle = yield ExpertDispatch(decoder_layer, moe_layer, x, topk_idx, topk_weight, counts)
+    ... shared experts run here, overlapping the routed work ...           (backend starts the work)
+    routed = yield ExpertCombine(handle)                                   (backend returns [T, H])
 
-A driver (`run_step`, or the ping-pong scheduler of the attention worker) answers them, so the
-model math stays free of threads, RPCs and event loops.
+A driver (`run_interleaved`) answers them, so the model math stays free of threads, RPCs and
+event loops. "decoder_layer" is a layer's index among all decoder layers (checkpoint names, the
+Dispatch RPC); "moe_layer" its index among the MoE layers (placements, load counts).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from functools import cached_property
@@ -35,10 +37,18 @@ NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, De
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class ExpertDispatch:
-    layer: int  # decoder layer index
+    decoder_layer: int  # index among all decoder layers
+    moe_layer: int  # index among the MoE layers
     x: torch.Tensor  # [T, H] post-attention-norm hidden states
     topk_idx: torch.Tensor  # [T, K] int64 logical experts
     topk_weight: torch.Tensor  # [T, K] fp32 routing weights (scaling factor applied)
+    expert_counts: torch.Tensor  # [E] int64 routed (token, choice) pairs per logical expert
+
+    @classmethod
+    def routed(cls, decoder_layer: int, moe_layer: int, x, topk_idx, topk_weight, num_experts: int):
+        """The message for routed tokens, with their per-expert counts."""
+        counts = torch.bincount(topk_idx.view(-1), minlength=num_experts)
+        return cls(decoder_layer, moe_layer, x, topk_idx, topk_weight, counts)
 
 
 @dataclass
@@ -55,13 +65,21 @@ class ExpertBackend(Protocol):
 StepGen = Generator[ExpertDispatch | ExpertCombine, Any, torch.Tensor]
 
 
-def run_step(step: StepGen, experts: ExpertBackend) -> torch.Tensor:
-    """Drive one forward pass to completion against `experts`; returns its result."""
-    return run_interleaved([step], experts)[0]
+@dataclass
+class ExpertTally:
+    """What a step's routed experts did: `load` [num_moe_layers, E] int64 routed (token, choice)
+    pairs per logical expert (on the model's device), `wait_s` seconds spent in `combine`
+    (blocked on routed experts)."""
+
+    load: torch.Tensor
+    wait_s: float = 0.0
 
 
-def run_interleaved(steps: list[StepGen], experts: ExpertBackend) -> list[torch.Tensor]:
-    """Drive several forward passes (micro-batches), switching at every expert wait.
+def run_interleaved(
+    steps: list[StepGen], experts: ExpertBackend, tally: ExpertTally | None = None
+) -> list[torch.Tensor]:
+    """Drive several forward passes (micro-batches), switching at every expert wait; counts the
+    routed load and the expert wait into `tally`.
 
     Each micro-batch runs until it must wait for its routed experts (after it has dispatched
     them and computed its shared experts); then the next one runs. With two micro-batches this
@@ -76,6 +94,8 @@ def run_interleaved(steps: list[StepGen], experts: ExpertBackend) -> list[torch.
         try:
             msg = next(step) if reply is None else step.send(reply)
             while isinstance(msg, ExpertDispatch):
+                if tally is not None:
+                    tally.load[msg.moe_layer] += msg.expert_counts
                 msg = step.send(experts.dispatch(msg))
             waiting[i] = msg
         except StopIteration as stop:
@@ -85,7 +105,11 @@ def run_interleaved(steps: list[StepGen], experts: ExpertBackend) -> list[torch.
         advance(i, None)
     while waiting:
         for i in sorted(waiting):
-            advance(i, experts.combine(waiting.pop(i)))
+            t0 = time.perf_counter()
+            routed = experts.combine(waiting.pop(i))
+            if tally is not None:
+                tally.wait_s += time.perf_counter() - t0
+            advance(i, routed)
     return results
 
 
@@ -208,7 +232,11 @@ class LayerWeights:
     # MoE gate
     router: torch.Tensor | None = None  # [E, H]
     router_bias: torch.Tensor | None = None  # [E] fp32 e_score_correction_bias
-    is_moe: bool = False
+    moe_layer: int | None = None  # index among the MoE layers; None: a dense layer
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_layer is not None
 
 
 def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
@@ -234,7 +262,7 @@ def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch
         input_norm=get(p + "input_layernorm.weight", dtype),
         post_norm=get(p + "post_attention_layernorm.weight", dtype),
         attn=attn,
-        is_moe=cfg.is_moe_layer(i),
+        moe_layer=cfg.moe_layers.index(i) if cfg.is_moe_layer(i) else None,
     )
     mlp = p + ("mlp.shared_experts." if layer.is_moe else "mlp.")
     if layer.is_moe:
@@ -445,7 +473,8 @@ class DeepseekV3:
                 h = h + swiglu(x, layer.mlp_gate, layer.mlp_up, layer.mlp_down)
                 continue
             topk_idx, topk_weight = route(x, layer.router, layer.router_bias, cfg)
-            handle = yield ExpertDispatch(i, x, topk_idx, topk_weight)
+            msg = ExpertDispatch.routed(i, layer.moe_layer, x, topk_idx, topk_weight, cfg.n_routed_experts)
+            handle = yield msg
             shared = (
                 swiglu(x, layer.mlp_gate, layer.mlp_up, layer.mlp_down) if layer.mlp_gate is not None else 0
             )

@@ -19,9 +19,9 @@ from .model import ExpertCombine, ExpertDispatch
 
 @dataclass
 class PackedExperts:
-    w13: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [S, 2I, H]
-    w2: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [S, H, I]
-    logical: dict[int, list[int]] = field(default_factory=dict)  # layer -> logical expert per slot
+    w13: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder layer -> [S, 2I, H]
+    w2: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder layer -> [S, H, I]
+    logical: dict[int, list[int]] = field(default_factory=dict)  # decoder layer -> logical expert per slot
 
     @classmethod
     def load(
@@ -31,7 +31,7 @@ class PackedExperts:
         dtype: torch.dtype,
         progress=None,
     ) -> PackedExperts:
-        """Read only the listed (layer -> logical experts in slot order) expert tensors."""
+        """Read only the listed (decoder layer -> logical experts in slot order) expert tensors."""
         packed = cls()
         for n, (layer, experts) in enumerate(sorted(experts_per_layer.items())):
             packed.w13[layer], packed.w2[layer] = load_expert_weights(reader, layer, experts, dtype)
@@ -57,15 +57,10 @@ class PackedExperts:
 
 
 class LocalExperts:
-    """Expert backend that runs every routed expert in this process (slot == logical expert).
-
-    Also counts routed tokens per (MoE layer, logical expert), like the attention workers do.
-    """
+    """Expert backend that runs every routed expert in this process (slot == logical expert)."""
 
     def __init__(self, cfg: ModelConfig, packed: PackedExperts):
         self.cfg, self.packed = cfg, packed
-        self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
-        self.load = torch.zeros(cfg.num_moe_layers, cfg.n_routed_experts, dtype=torch.long)
 
     @classmethod
     def load_all(cls, reader: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype, progress=None):
@@ -79,15 +74,7 @@ class LocalExperts:
         return self
 
     def dispatch(self, msg: ExpertDispatch) -> torch.Tensor:
-        self.load[self.moe_index[msg.layer]] += torch.bincount(
-            msg.topk_idx.reshape(-1).cpu(), minlength=self.cfg.n_routed_experts
-        )
-        return self.packed.forward(msg.layer, msg.x, msg.topk_idx, msg.topk_weight)
+        return self.packed.forward(msg.decoder_layer, msg.x, msg.topk_idx, msg.topk_weight)
 
     def combine(self, msg: ExpertCombine) -> torch.Tensor:
         return msg.handle
-
-    def take_load(self) -> torch.Tensor:
-        """Routed-token counts [num_moe_layers, n_routed_experts] since the last call."""
-        load, self.load = self.load, torch.zeros_like(self.load)
-        return load

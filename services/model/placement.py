@@ -26,7 +26,7 @@ class Placement:
             raise ValueError(f"{self.phy2log.shape[1]} slots do not divide over {len(self.workers)} workers")
 
     @property
-    def num_layers(self) -> int:
+    def num_moe_layers(self) -> int:
         return self.phy2log.shape[0]
 
     @property
@@ -38,6 +38,7 @@ class Placement:
         return self.num_slots // len(self.workers)
 
     def worker_slots(self, worker: int) -> range:
+        """The global slots of `worker` (the same in every MoE layer)."""
         s = self.slots_per_worker
         return range(worker * s, (worker + 1) * s)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -265,3 +267,14 @@ def init_model(
     if tokenizer:
         write_tokenizer(out, hf["vocab_size"])
     return out
+
+
+def default_model_dir(preset: str = "tiny") -> Path:
+    """The generated preset checkpoint in the user cache ($MOE_CLUSTER_CACHE, default
+    ~/.cache/moe-cluster), written on first use."""
+    root = Path(os.environ.get("MOE_CLUSTER_CACHE", Path.home() / ".cache" / "moe-cluster"))
+    path = root / f"preset-{preset}"
+    if not (path / "config.json").is_file():
+        print(f"generating the {preset!r} preset checkpoint in {path} ...", file=sys.stderr)
+        init_model(path, preset)
+    return path

@@ -131,12 +131,12 @@ class Scheduler:
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Finish a request now (reason 'abort') and free its blocks; None if unknown/finished."""
+    def finish_id(self, request_id: str, reason: str) -> Sequence | None:
+        """Finish a request now (abort, error) and free its blocks; None if unknown/finished."""
         seq = self._by_id.get(request_id)
         if seq is None:
             return None
-        self.finish(seq, "abort")
+        self.finish(seq, reason)
         return seq
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -13,17 +13,20 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
+from services.model.engine import Refusal, RequestOutput
 from services.model.tokenizer import Tokenizer
+from services.settings import NAMESPACE
 
+from . import protocol as proto
 from .metrics import RouterMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, new_id, now, parse, usage
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +36,13 @@ class RouterConfig:
     model_dir: str
     served_model_name: str
     attention_workers: list[str]  # Ray actor names
-    namespace: str = "moe-cluster"
+    namespace: str = NAMESPACE  # of the attention workers and the balancer (SharedSettings.namespace)
     balancer: str | None = None  # Ray actor name of the balancer (placement/loads for operators)
     api_key: str | None = None
     max_model_len: int = 4096
     default_completion_max_tokens: int = 16
     retry_after_s: int = 1
     ready_timeout_s: float = 5.0
-    extra: dict = field(default_factory=dict)
 
 
 app = FastAPI(title="moe-cluster", docs_url=None, redoc_url=None)
@@ -128,7 +130,7 @@ class RouterCore:
                 subs.append(_Sub(p * n + i, p, ids, d, f"{rid}-{p * n + i}"))
         return subs
 
-    async def run(self, sub: _Sub) -> AsyncIterator[dict]:
+    async def run(self, sub: _Sub) -> AsyncIterator[RequestOutput]:
         """The worker's output stream of one sub-request; aborts it if the consumer leaves."""
         name = self.pick_worker()
         cost = len(sub.prompt_ids) + sub.params["max_tokens"]
@@ -140,17 +142,14 @@ class RouterCore:
                 sub.prompt_ids, sub.params, sub.request_id
             )
             async for ref in stream:
-                out = await ref
-                if "refused" in out:
-                    err = out["refused"]
+                out: RequestOutput | Refusal = await ref
+                if isinstance(out, Refusal):
                     finished = True
-                    retry = self.cfg.retry_after_s if err["status"] == 429 else None
-                    raise APIError(err["status"], err["message"], param=err.get("param"), retry_after=retry)
-                finished = out["finished"]
-                if out["finish_reason"] == "error":
-                    raise APIError(
-                        503, f"generation failed: {out['error']}", retry_after=self.cfg.retry_after_s
-                    )
+                    retry = self.cfg.retry_after_s if out.status == 429 else None
+                    raise APIError(out.status, out.message, param=out.param, retry_after=retry)
+                finished = out.finished
+                if out.finish_reason == "error":
+                    raise APIError(503, f"generation failed: {out.error}", retry_after=self.cfg.retry_after_s)
                 yield out
                 if finished:
                     return
@@ -164,7 +163,7 @@ class RouterCore:
             if not finished:
                 actor.abort.remote(sub.request_id)
 
-    async def merged(self, subs: list[_Sub]) -> AsyncIterator[tuple[int, dict]]:
+    async def merged(self, subs: list[_Sub]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """All sub-request streams interleaved as they arrive: (sub index, output)."""
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
@@ -193,44 +192,6 @@ class RouterCore:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-# ---- response builders -----------------------------------------------------------------------
-def completion_logprobs(core: RouterCore, outs: list[dict], offset: int) -> dict:
-    tokens, lps, tops, offsets = [], [], [], []
-    for out in outs:
-        for tok, lp in zip(out["token_ids"], out["logprobs"], strict=True):
-            s = core.token_str(tok)
-            tokens.append(s)
-            lps.append(lp["token_logprob"] if lp else None)
-            tops.append({core.token_str(t): v for t, v in lp["top"]} if lp else None)
-            offsets.append(offset)
-            offset += len(s)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def chat_logprobs(core: RouterCore, outs: list[dict]) -> dict:
-    content = []
-    for out in outs:
-        for tok, lp in zip(out["token_ids"], out["logprobs"], strict=True):
-            if lp is None:
-                continue
-            s = core.token_str(tok)
-            content.append({
-                "token": s, "logprob": lp["token_logprob"], "bytes": list(s.encode()),
-                "top_logprobs": [{"token": core.token_str(t), "logprob": v, "bytes": list(core.token_str(t).encode())}
-                                 for t, v in lp["top"]],
-            })  # fmt: skip
-    return {"content": content}
-
-
-def prompt_tokens(subs: list[_Sub]) -> int:
-    """Prompt tokens of a request, each prompt counted once whatever n is."""
-    return sum({s.prompt_index: len(s.prompt_ids) for s in subs}.values())
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
@@ -286,9 +247,9 @@ class Router:
     async def models(self, request: Request) -> dict:
         self.core.check_auth(request)
         cfg = self.core.cfg
-        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": now(),
-                                            "owned_by": "moe-cluster", "root": cfg.model_dir,
-                                            "max_model_len": cfg.max_model_len}]}  # fmt: skip
+        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model",
+                                            "created": proto.now(), "owned_by": "moe-cluster",
+                                            "root": cfg.model_dir, "max_model_len": cfg.max_model_len}]}  # fmt: skip
 
     # ---- completions --------------------------------------------------------------------
     async def _body(self, request: Request) -> dict:
@@ -306,24 +267,17 @@ class Router:
         req.check_unsupported()
         params = req.sampling_params(core.cfg.default_completion_max_tokens, req.logprobs)
         prompts = [core.encode(p) for p in req.prompts()]
-        rid = new_id("cmpl")
+        rid = proto.new_id("cmpl")
         subs = core.subrequests(prompts, params, req.n, rid)
-        created = now()
-        head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+        head = proto.response_head(rid, "text_completion", req.model)
+        opts = {"logprobs": req.logprobs is not None, "token_ids": self._token_ids(req)}
         core.metrics.request_started("completions")
         if req.stream:
-            return self._stream(request, subs, head, chat=False, req=req)
+            return self._stream(subs, head, chat=False, opts=opts, usage=req.include_usage_in_stream)
         outs = await self._collect(request, subs)
-        choices = []
-        for sub, seq in zip(subs, outs, strict=True):
-            choice = {"index": sub.index, "text": "".join(o["text"] for o in seq),
-                      "logprobs": completion_logprobs(core, seq, 0) if req.logprobs is not None else None,
-                      "finish_reason": seq[-1]["finish_reason"]}  # fmt: skip
-            if req.return_token_ids or core.tokenizer is None:  # token-id mode always returns ids
-                choice["token_ids"] = [t for o in seq for t in o["token_ids"]]
-                choice["prompt_token_ids"] = sub.prompt_ids
-            choices.append(choice)
-        return {**head, "choices": choices, "usage": self._usage(subs, outs)}
+        choices = [proto.completion_choice(sub.index, seq, sub.prompt_ids, core.token_str, **opts)
+                   for sub, seq in zip(subs, outs, strict=True)]  # fmt: skip
+        return proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -340,34 +294,34 @@ class Router:
             req.max_tokens = req.max_completion_tokens
         default_max = max(1, core.cfg.max_model_len - len(prompt_ids))
         params = req.sampling_params(default_max, req.num_logprobs())
-        rid = new_id("chatcmpl")
+        rid = proto.new_id("chatcmpl")
         subs = core.subrequests([prompt_ids], params, req.n, rid)
-        head = {"id": rid, "object": "chat.completion", "created": now(), "model": req.model}
+        opts = {"logprobs": req.logprobs, "token_ids": self._token_ids(req)}
         core.metrics.request_started("chat")
         if req.stream:
-            return self._stream(
-                request, subs, {**head, "object": "chat.completion.chunk"}, chat=True, req=req
-            )
+            head = proto.response_head(rid, "chat.completion.chunk", req.model)
+            return self._stream(subs, head, chat=True, opts=opts, usage=req.include_usage_in_stream)
+        head = proto.response_head(rid, "chat.completion", req.model)
         outs = await self._collect(request, subs)
-        choices = []
-        for sub, seq in zip(subs, outs, strict=True):
-            choice = {"index": sub.index,
-                      "message": {"role": "assistant", "content": "".join(o["text"] for o in seq)},
-                      "logprobs": chat_logprobs(core, seq) if req.logprobs else None,
-                      "finish_reason": seq[-1]["finish_reason"]}  # fmt: skip
-            if req.return_token_ids or core.tokenizer is None:  # token-id mode always returns ids
-                choice["token_ids"] = [t for o in seq for t in o["token_ids"]]
-            choices.append(choice)
-        return {**head, "choices": choices, "usage": self._usage(subs, outs)}
+        choices = [
+            proto.chat_choice(sub.index, seq, core.token_str, **opts)
+            for sub, seq in zip(subs, outs, strict=True)
+        ]
+        return proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs)))
 
     # ---- shared plumbing ----------------------------------------------------------------
-    def _usage(self, subs: list[_Sub], outs: list[list[dict]]) -> dict:
-        completion = sum(len(o["token_ids"]) for seq in outs for o in seq)
-        return usage(prompt_tokens(subs), completion)
+    def _token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
+        return req.return_token_ids or self.core.tokenizer is None  # token-id mode always returns ids
 
-    async def _collect(self, request: Request, subs: list[_Sub]) -> list[list[dict]]:
+    @staticmethod
+    def _usage(subs: list[_Sub], completion_tokens: int) -> dict:
+        return proto.usage(
+            proto.prompt_tokens((s.prompt_index, s.prompt_ids) for s in subs), completion_tokens
+        )
+
+    async def _collect(self, request: Request, subs: list[_Sub]) -> list[list[RequestOutput]]:
         """Run sub-requests to the end (aborting them if the client disconnects)."""
-        outs: list[list[dict]] = [[] for _ in subs]
+        outs: list[list[RequestOutput]] = [[] for _ in subs]
         started = time.monotonic()
         first: set[int] = set()
 
@@ -393,45 +347,42 @@ class Router:
         self.core.metrics.request_finished(200)
         return outs
 
-    def _observe_tpot(self, outs: list[list[dict]], started: float) -> None:
-        n = sum(len(o["token_ids"]) for seq in outs for o in seq)
+    def _observe_tpot(self, outs: list[list[RequestOutput]], started: float) -> None:
+        n = proto.completion_tokens(outs)
         if n > 1:
             self.core.metrics.tpot.observe((time.monotonic() - started) / n)
 
-    def _stream(self, request: Request, subs: list[_Sub], head: dict, chat: bool, req) -> StreamingResponse:
+    def _stream(self, subs: list[_Sub], head: dict, chat: bool, opts: dict, usage: bool) -> StreamingResponse:
+        """Stream the sub-requests' outputs as SSE chunks (`usage`: end with a usage chunk); a client
+        that disconnects cancels the generator, which aborts the sub-requests."""
         core = self.core
 
         async def events():
             started = time.monotonic()
             completion_tokens = 0
-            offsets = [0] * len(subs)
+            offsets = [0] * len(subs)  # text so far of each completion choice
             if chat:
                 for sub in subs:
-                    yield sse({**head, "choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                    yield proto.sse(proto.chat_role_chunk(head, sub.index))
             status = 200
             try:
                 async for index, out in core.merged(subs):
                     if completion_tokens == 0:
                         core.metrics.ttft.observe(time.monotonic() - started)
-                    completion_tokens += len(out["token_ids"])
+                    completion_tokens += len(out.token_ids)
                     if chat:
-                        choice = {"index": index, "delta": {"content": out["text"]} if out["text"] else {},
-                                  "logprobs": chat_logprobs(core, [out]) if req.logprobs else None,
-                                  "finish_reason": out["finish_reason"]}  # fmt: skip
+                        chunk = proto.chat_chunk(head, index, out, core.token_str, **opts)
                     else:
-                        choice = {"index": index, "text": out["text"],
-                                  "logprobs": completion_logprobs(core, [out], offsets[index]) if req.logprobs is not None else None,
-                                  "finish_reason": out["finish_reason"]}  # fmt: skip
-                        offsets[index] += len(out["text"])
-                    if req.return_token_ids or core.tokenizer is None:  # token-id mode always returns ids
-                        choice["token_ids"] = out["token_ids"]
-                    yield sse({**head, "choices": [choice]})
-                if req.include_usage_in_stream:
-                    yield sse({**head, "choices": [], "usage": usage(prompt_tokens(subs), completion_tokens)})
+                        chunk = proto.completion_chunk(
+                            head, index, out, core.token_str, offset=offsets[index], **opts
+                        )
+                        offsets[index] += len(out.text)
+                    yield proto.sse(chunk)
+                if usage:
+                    yield proto.sse(proto.usage_chunk(head, self._usage(subs, completion_tokens)))
             except APIError as e:
                 status = e.status
-                yield sse(e.body())
+                yield proto.sse(e.body())
             finally:
                 core.metrics.request_finished(status)
                 if completion_tokens > 1:
@@ -439,7 +390,3 @@ class Router:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def build_app(cfg: RouterConfig):
-    return Router.bind(cfg)

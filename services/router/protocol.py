@@ -3,17 +3,25 @@
 Requests are pydantic models; unknown fields are accepted and ignored (as OpenAI and vLLM do),
 wrong types and out-of-range values become `APIError`s with OpenAI's error JSON. vLLM-compatible
 extensions: `top_k`, `return_token_ids`, `ignore_eos`, `stop_token_ids`, prompts as token ids.
+
+Responses (whole, or streamed chunk by chunk) are built from the engine's `RequestOutput`s by
+the builders at the bottom; token text comes from a `token_str` callable (the tokenizer's).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.model.sampling import SamplingParamError, SamplingParams
+
+if TYPE_CHECKING:
+    from services.model.engine import RequestOutput
 
 
 class APIError(Exception):
@@ -169,6 +177,116 @@ def now() -> int:
     return int(time.time())
 
 
+# ---- response builders ----------------------------------------------------------------------
+TokenStr = Callable[[int], str]  # token id -> its text
+
+
+def response_head(id_: str, object_: str, model: str, created: int | None = None) -> dict:
+    """The fields every response and chunk starts with."""
+    return {"id": id_, "object": object_, "created": now() if created is None else created, "model": model}
+
+
+def response(head: dict, choices: list[dict], usage: dict) -> dict:
+    return {**head, "choices": choices, "usage": usage}
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def prompt_tokens(choice_prompts: Iterable[tuple[int, Sequence[int]]]) -> int:
+    """Prompt tokens of a request from each choice's (prompt index, prompt ids): each prompt
+    counted once whatever n is."""
+    return sum({index: len(ids) for index, ids in choice_prompts}.values())
+
+
+def completion_tokens(outs: Iterable[Iterable[RequestOutput]]) -> int:
+    return sum(len(o.token_ids) for seq in outs for o in seq)
+
+
+def completion_logprobs(outs: Sequence[RequestOutput], token_str: TokenStr, offset: int = 0) -> dict:
+    """The completions API's logprobs; `offset`: where the first token's text starts in the choice."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for out in outs:
+        for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+            s = token_str(tok)
+            tokens.append(s)
+            lps.append(lp.token_logprob if lp else None)
+            tops.append({token_str(t): v for t, v in lp.top} if lp else None)
+            offsets.append(offset)
+            offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(outs: Sequence[RequestOutput], token_str: TokenStr) -> dict:
+    def entry(token: int, logprob: float) -> dict:
+        s = token_str(token)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+    return {"content": [{**entry(tok, lp.token_logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for out in outs for tok, lp in zip(out.token_ids, out.logprobs, strict=True)
+                        if lp is not None]}  # fmt: skip
+
+
+def _choice(
+    index: int, body: dict, logprobs: dict | None, outs: Sequence[RequestOutput], token_ids: bool
+) -> dict:
+    """{"index", <body's keys>, "logprobs", "finish_reason"[, "token_ids"]}: a choice of `outs`."""
+    choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": outs[-1].finish_reason}
+    if token_ids:
+        choice["token_ids"] = [t for o in outs for t in o.token_ids]
+    return choice
+
+
+def _text(outs: Sequence[RequestOutput]) -> str:
+    return "".join(o.text for o in outs)
+
+
+def completion_choice(index: int, outs: Sequence[RequestOutput], prompt_ids: Sequence[int],
+                      token_str: TokenStr, *, logprobs: bool = False, token_ids: bool = False) -> dict:  # fmt: skip
+    """One choice of a whole completion from all its outputs; `token_ids` adds the generated and
+    the prompt's token ids (vLLM's `return_token_ids`)."""
+    lps = completion_logprobs(outs, token_str) if logprobs else None
+    choice = _choice(index, {"text": _text(outs)}, lps, outs, token_ids)
+    if token_ids:
+        choice["prompt_token_ids"] = list(prompt_ids)
+    return choice
+
+
+def chat_choice(index: int, outs: Sequence[RequestOutput], token_str: TokenStr, *, logprobs: bool = False,
+                token_ids: bool = False) -> dict:  # fmt: skip
+    """One choice of a whole chat completion from all its outputs."""
+    lps = chat_logprobs(outs, token_str) if logprobs else None
+    return _choice(index, {"message": {"role": "assistant", "content": _text(outs)}}, lps, outs, token_ids)
+
+
+def completion_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, *, offset: int = 0,
+                     logprobs: bool = False, token_ids: bool = False) -> dict:  # fmt: skip
+    """A streamed completion chunk of one output; `offset`: the length of the choice's text so far."""
+    lps = completion_logprobs([out], token_str, offset) if logprobs else None
+    return {**head, "choices": [_choice(index, {"text": out.text}, lps, [out], token_ids)]}
+
+
+def chat_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, *, logprobs: bool = False,
+               token_ids: bool = False) -> dict:  # fmt: skip
+    """A streamed chat chunk of one output. Its content is "" (as vLLM sends) when the output's
+    text is empty: bytes held back in the middle of a UTF-8 character."""
+    lps = chat_logprobs([out], token_str) if logprobs else None
+    return {**head, "choices": [_choice(index, {"delta": {"content": out.text}}, lps, [out], token_ids)]}
+
+
+def chat_role_chunk(head: dict, index: int) -> dict:
+    """The first chunk of each streamed chat choice."""
+    return {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}]}  # fmt: skip
+
+
+def usage_chunk(head: dict, usage: dict) -> dict:
+    """The last chunk of a stream when `stream_options.include_usage` asks for it."""
+    return {**head, "choices": [], "usage": usage}
+
+
+def sse(obj: Any) -> str:
+    """One Server-Sent Event."""
+    return f"data: {json.dumps(obj)}\n\n"

