@@ -137,13 +137,18 @@ def cmd_status(args) -> int:
     b = st["balancedness"]
     print(
         f"placement version {st['version']}   balancedness {'-' if b is None else f'{b:.3f}'}   "
-        f"migrations {st['migrations']}   slots/worker {st['slots_per_worker']}"
+        f"migrations {st['migrations']}   heals {st['heals']}   slots/worker {st['slots_per_worker']}"
     )
     print(f"attention workers: {', '.join(st['attention_workers']) or '-'}")
-    print(f"{'expert worker':16} {'address':22} {'node':14} {'slots':>6} {'load':>10}")
+    print(f"{'expert worker':16} {'state':9} {'address':22} {'node':14} {'slots':>6} {'load':>10}")
     for w in st["workers"]:
         load = "-" if w.get("load") is None else f"{w['load']:.0f}"
-        print(f"{w['id']:16} {w['address']:22} {w['node'][:12]:14} {len(w['slots']):>6} {load:>10}")
+        print(
+            f"{w['id']:16} {w['state']:9} {w['address']:22} {w['node'][:12]:14} {len(w['slots']):>6} {load:>10}"
+        )
+    for d in st["dead_workers"][-5:]:
+        healed = "not yet" if d["healed_s"] is None else f"in {d['healed_s']:.1f}s"
+        print(f"{d['worker_id']:16} {'dead':9} {d['address']:22} {d['reason'][:40]}; healed {healed}")
     return 0
 
 
@@ -173,25 +178,23 @@ def cmd_bench(args) -> int:
 
 
 def up_flags() -> dict[str, tuple[type, str]]:
-    """`moe-cluster up` flags: every scalar ClusterConfig field, as (type, help) by field name."""
+    """`moe-cluster up` flags: every scalar ClusterConfig field, as (type, help) by field name
+    (dict fields are YAML-only)."""
     from dataclasses import fields
-    from typing import get_type_hints
+    from types import UnionType
+    from typing import get_args, get_origin, get_type_hints
 
     from services.cluster import ClusterConfig
 
     hints = get_type_hints(ClusterConfig)
     flags = {}
     for f in fields(ClusterConfig):
-        kind = next(
-            (
-                t
-                for t in (bool, int, float, str)
-                if t in (hints[f.name], *getattr(hints[f.name], "__args__", ()))
-            ),
-            None,
+        hint = hints[f.name]
+        kinds = (
+            [t for t in get_args(hint) if t is not type(None)] if get_origin(hint) is UnionType else [hint]
         )
-        if kind is not None:
-            flags[f.name] = (kind, f.metadata.get("help", ""))
+        if len(kinds) == 1 and kinds[0] in (int, float, str):
+            flags[f.name] = (kinds[0], f.metadata.get("help", ""))
     return flags
 
 

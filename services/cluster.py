@@ -24,6 +24,8 @@ from services.settings import BALANCER_NAME, NAMESPACE, SharedSettings, attentio
 
 log = logging.getLogger(__name__)
 
+APP_NAME = "moe-cluster"  # the Serve application
+
 
 def _setting(default, help: str):
     """A ClusterConfig field; `help` documents it in YAML and as a `moe-cluster up` flag."""
@@ -35,7 +37,7 @@ def _setting(default, help: str):
 @dataclass
 class ClusterConfig:
     """Everything `moe-cluster up` needs; the same keys in a YAML file (`--config`). Every scalar
-    field is also a flag of `moe-cluster up` (model_dir -> --model-dir)."""
+    field is also a flag of `moe-cluster up` (max_num_seqs -> --max-num-seqs)."""
 
     model: str | None = _setting(None, "checkpoint directory (default: generate the tiny preset)")
     served_model_name: str | None = _setting(
@@ -94,7 +96,12 @@ class ClusterConfig:
             raise ValueError("redundant_experts must be >= 0")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
-        self.shared(None)  # checks the shared settings
+        shared = self.shared(None)  # checks the shared settings
+        if self.balancer_window_buckets * shared.bucket_seconds > shared.ttl_seconds:
+            raise ValueError(
+                f"the load window ({self.balancer_window_buckets} x {shared.bucket_seconds}s) is longer than "
+                f"the load buckets live ({shared.ttl_seconds}s)"
+            )
 
     def shared(self, redis_url: str | None) -> SharedSettings:
         """The settings every service of this cluster shares (with the Redis actually used)."""
@@ -115,16 +122,22 @@ class Backend:
 
 
 def start_backend(
-    cfg: ClusterConfig, model_dir: str, redis_url: str, detached: bool = False, step=log.info
+    cfg: ClusterConfig, model_dir: str, redis_url: str, reuse: bool = False, step=log.info
 ) -> Backend:
-    """Start (or, with `detached`, find already running) balancer + expert workers and attention
-    workers. Detached actors outlive the caller: that is how `serve deploy` / KubeRay run them."""
+    """Start (or, with `reuse`, find already running: `serve deploy` / KubeRay re-deploys) the
+    balancer + expert workers and the attention workers.
+
+    Lifetimes: every actor is detached (owned by Ray itself, so none dies with the process that
+    started it or with another service) and named in the namespace. The balancer and the
+    attention workers restart in place (`max_restarts=-1`) and re-attach by name; expert workers
+    are not restarted in place: the balancer re-plans a dead worker's experts onto the others and
+    starts a fresh worker under a new name."""
     from services.attention.worker import AttentionWorker, AttentionWorkerConfig
     from services.balancer.service import Balancer, BalancerConfig
     from services.model.engine import EngineConfig
 
     shared = cfg.shared(redis_url)
-    lifetime = {"lifetime": "detached", "get_if_exists": True} if detached else {}
+    lifetime = {"lifetime": "detached", "max_restarts": -1, "get_if_exists": reuse}
     step(f"starting {cfg.expert_workers} expert workers and loading the placement")
     balancer = Balancer.options(name=BALANCER_NAME, namespace=shared.namespace, **lifetime).remote(
         BalancerConfig(
@@ -138,7 +151,6 @@ def start_backend(
             expert_dtype=cfg.dtype,
             expert_threads=cfg.expert_threads,
             expert_resources=cfg.expert_resources,
-            detached=detached,
         )
     )
     info = ray.get(balancer.start.remote())
@@ -231,7 +243,7 @@ class Cluster:
             step(f"starting the OpenAI API on http://{cfg.host}:{cfg.port}")
             serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
             serve.run(
-                Router.bind(router_config(cfg, backend)), name="moe-cluster", route_prefix="/", blocking=False
+                Router.bind(router_config(cfg, backend)), name=APP_NAME, route_prefix="/", blocking=False
             )
             url = f"http://{cfg.host}:{cfg.port}"
             cluster = cls(
@@ -261,9 +273,29 @@ class Cluster:
                 raise TimeoutError(f"{self.url}/ready did not answer 200 within {timeout}s")
             time.sleep(0.2)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Stop the app, the workers, Redis and (if this process started it) Ray. The graceful part
-        runs under a deadline: after Ctrl-C, Ray's own processes may already be gone."""
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Refuse new requests (HTTP 503) and wait, at most `timeout_s`, until the attention
+        workers have finished every request they hold; True if they did."""
+        from ray import serve
+
+        deadline = time.monotonic() + timeout_s
+        try:
+            serve.get_app_handle(APP_NAME).drain.remote().result(timeout_s=timeout_s)
+            while time.monotonic() < deadline:
+                stats = ray.get([a.stats.remote() for a in self.attention.values()], timeout=10)
+                if all(s["running"] + s["waiting"] == 0 for s in stats):
+                    return True
+                time.sleep(0.1)
+        except Exception as e:  # the app or a worker is gone already: nothing left to wait for
+            log.warning("drain: %s", e)
+        return False
+
+    def stop(self, timeout: float = 60.0, drain_s: float = 30.0) -> None:
+        """Drain (bounded by `drain_s`), then stop the app, the workers, Redis and (if this
+        process started it) Ray. The graceful part runs under a deadline: after Ctrl-C, Ray's own
+        processes may already be gone."""
+        if drain_s > 0 and not self.drain(drain_s):
+            log.warning("requests still running after %.0fs of draining; stopping anyway", drain_s)
         done = threading.Event()
         graceful = threading.Thread(target=self._stop_services, args=(done,), daemon=True)
         graceful.start()
@@ -289,6 +321,11 @@ class Cluster:
             ray.get(self.balancer.shutdown.remote(), timeout=30)
         with contextlib.suppress(Exception):
             ray.kill(self.balancer)
+        # detached actors outlive us: stop whatever of ours is left (e.g. the balancer was down)
+        for info in ray.util.list_named_actors(all_namespaces=True):
+            if info["namespace"] == self.cfg.namespace and info["name"].startswith("moe-"):
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(info["name"], namespace=info["namespace"]))
         done.set()
 
 

@@ -1,8 +1,9 @@
 """Settings every service of one cluster must agree on, in one place.
 
 The launcher builds one `SharedSettings` from the cluster config and hands the same object to
-the balancer, the attention workers and the router, so that load counts written by attention
-workers land where the balancer reads them and every actor is found under the same names.
+the balancer and the attention workers (the router gets its namespace), so that load counts
+written by attention workers land where the balancer reads them and every actor is found under
+the same names.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -123,5 +124,44 @@ def test_failing_steps_are_retried_then_fail_requests_with_an_error(tiny_model):
         last = asyncio.run(failed())
         assert last.finish_reason == "error" and "unavailable" in last.error
         assert engine.scheduler.num_free_blocks == engine.cache.num_blocks
+    finally:
+        svc.close()
+
+
+class _DownFor:
+    """Wraps a backend; every dispatch fails until `seconds` after the first one."""
+
+    def __init__(self, inner, seconds):
+        self.inner, self.seconds, self.since = inner, seconds, None
+
+    def dispatch(self, msg):
+        self.since = self.since or time.monotonic()
+        if time.monotonic() - self.since < self.seconds:
+            raise ConnectionError("expert worker unavailable")
+        return self.inner.dispatch(msg)
+
+    def combine(self, msg):
+        return self.inner.combine(msg)
+
+
+def test_a_failed_step_fails_only_the_requests_in_it(tiny_model):
+    cfg = EngineConfig(model=str(tiny_model), max_num_seqs=1, max_num_batched_tokens=64)
+    engine = LocalEngine(cfg)
+    ref = engine.generate([[0, 9, 8]], GREEDY)[0].token_ids
+    engine.experts = _DownFor(engine.experts, 1.5)
+    svc = AttentionService(
+        AttentionWorkerConfig(engine=cfg, step_retry_s=1.0, step_retry_wait_s=0.01), engine
+    )
+    try:
+
+        async def both():
+            first = asyncio.ensure_future(_collect(svc, [0, 5, 6], GREEDY, "in-step"))
+            await asyncio.sleep(0.05)  # "waiting" queues behind it: max_num_seqs=1
+            second = asyncio.ensure_future(_collect(svc, [0, 9, 8], GREEDY, "waiting"))
+            return await first, await second
+
+        (_, first_reason), (tokens, reason) = asyncio.run(both())
+        assert first_reason == "error"  # it was in the failing step for longer than step_retry_s
+        assert tokens == ref and reason == "length"  # it was not: it runs once the experts are back
     finally:
         svc.close()

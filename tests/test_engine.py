@@ -110,10 +110,10 @@ def test_abort_frees_blocks_and_reports(engine):
     )
     for _ in range(5):
         engine.step()
-    assert engine.abort(rid)
+    assert engine.abort(rid).finish_reason == "abort"
     assert not engine.has_unfinished()
     assert engine.scheduler.num_free_blocks == engine.cache.num_blocks
-    assert not engine.abort(rid)
+    assert engine.abort(rid) is None
 
 
 def test_eos_and_stop_strings(engine, tiny_model):

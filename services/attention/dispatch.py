@@ -206,6 +206,13 @@ class RemoteExperts:
             self._close_retired()
         return sum_rows(answered, pending.msg.x)
 
+    def cancel(self, pending: PendingDispatch) -> None:
+        """Drop a dispatch that will not be combined (its step failed elsewhere)."""
+        for part in pending.parts:
+            part.future.cancel()
+        self._pending -= 1
+        self._close_retired()
+
     def _result(self, pending: PendingDispatch, part: _Part, failed: list[_Part]) -> torch.Tensor | None:
         """A part's output [Tw, H], or None after recording a worker failure in `failed`."""
         placement = pending.router.placement

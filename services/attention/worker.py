@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,12 +25,20 @@ import ray
 
 from services.attention.dispatch import DispatchConfig, RemoteExperts
 from services.attention.load_reporter import LoadReporter, LoadReporterConfig
-from services.model.engine import Engine, EngineConfig, Refusal, RequestOutput, StepResult, load_engine
+from services.model.engine import (
+    Engine,
+    EngineConfig,
+    Refusal,
+    RequestOutput,
+    StepFailed,
+    StepResult,
+    load_engine,
+)
 from services.model.moe import LocalExperts
 from services.model.placement import Placement
 from services.model.sampling import SamplingParams
 from services.model.scheduler import QueueFullError
-from services.settings import SharedSettings
+from services.settings import BALANCER_NAME, SharedSettings
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +50,7 @@ class AttentionWorkerConfig:
     shared: SharedSettings = field(default_factory=SharedSettings)  # no redis_url: loads not reported
     dispatch_timeout_s: float = 10.0
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
+    step_retry_wait_s: float = 0.05  # pause between retries of a failing step
     idle_wait_s: float = 0.05
 
 
@@ -153,8 +163,9 @@ class AttentionService:
                 cmd.done.set_result(self.engine.add_request(prompt_ids, params, request_id))
             elif cmd.kind == "abort":
                 (request_id,) = cmd.args
-                if self.engine.abort(request_id):
-                    self._emit(RequestOutput(request_id, finished=True, finish_reason="abort"))
+                out = self.engine.abort(request_id)
+                if out is not None:
+                    self._emit(out)
                 cmd.done.set_result(None)
             elif cmd.kind == "call":
                 cmd.done.set_result(cmd.args[0]())
@@ -192,18 +203,26 @@ class AttentionService:
             try:
                 result = self.engine.step()
                 failing_since = None
-            except Exception as e:
+            except StepFailed as e:
                 self.times.failed_steps += 1
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > self.cfg.step_retry_s:
-                    log.error("%s: step failing for %.0fs, failing its requests: %s",
-                              self.cfg.worker_id, self.cfg.step_retry_s, e)  # fmt: skip
-                    for out in self.engine.fail(self.engine.unfinished_ids(), f"{type(e).__name__}: {e}"):
+                    log.error("%s: step failing for %.0fs, failing its %d requests: %s",
+                              self.cfg.worker_id, self.cfg.step_retry_s, len(e.request_ids), e)  # fmt: skip
+                    for out in self.engine.fail(e.request_ids, str(e)):
                         self._emit(out)
                     failing_since = None
                 else:
-                    log.warning("%s: step failed (%s); retrying", self.cfg.worker_id, e)
-                    time.sleep(0.05)
+                    if self.times.failed_steps % 20 == 1:
+                        log.warning("%s: step failed (%s); retrying", self.cfg.worker_id, e)
+                    time.sleep(self.cfg.step_retry_wait_s)
+                continue
+            except Exception as e:  # a bug outside the model run: end what the engine holds, keep serving
+                log.exception("%s: step failed outside the model run", self.cfg.worker_id)
+                for out in self.engine.fail(
+                    self.engine.unfinished_ids(), f"internal error: {type(e).__name__}: {e}"
+                ):
+                    self._emit(out)
                 continue
             self._finish(result)
 
@@ -218,6 +237,18 @@ class AttentionService:
             self._emit(out)
         if self.load_reporter is not None:
             self.load_reporter.add(result.expert_load)
+
+
+def _current_placement(shared: SharedSettings, placement: dict, addresses: dict) -> tuple[dict, dict]:
+    """After a restart: the balancer's current placement (the constructor's may be stale); the
+    given one when the balancer does not answer (its watch tick pushes the current one later)."""
+    try:
+        balancer = ray.get_actor(BALANCER_NAME, namespace=shared.namespace)
+        info = ray.get(balancer.placement.remote(), timeout=10)
+        return info["placement"], info["addresses"]
+    except Exception as e:
+        log.warning("restarted without the balancer's placement (%s); using v%s", e, placement["version"])
+        return placement, addresses
 
 
 def refusal(e: Exception) -> Refusal:
@@ -239,6 +270,8 @@ class AttentionWorker:
     ):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.remote_experts: RemoteExperts | None = None
+        if placement is not None and ray.get_runtime_context().was_current_actor_reconstructed:
+            placement, addresses = _current_placement(cfg.shared, placement, addresses)
 
         def make_experts(mcfg, reader, dtype):
             if placement is None:  # single process: every routed expert here
@@ -286,6 +319,13 @@ class AttentionWorker:
         if self.remote_experts is None:
             raise ValueError("this attention worker runs its experts in process")
         return await self.service.between_steps(switch)
+
+    async def placement(self) -> dict | None:
+        """The placement this worker routes with (None: experts in process)."""
+        return self.remote_experts.placement.to_dict() if self.remote_experts else None
+
+    async def pid(self) -> int:
+        return os.getpid()
 
     async def stats(self) -> dict:
         dispatch = asdict(self.remote_experts.stats) if self.remote_experts else None

@@ -11,6 +11,7 @@ loading.
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 import torch
@@ -32,6 +33,10 @@ class ExpertWorker:
 
     def address(self) -> str | None:
         return self.server.address
+
+    def pid(self) -> int:
+        """The worker's process id (fault tests kill it)."""
+        return os.getpid()
 
     def node_id(self) -> str:
         """The Ray node this worker runs on (EPLB's "node" of its slots)."""

@@ -122,6 +122,14 @@ def split_micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
     return [p for p in parts if p]
 
 
+class StepFailed(RuntimeError):
+    """The model run of a step failed (e.g. routed experts unreachable); `request_ids` were in it."""
+
+    def __init__(self, request_ids: list[str], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids, self.cause = request_ids, cause
+
+
 @dataclass
 class StepResult:
     """What one engine step did."""
@@ -182,9 +190,11 @@ class Engine:
             self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop)
         return seq.request_id
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request; call it between steps (its blocks are freed at once)."""
-        return bool(self._end([request_id], "abort", None))
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request between steps (its blocks are freed at once); its final output, None
+        if it is unknown or finished."""
+        ended = self._end([request_id], "abort", None)
+        return ended[0] if ended else None
 
     def fail(self, request_ids: list[str], error: str) -> list[RequestOutput]:
         """End these requests with finish_reason "error" (unknown or finished ids are skipped) and
@@ -222,7 +232,8 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule, run the model (micro-batches interleaved at expert waits), sample, advance.
-        A step that raises changed no request: the next step schedules the same work again."""
+        A step whose model run fails raises StepFailed naming its requests; it changed none of
+        them, so the next step schedules the same work again."""
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         tally = ExpertTally(torch.zeros(self.cfg.num_moe_layers, self.cfg.n_routed_experts,
@@ -230,8 +241,11 @@ class Engine:
         if not chunks:
             return StepResult([], 0, 0, tally.load.cpu(), 0.0, time.perf_counter() - t0)
         parts = split_micro_batches(chunks, self.engine_cfg.micro_batches)
-        steps = [self.model.forward(self._batch(part), self.cache.kv) for part in parts]
-        logits = run_interleaved(steps, self.experts, tally)
+        try:
+            steps = [self.model.forward(self._batch(part), self.cache.kv) for part in parts]
+            logits = run_interleaved(steps, self.experts, tally)
+        except Exception as e:
+            raise StepFailed([c.seq.request_id for c in chunks], e) from e
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)
         want = [c.seq for c in chunks if c.wants_logits]
         outputs = self._advance(chunks, want, logits)

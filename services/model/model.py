@@ -47,7 +47,7 @@ class ExpertDispatch:
     @classmethod
     def routed(cls, decoder_layer: int, moe_layer: int, x, topk_idx, topk_weight, num_experts: int):
         """The message for routed tokens, with their per-expert counts."""
-        counts = torch.bincount(topk_idx.view(-1), minlength=num_experts)
+        counts = torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
         return cls(decoder_layer, moe_layer, x, topk_idx, topk_weight, counts)
 
 
@@ -57,6 +57,10 @@ class ExpertCombine:
 
 
 class ExpertBackend(Protocol):
+    """dispatch starts the routed work and returns a handle; combine waits for it. A backend
+    may also have `cancel(handle)`, called for dispatches that will not be combined (a step that
+    failed in another micro-batch)."""
+
     def dispatch(self, msg: ExpertDispatch) -> Any: ...
 
     def combine(self, msg: ExpertCombine) -> torch.Tensor: ...
@@ -101,15 +105,22 @@ def run_interleaved(
         except StopIteration as stop:
             results[i] = stop.value
 
-    for i in range(len(steps)):
-        advance(i, None)
-    while waiting:
-        for i in sorted(waiting):
-            t0 = time.perf_counter()
-            routed = experts.combine(waiting.pop(i))
-            if tally is not None:
-                tally.wait_s += time.perf_counter() - t0
-            advance(i, routed)
+    try:
+        for i in range(len(steps)):
+            advance(i, None)
+        while waiting:
+            for i in sorted(waiting):
+                t0 = time.perf_counter()
+                routed = experts.combine(waiting.pop(i))
+                if tally is not None:
+                    tally.wait_s += time.perf_counter() - t0
+                advance(i, routed)
+    except BaseException:  # the other micro-batches' dispatches will never be combined
+        cancel = getattr(experts, "cancel", None)
+        for msg in waiting.values():
+            if cancel is not None:
+                cancel(msg.handle)
+        raise
     return results
 
 

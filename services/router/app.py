@@ -7,10 +7,12 @@ requests on their worker.
 """
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -42,6 +44,8 @@ class RouterConfig:
     max_model_len: int = 4096
     default_completion_max_tokens: int = 16
     retry_after_s: int = 1
+    max_failovers: int = 3  # times one request moves on after its attention worker died
+    failover_wait_s: float = 60.0  # how long a request waits for a live attention worker
     ready_timeout_s: float = 5.0
 
 
@@ -58,6 +62,10 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     log.exception("unhandled error")
     return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
+
+class _WorkerDied(Exception):
+    """The attention worker serving a stream died."""
 
 
 @dataclass
@@ -79,6 +87,9 @@ class RouterCore:
         self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
         self.workers = {n: ray.get_actor(n, namespace=cfg.namespace) for n in cfg.attention_workers}
         self.outstanding = dict.fromkeys(self.workers, 0)
+        self.draining = False  # shutting down: new requests are refused
+        self.down: dict[str, float] = {}  # attention workers that died: name -> since (monotonic)
+        self._probes: set[asyncio.Task] = set()
         self._rr = itertools.count()
         self.metrics = RouterMetrics()
 
@@ -89,6 +100,10 @@ class RouterCore:
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, f"Bearer {self.cfg.api_key}".encode()):
             raise APIError(401, "missing or invalid API key", code="invalid_api_key")
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", retry_after=self.cfg.retry_after_s)
 
     def check_model(self, model: str) -> None:
         if model not in (self.cfg.served_model_name, self.cfg.model_dir):
@@ -103,11 +118,6 @@ class RouterCore:
 
     def token_str(self, token: int) -> str:
         return self.tokenizer.token_text(token) if self.tokenizer else f"token_id:{token}"
-
-    def pick_worker(self) -> str:
-        least = min(self.outstanding.values())
-        names = [n for n, v in self.outstanding.items() if v == least]
-        return names[next(self._rr) % len(names)]
 
     def check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
         if len(prompt_ids) + max_tokens > self.cfg.max_model_len:
@@ -131,16 +141,43 @@ class RouterCore:
         return subs
 
     async def run(self, sub: _Sub) -> AsyncIterator[RequestOutput]:
-        """The worker's output stream of one sub-request; aborts it if the consumer leaves."""
-        name = self.pick_worker()
-        cost = len(sub.prompt_ids) + sub.params["max_tokens"]
+        """The output stream of one sub-request; aborts it if the consumer leaves.
+
+        Failover: when its attention worker dies, the request goes on on a live worker (the dead
+        one is skipped until it answers again). A request that had produced no token yet is just
+        resubmitted; one that had is resumed: its produced tokens are appended to the prompt
+        (re-prefilled there) and it asks for the tokens still missing, so the stream continues
+        where it stopped. Greedy decoding continues exactly; sampling continues from a fresh
+        generator state, and a stop string that straddles the resume point is not seen."""
+        produced: list[int] = []
+        for attempt in itertools.count():
+            prompt = sub.prompt_ids + produced
+            params = {**sub.params, "max_tokens": sub.params["max_tokens"] - len(produced)}
+            request_id = sub.request_id if attempt == 0 else f"{sub.request_id}-resumed-{attempt}"
+            try:
+                async with contextlib.aclosing(
+                    self._stream(await self.pick_worker(), prompt, params, request_id)
+                ) as stream:
+                    async for out in stream:
+                        produced += out.token_ids
+                        yield out
+                return
+            except _WorkerDied as e:
+                if attempt >= self.cfg.max_failovers:
+                    raise APIError(503, f"{e}; gave up after {attempt + 1} attempts",
+                                   retry_after=self.cfg.retry_after_s) from None  # fmt: skip
+                self.metrics.failovers.labels("resumed" if produced else "resubmitted").inc()
+                log.warning("%s; %s %s on another worker", e, "resuming" if produced else "resubmitting",
+                            sub.request_id)  # fmt: skip
+
+    async def _stream(self, name: str, prompt: list[int], params: dict, request_id: str):
+        """One worker's output stream; raises _WorkerDied when the worker dies meanwhile."""
+        cost = len(prompt) + params["max_tokens"]
         self.outstanding[name] += cost
         actor = self.workers[name]
         finished = False
         try:
-            stream = actor.generate.options(num_returns="streaming").remote(
-                sub.prompt_ids, sub.params, sub.request_id
-            )
+            stream = actor.generate.options(num_returns="streaming").remote(prompt, params, request_id)
             async for ref in stream:
                 out: RequestOutput | Refusal = await ref
                 if isinstance(out, Refusal):
@@ -155,13 +192,47 @@ class RouterCore:
                     return
         except ray.exceptions.RayActorError as e:
             finished = True
-            raise APIError(
-                503, f"attention worker {name} is unavailable", retry_after=self.cfg.retry_after_s
-            ) from e
+            self.mark_down(name)
+            raise _WorkerDied(f"attention worker {name} died ({type(e).__name__})") from e
         finally:
             self.outstanding[name] -= cost
             if not finished:
-                actor.abort.remote(sub.request_id)
+                actor.abort.remote(request_id)
+
+    # ---- attention worker health --------------------------------------------------------
+    async def pick_worker(self) -> str:
+        """The live attention worker with the fewest outstanding tokens; waits (bounded) while
+        every worker is down."""
+        deadline = time.monotonic() + self.cfg.failover_wait_s
+        while True:
+            live = {n: v for n, v in self.outstanding.items() if n not in self.down}
+            if live:
+                least = min(live.values())
+                names = [n for n, v in live.items() if v == least]
+                return names[next(self._rr) % len(names)]
+            if time.monotonic() > deadline:
+                raise APIError(503, "no attention worker is available", retry_after=self.cfg.retry_after_s)
+            await asyncio.sleep(0.1)
+
+    def mark_down(self, name: str) -> None:
+        """Skip `name` until it answers `ready` again (Ray restarts it)."""
+        if name in self.down:
+            return
+        self.down[name] = time.monotonic()
+        self._probes.add(asyncio.get_running_loop().create_task(self._probe(name)))
+
+    async def _probe(self, name: str) -> None:
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(self.workers[name].ready.remote(), 10)
+                    break
+                except Exception:  # restarting, or dead for good: keep it out, ask again
+                    await asyncio.sleep(0.5)
+            log.info("attention worker %s is back after %.1fs", name, time.monotonic() - self.down[name])
+            self.down.pop(name, None)
+        finally:
+            self._probes.discard(asyncio.current_task())
 
     async def merged(self, subs: list[_Sub]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """All sub-request streams interleaved as they arrive: (sub index, output)."""
@@ -201,6 +272,14 @@ class Router:
         logging.basicConfig(level=logging.INFO)
         self.core = RouterCore(cfg)
 
+    async def pid(self) -> int:
+        """This replica's process id (fault tests kill it)."""
+        return os.getpid()
+
+    async def drain(self) -> None:
+        """Refuse new generation requests from now on (shutdown); running ones go on."""
+        self.core.draining = True
+
     # ---- operational endpoints ----------------------------------------------------------
     @app.get("/health")
     async def health(self) -> dict:
@@ -208,14 +287,22 @@ class Router:
 
     @app.get("/ready")
     async def ready(self) -> JSONResponse:
-        try:
-            states = await asyncio.wait_for(
-                asyncio.gather(*[w.ready.remote() for w in self.core.workers.values()]),
-                self.core.cfg.ready_timeout_s,
-            )
-        except (TimeoutError, ray.exceptions.RayError) as e:
-            return JSONResponse({"status": "not ready", "reason": f"{type(e).__name__}"}, status_code=503)
-        return JSONResponse({"status": "ready", "attention_workers": states})
+        """200 while at least one attention worker answers (the others fail over to it)."""
+        names = list(self.core.workers)
+        replies = await asyncio.gather(
+            *[
+                asyncio.wait_for(self.core.workers[n].ready.remote(), self.core.cfg.ready_timeout_s)
+                for n in names
+            ],
+            return_exceptions=True,
+        )
+        states = {
+            n: r if isinstance(r, dict) else {"error": type(r).__name__}
+            for n, r in zip(names, replies, strict=True)
+        }
+        ok = any(isinstance(r, dict) for r in replies)
+        return JSONResponse({"status": "ready" if ok else "not ready", "attention_workers": states},
+                            status_code=200 if ok else 503)  # fmt: skip
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -262,6 +349,7 @@ class Router:
     async def completions(self, request: Request):
         core = self.core
         core.check_auth(request)
+        core.check_open()
         req: CompletionRequest = parse(CompletionRequest, await self._body(request))
         core.check_model(req.model)
         req.check_unsupported()
@@ -283,6 +371,7 @@ class Router:
     async def chat_completions(self, request: Request):
         core = self.core
         core.check_auth(request)
+        core.check_open()
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._body(request))
         core.check_model(req.model)
         if core.tokenizer is None:

@@ -50,6 +50,28 @@ class RouterMetrics:
         )
         self.migrations = Gauge("moe_migrations", "Expert re-placements completed", registry=r)
         self.expert_workers = Gauge("moe_expert_workers", "Expert workers in the pool", registry=r)
+        self.failovers = Counter(
+            "moe_router_failovers",
+            "Requests moved to another attention worker after theirs died, by kind (resubmitted: no "
+            "token sent yet; resumed: re-prefilled with the tokens already sent)",
+            ["kind"],
+            registry=r,
+        )
+        self.resent_pairs = Gauge(
+            "moe_dispatch_resent_pairs", "(token, expert) pairs resent after an expert worker failed", ["worker"],
+            registry=r,
+        )  # fmt: skip
+        self.failed_steps = Gauge(
+            "moe_engine_failed_steps", "Engine steps that failed and were retried", ["worker"], registry=r
+        )
+        self.heals = Gauge("moe_expert_heals", "Placements re-planned after expert workers died", registry=r)
+        self.dead_workers = Gauge(
+            "moe_expert_workers_died", "Expert workers that died (since the balancer started)", registry=r
+        )
+        self.recovery_s = Gauge(
+            "moe_expert_recovery_seconds", "Seconds from an expert worker's death until its experts served again (last)",
+            registry=r,
+        )  # fmt: skip
 
     def request_started(self, endpoint: str) -> None:
         self.requests.labels(endpoint).inc()
@@ -68,6 +90,8 @@ class RouterMetrics:
             self.step_s.labels(w).set(s["times"]["step_s"])
             self.wait_s.labels(w).set(s["times"]["expert_wait_s"])
             self.dispatch_rpcs.labels(w).set((s.get("dispatch") or {}).get("rpcs", 0))
+            self.resent_pairs.labels(w).set((s.get("dispatch") or {}).get("resent_pairs", 0))
+            self.failed_steps.labels(w).set(s["times"]["failed_steps"])
             self.dropped.labels(w).set((s.get("load_reporter") or {}).get("dropped_tokens", 0))
             self.version.labels(w).set(s["placement_version"])
         if balancer:
@@ -76,5 +100,11 @@ class RouterMetrics:
             if balancer.get("balancedness") is not None:
                 self.balancedness_all.set(balancer["balancedness"])
             self.migrations.set(balancer.get("migrations", 0))
-            self.expert_workers.set(len(balancer.get("workers", [])))
+            self.expert_workers.set(sum(w.get("state") == "serving" for w in balancer.get("workers", [])))
+            self.heals.set(balancer.get("heals", 0))
+            dead = balancer.get("dead_workers") or []
+            self.dead_workers.set(len(dead))
+            healed = [d["healed_s"] for d in dead if d.get("healed_s") is not None]
+            if healed:
+                self.recovery_s.set(healed[-1])
         return generate_latest(self.registry)

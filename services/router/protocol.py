@@ -270,10 +270,12 @@ def completion_chunk(head: dict, index: int, out: RequestOutput, token_str: Toke
 
 def chat_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, *, logprobs: bool = False,
                token_ids: bool = False) -> dict:  # fmt: skip
-    """A streamed chat chunk of one output. Its content is "" (as vLLM sends) when the output's
-    text is empty: bytes held back in the middle of a UTF-8 character."""
+    """A streamed chat chunk of one output. Mid-stream its content is "" (as vLLM sends) when the
+    output's text is empty (bytes held back in the middle of a UTF-8 character); the final chunk
+    with no text has an empty delta, as OpenAI sends."""
+    delta = {} if out.finished and not out.text else {"content": out.text}
     lps = chat_logprobs([out], token_str) if logprobs else None
-    return {**head, "choices": [_choice(index, {"delta": {"content": out.text}}, lps, [out], token_ids)]}
+    return {**head, "choices": [_choice(index, {"delta": delta}, lps, [out], token_ids)]}
 
 
 def chat_role_chunk(head: dict, index: int) -> dict:

@@ -1,0 +1,171 @@
+"""The expert pool: the expert-worker actors the balancer owns, found again after a restart, and
+their health.
+
+Expert workers are detached named actors (`moe-expert-{n}` in the cluster's namespace): they
+outlive the balancer, so a restarted balancer re-attaches to them by name instead of losing the
+pool. A worker that dies is not restarted in place: the balancer re-plans its experts onto the
+survivors and starts a fresh worker under a new name, so a name never means two processes.
+
+Health: a grpc.health.v1 check per worker every watch tick. A refused connection (the process is
+gone) marks the worker dead at once; a check that times out `max_missed` times in a row does too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import ray
+
+from services.experts.client import ExpertClient
+from services.experts.server import ExpertWorkerConfig
+from services.experts.worker import ExpertWorker
+from services.settings import SharedSettings, expert_worker_name
+
+log = logging.getLogger(__name__)
+
+_WORKER_NAME = re.compile(r"^moe-(expert-(\d+))$")
+
+
+@dataclass
+class Member:
+    """One live expert worker."""
+
+    actor: Any  # Ray actor handle
+    address: str  # host:port of its gRPC server
+    node: str  # Ray node id
+    client: ExpertClient  # control channel (health, stats)
+    missed: int = 0  # health checks missed in a row
+
+
+@dataclass
+class DeadWorker:
+    worker_id: str
+    address: str
+    detected_at: float  # wall clock
+    reason: str
+    healed_s: float | None = None  # seconds from detection until steps could flow again
+
+
+@dataclass
+class ExpertPool:
+    shared: SharedSettings
+    worker_cfg: ExpertWorkerConfig
+    resources: dict[str, float] = field(default_factory=dict)
+    health_timeout_s: float = 1.0
+    max_missed: int = 3
+    members: dict[str, Member] = field(default_factory=dict)  # worker id -> member, in start order
+    dead: list[DeadWorker] = field(default_factory=list)  # history, oldest first
+    next_index: int = 0
+
+    # ---- membership ---------------------------------------------------------------------
+    @property
+    def workers(self) -> list[str]:
+        return list(self.members)
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        return {w: m.address for w, m in self.members.items()}
+
+    @property
+    def nodes(self) -> dict[str, str]:
+        return {w: m.node for w, m in self.members.items()}
+
+    async def start_worker(self) -> str:
+        """Start a fresh expert worker (detached, never restarted in place); its id."""
+        wid = f"expert-{self.next_index}"
+        self.next_index += 1
+        actor = ExpertWorker.options(
+            name=expert_worker_name(wid),
+            namespace=self.shared.namespace,
+            resources=self.resources or None,
+            lifetime="detached",
+            max_restarts=0,
+        ).remote(self.worker_cfg)
+        await self._join(wid, actor)
+        return wid
+
+    async def _join(self, wid: str, actor) -> None:
+        address = await actor.start.remote()
+        node = await actor.node_id.remote()
+        self.members[wid] = Member(actor, address, node, ExpertClient(address))
+
+    async def adopt_running(self, timeout_s: float = 10.0) -> list[str]:
+        """Re-attach to the expert workers of this namespace that are still running (after a
+        balancer restart); returns their ids. Workers that do not answer are killed."""
+        found = []
+        for info in ray.util.list_named_actors(all_namespaces=True):
+            match = _WORKER_NAME.match(info["name"])
+            if info["namespace"] != self.shared.namespace or match is None:
+                continue
+            wid, index = match.group(1), int(match.group(2))
+            self.next_index = max(self.next_index, index + 1)
+            if wid in self.members:
+                continue
+            try:
+                actor = ray.get_actor(info["name"], namespace=self.shared.namespace)
+                await asyncio.wait_for(self._join(wid, actor), timeout_s)
+                found.append(wid)
+            except Exception as e:  # gone or hung: not part of the pool
+                log.warning("expert worker %s did not answer (%s); killing it", wid, e)
+                self._kill(info["name"])
+        return found
+
+    async def stop_worker(self, wid: str) -> None:
+        """Stop a live worker that leaves the pool."""
+        member = self.members.pop(wid)
+        member.client.close()
+        try:
+            await asyncio.wait_for(member.actor.stop.remote(), 30)
+        except Exception as e:
+            log.warning("expert worker %s did not stop cleanly: %s", wid, e)
+        finally:
+            ray.kill(member.actor)
+
+    def remove_dead(self, wid: str, reason: str) -> DeadWorker:
+        member = self.members.pop(wid)
+        member.client.close()
+        self._kill(expert_worker_name(wid))
+        record = DeadWorker(wid, member.address, time.time(), reason)
+        self.dead.append(record)
+        del self.dead[:-100]
+        return record
+
+    def _kill(self, name: str) -> None:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(ray.get_actor(name, namespace=self.shared.namespace), no_restart=True)
+
+    async def stop_all(self) -> None:
+        for wid in list(self.members):
+            await self.stop_worker(wid)
+
+    # ---- health -------------------------------------------------------------------------
+    async def check(self) -> dict[str, str]:
+        """One health check of every member: {worker id: why it is dead} for the dead ones."""
+        ids = list(self.members)
+        results = await asyncio.gather(*[asyncio.to_thread(self._check_one, w) for w in ids])
+        return {w: why for w, why in zip(ids, results, strict=True) if why}
+
+    def _check_one(self, wid: str) -> str | None:
+        member = self.members.get(wid)
+        if member is None:
+            return None
+        try:
+            status = member.client.health(timeout=self.health_timeout_s)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                return f"unreachable: {e.details()}"
+            member.missed += 1
+            return (
+                f"{member.missed} health checks missed ({e.code().name})"
+                if member.missed >= self.max_missed
+                else None
+            )
+        member.missed = 0
+        return None if status == "SERVING" else f"health status {status}"

@@ -1,0 +1,15 @@
+"""The command line: `moe-cluster up` flags come from ClusterConfig's fields."""
+
+from dataclasses import fields
+
+from services.cli import build_parser, up_flags
+from services.cluster import ClusterConfig
+
+
+def test_up_flags_are_the_scalar_cluster_settings():
+    dict_fields = {"attention_resources", "expert_resources"}  # YAML-only
+    assert set(up_flags()) == {f.name for f in fields(ClusterConfig)} - dict_fields
+    args = build_parser().parse_args(
+        ["up", "--max-num-seqs", "8", "--balancer-min-gain", "0.5", "--redis-url", "r"]
+    )
+    assert (args.max_num_seqs, args.balancer_min_gain, args.redis_url, args.port) == (8, 0.5, "r", None)
