@@ -2,8 +2,10 @@
 
 `small` preset; the cluster path is one attention engine (this process, like an attention
 worker's engine thread) + 2 expert workers (Ray actors, gRPC); batch 1/8/32/64; ping-pong
-(2 micro-batches) off vs on; LocalEngine (all experts in process) in the same run. The three
-take turns (`--rounds` per batch size) and each row is the median round.
+(2 micro-batches) off vs on; attention tensor parallelism over `--tp` ranks (this process is
+rank 0, the others are spawned processes, gloo; ping-pong off); LocalEngine (all experts in
+process) in the same run. They take turns (`--rounds` per batch size) and each row is the median
+round. Each TP rank holds the whole latent cache (`kv_cache_bytes_per_rank`).
 
 Breakdown per decode step (seconds, mean): attention = MLA (projections + paged attention),
 gate = router, dispatch = choosing replicas + encoding + starting RPCs, expert_wait = blocked in
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import subprocess
 import sys
 import tempfile
@@ -28,11 +31,13 @@ import torch
 
 import services.model.model as model_mod
 from services.attention.dispatch import RemoteExperts
+from services.attention.tensor_parallel import TPGroup, lead, run_follower
 from services.balancer.policy import Pool, initial_placement, slots_per_worker
 from services.experts.client import load_placement
 from services.model.engine import Engine, EngineConfig, LocalEngine, load_engine
 from services.model.presets import init_model
 from services.model.sampling import SamplingParams
+from services.net import free_port
 
 PROMPT_LEN = 16
 DECODE_STEPS = 16
@@ -127,6 +132,9 @@ def main() -> None:
     ap.add_argument("--local-threads", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true", help="expert workers as plain processes")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved measurements per batch and engine")
+    ap.add_argument(
+        "--tp", type=int, default=2, help="attention tensor-parallel ranks of the TP row (1: no TP row)"
+    )
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     args = ap.parse_args()
     model_dir = args.model or str(init_model(Path(tempfile.mkdtemp()) / "small", "small"))
@@ -136,6 +144,7 @@ def main() -> None:
     addresses, stop_workers = start_expert_workers(model_dir, args.expert_workers, args.no_ray)
     rows = {"local": [], "cluster_pingpong_off": [], "cluster_pingpong_on": []}
     engines = {}
+    tp_group = tp_pool = None
     try:
         torch.set_num_threads(args.local_threads)
         engines["local"] = (
@@ -156,6 +165,22 @@ def main() -> None:
 
             cfg, model, experts, tok = load_engine(ecfg, make_experts)
             engines[name] = (Engine(cfg, model, experts, ecfg, tok), args.attention_threads)
+        if args.tp > 1:
+            name = f"cluster_tp{args.tp}"
+            ecfg = EngineConfig(
+                model=model_dir, max_num_seqs=max(batches), num_threads=args.attention_threads
+            )
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            tp_pool = multiprocessing.get_context("spawn").Pool(args.tp - 1)
+            followers = [
+                tp_pool.apply_async(run_follower, (ecfg, r, args.tp, init_method)) for r in range(1, args.tp)
+            ]
+            cfg, model, experts, tok = load_engine(ecfg, make_experts)
+            tp_group = TPGroup(0, args.tp, init_method)
+            experts, on_batches = lead(tp_group, model, experts)
+            engines[name] = (Engine(cfg, model, experts, ecfg, tok, on_batches), args.attention_threads)
+            rows[name] = []
+            kv_cache_bytes_per_rank = engines[name][0].cache.kv.nbytes
         # the three engines take turns, `--rounds` times per batch size, so slow drifts of this
         # shared machine hit all of them alike; each row is the round with the median step time
         for b in batches:
@@ -171,7 +196,12 @@ def main() -> None:
     finally:
         for name, (engine, _) in engines.items():
             if name != "local":
-                engine.experts.close()
+                getattr(engine.experts, "inner", engine.experts).close()
+        if tp_group is not None:
+            tp_group.stop()
+            [f.get(timeout=60) for f in followers]
+            tp_group.close()
+            tp_pool.close()
         stop_workers()
 
     def at(name, b):
@@ -187,6 +217,10 @@ def main() -> None:
             "target_cluster_step<=1.5x_local": on["step_s"] / loc["step_s"] <= 1.5,
             "target_pingpong>=1.2x": off["step_s"] / on["step_s"] >= 1.2,
         }
+        if args.tp > 1:
+            summary[f"batch32_tp{args.tp}_step_over_tp1"] = (
+                at(f"cluster_tp{args.tp}", 32)["step_s"] / off["step_s"]
+            )
     result = {
         "benchmark": "attention_worker_decode",
         "model": "small preset" if not args.model else model_dir,
@@ -197,6 +231,8 @@ def main() -> None:
         "rounds": args.rounds,
         "prompt_len": PROMPT_LEN,
         "machine_cores": torch.get_num_threads(),
+        "tp": args.tp,
+        "kv_cache_bytes_per_rank": kv_cache_bytes_per_rank if args.tp > 1 else None,
         "rows": rows,
         "summary": summary,
     }

@@ -23,7 +23,7 @@ import httpx
 import ray
 
 from services.cluster import Cluster, ClusterConfig
-from services.redis_store import free_port
+from services.net import free_port
 
 PROMPTS = [[0] + [5 + i % 2] * 60 + [9 + i] for i in range(8)]
 

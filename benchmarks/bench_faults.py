@@ -34,7 +34,8 @@ from services.cluster import Cluster, ClusterConfig
 from services.model.engine import EngineConfig, LocalEngine
 from services.model.presets import init_model
 from services.model.sampling import SamplingParams
-from services.redis_store import EmbeddedRedis, free_port
+from services.net import free_port
+from services.redis_store import EmbeddedRedis
 from services.settings import BALANCER_NAME
 from tests.faults import scenario
 

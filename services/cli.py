@@ -139,7 +139,13 @@ def cmd_status(args) -> int:
         f"placement version {st['version']}   balancedness {'-' if b is None else f'{b:.3f}'}   "
         f"migrations {st['migrations']}   heals {st['heals']}   slots/worker {st['slots_per_worker']}"
     )
-    print(f"attention workers: {', '.join(st['attention_workers']) or '-'}")
+    attention = []
+    for name, a in st["attention"].items():
+        if "tp" in a:
+            attention.append(f"{name} (ranks {a['tp']}, v{a['placement_version']})")
+        else:
+            attention.append(f"{name} ({a.get('state', 'starting')})")
+    print(f"attention workers: {', '.join(attention) or '-'}")
     print(f"{'expert worker':16} {'state':9} {'address':22} {'node':14} {'slots':>6} {'load':>10}")
     for w in st["workers"]:
         load = "-" if w.get("load") is None else f"{w['load']:.0f}"

@@ -59,7 +59,9 @@ class ClusterConfig:
     micro_batches: int = _setting(
         1, "2 = ping-pong micro-batches (pays when experts have their own cores/GPUs)"
     )
-    attn_tp: int = _setting(1, "attention tensor parallelism (head slices)")
+    attention_tp: int = _setting(
+        1, "tensor-parallel ranks per attention worker (heads split, latent cache replicated)"
+    )
     attention_threads: int = _setting(1, "torch threads per attention worker")
     expert_threads: int = _setting(1, "torch threads per expert worker")
     balancer_period_s: float = _setting(30.0, "seconds between rebalancing checks (0: on demand only)")
@@ -90,6 +92,8 @@ class ClusterConfig:
         return cfg
 
     def validate(self) -> None:
+        if self.attention_tp < 1:
+            raise ValueError("attention_tp must be >= 1")
         if self.attention_workers < 1 or self.expert_workers < 1:
             raise ValueError("need at least one attention worker and one expert worker")
         if self.redundant_experts < 0:
@@ -164,13 +168,12 @@ def start_backend(
         max_model_len=cfg.max_model_len,
         max_waiting=cfg.max_waiting,
         micro_batches=cfg.micro_batches,
-        attn_tp=cfg.attn_tp,
         num_threads=cfg.attention_threads,
     )
     attention = {}
     for i in range(cfg.attention_workers):
         name = attention_worker_name(i)
-        wcfg = AttentionWorkerConfig(engine=engine, worker_id=name, shared=shared)
+        wcfg = AttentionWorkerConfig(engine=engine, worker_id=name, tp=cfg.attention_tp, shared=shared)
         attention[name] = AttentionWorker.options(
             name=name, namespace=shared.namespace, resources=cfg.attention_resources or None, **lifetime
         ).remote(wcfg, info["placement"], info["addresses"])

@@ -2,7 +2,7 @@
 
 from contextlib import contextmanager
 
-from services.redis_store import free_port
+from services.net import free_port
 
 
 @contextmanager

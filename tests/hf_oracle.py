@@ -96,16 +96,22 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
     return tokens, logits
 
 
-def run_requests(engine, prompts, params):
+def run_requests(engine, prompts, params, retry_failed_steps=False):
     """What engine.generate does, step by step: the completions in input order, each request's
-    logits at its final step, and the routed expert load [num_moe_layers, E] summed over steps."""
-    from services.model.engine import Completion
+    logits at its final step, and the routed expert load [num_moe_layers, E] summed over steps.
+    retry_failed_steps: a step that raises StepFailed is run again (as the attention worker does)."""
+    from services.model.engine import Completion, StepFailed
 
     ids = [engine.add_request(p, params) for p in prompts]
     done = {rid: Completion(rid, list(p), [], "", "", []) for rid, p in zip(ids, prompts, strict=True)}
     last, load = {}, 0
     while engine.has_unfinished():
-        result = engine.step()
+        try:
+            result = engine.step()
+        except StepFailed:
+            if not retry_failed_steps:
+                raise
+            continue
         load = load + result.expert_load
         for rid, row in zip(result.logits_ids, result.logits, strict=True):
             last[rid] = row.clone()

@@ -7,7 +7,7 @@ import ray
 
 import services.cluster as cluster_mod
 from services import redis_store
-from services.redis_store import free_port
+from services.net import free_port
 
 
 @pytest.mark.cluster

@@ -26,7 +26,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from services import serve as serve_app
 from services.cluster import ClusterConfig
-from services.redis_store import free_port
+from services.net import free_port
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 RAY_UP = sorted(DEPLOY.glob("ray-up-*.yaml"))

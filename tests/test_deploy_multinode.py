@@ -26,7 +26,8 @@ from ray.serve.schema import ServeDeploySchema
 from services.balancer.policy import Pool
 from services.model.engine import EngineConfig, LocalEngine
 from services.model.sampling import SamplingParams
-from services.redis_store import EmbeddedRedis, free_port
+from services.net import free_port
+from services.redis_store import EmbeddedRedis
 from services.settings import BALANCER_NAME, NAMESPACE
 
 pytestmark = pytest.mark.cluster

@@ -25,6 +25,8 @@ import ray
 
 from services.attention.dispatch import DispatchConfig, RemoteExperts
 from services.attention.load_reporter import LoadReporter, LoadReporterConfig
+from services.attention.ranks import RankGroup
+from services.attention.tensor_parallel import lead
 from services.model.engine import (
     Engine,
     EngineConfig,
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 class AttentionWorkerConfig:
     engine: EngineConfig
     worker_id: str = "attn-0"
+    tp: int = 1  # tensor-parallel ranks (processes on this node); heads split, latent cache replicated
     shared: SharedSettings = field(default_factory=SharedSettings)  # no redis_url: loads not reported
     dispatch_timeout_s: float = 10.0
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
@@ -281,7 +284,12 @@ class AttentionWorker:
             return self.remote_experts
 
         mcfg, model, experts, tokenizer = load_engine(cfg.engine, make_experts)
-        engine = Engine(mcfg, model, experts, cfg.engine, tokenizer)
+        self.ranks: RankGroup | None = None
+        on_batches = None
+        if cfg.tp > 1:  # rank 0 of a tensor-parallel group (tensor_parallel.py)
+            self.ranks = RankGroup(cfg.engine, cfg.tp)
+            experts, on_batches = lead(self.ranks.group, model, experts)
+        engine = Engine(mcfg, model, experts, cfg.engine, tokenizer, on_batches)
         reporter = None
         if cfg.shared.redis_url:
             reporter = LoadReporter(
@@ -329,7 +337,13 @@ class AttentionWorker:
 
     async def stats(self) -> dict:
         dispatch = asdict(self.remote_experts.stats) if self.remote_experts else None
-        return {**self.service.stats(), "dispatch": dispatch}
+        return {**self.service.stats(), "dispatch": dispatch, "ranks": await self._ranks()}
+
+    async def _ranks(self) -> list[dict]:
+        """Each tensor-parallel rank: its pid and latent cache bytes (every rank holds a replica)."""
+        own = {"rank": 0, "pid": os.getpid(), "kv_cache_bytes": self.service.engine.cache.kv.nbytes}
+        followers = self.ranks.followers if self.ranks else []
+        return [own, *await asyncio.gather(*[f.info.remote() for f in followers])]
 
     async def step_trace(self, since: float = 0.0) -> list[tuple[float, float, int, int, int]]:
         """(wall-clock end, duration s, sequences, tokens, placement version) of recent steps that
@@ -338,7 +352,9 @@ class AttentionWorker:
 
     async def ready(self) -> dict:
         return {"worker_id": self.cfg.worker_id, "placement_version": self.service.placement_version,
-                "max_model_len": self.service.engine.max_model_len}  # fmt: skip
+                "max_model_len": self.service.engine.max_model_len, "tp": self.cfg.tp}  # fmt: skip
 
     async def shutdown(self) -> None:
+        if self.ranks is not None:
+            await self.service.between_steps(self.ranks.stop)
         self.service.close()

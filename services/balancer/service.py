@@ -107,6 +107,7 @@ class BalancerCore:
         self.pool = ExpertPool(cfg.shared, worker_cfg, cfg.expert_resources)
         self.target_workers = cfg.expert_workers
         self.attention: dict[str, ray.actor.ActorHandle] = {}
+        self.attention_state: dict[str, dict] = {}  # name -> its last `ready` answer (or why none)
         self.placement: Placement | None = None
         self.slots = 0
         self.migrations: list[MigrationRecord] = []
@@ -285,8 +286,9 @@ class BalancerCore:
         behind = []
         for name, actor in list(self.attention.items()):
             try:
-                state = await asyncio.wait_for(actor.ready.remote(), 2.0)
-            except Exception:  # dead or restarting: it catches up when it answers again
+                state = self.attention_state[name] = await asyncio.wait_for(actor.ready.remote(), 2.0)
+            except Exception as e:  # dead or restarting: it catches up when it answers again
+                self.attention_state[name] = {"state": "unavailable", "error": type(e).__name__}
                 behind.append(name)
                 continue
             if state["placement_version"] != version:
@@ -475,6 +477,7 @@ class BalancerCore:
             "last_migration": asdict(self.migrations[-1]) if self.migrations else None,
             "last_decision": _decision_info(self.last_decision),
             "attention_workers": list(self.attention),
+            "attention": {n: self.attention_state.get(n, {}) for n in self.attention},
         }
 
     async def worker_stats(self) -> dict:

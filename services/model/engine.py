@@ -40,7 +40,6 @@ class EngineConfig:
     max_waiting: int = 1024
     num_threads: int | None = None  # torch intra-op threads (None: leave torch's default)
     micro_batches: int = 1  # 2 = ping-pong: one micro-batch's expert calls overlap the other's attention
-    attn_tp: int = 1  # attention tensor parallelism (head slices, replicated latent cache)
 
     def scheduler_config(self, cfg: ModelConfig) -> SchedulerConfig:
         return SchedulerConfig(
@@ -155,11 +154,12 @@ class Engine:
         experts: ExpertBackend,
         engine_cfg: EngineConfig,
         tokenizer: Tokenizer | None = None,
+        on_batches: Callable[[list[StepBatch]], None] | None = None,
     ):
+        """on_batches: called with each step's micro-batches before the model runs them (attention
+        tensor parallelism broadcasts them to the other ranks)."""
         self.cfg, self.model, self.experts, self.engine_cfg = cfg, model, experts, engine_cfg
-        self.tokenizer = tokenizer
-        if engine_cfg.attn_tp != model.attn_tp:
-            model.set_attn_tp(engine_cfg.attn_tp)
+        self.tokenizer, self.on_batches = tokenizer, on_batches
         sched_cfg = engine_cfg.scheduler_config(cfg)
         num_blocks = engine_cfg.kv_blocks(cfg, sched_cfg.max_model_len)
         self.scheduler = Scheduler(sched_cfg, num_blocks, cfg.eos_token_ids)
@@ -242,7 +242,10 @@ class Engine:
             return StepResult([], 0, 0, tally.load.cpu(), 0.0, time.perf_counter() - t0)
         parts = split_micro_batches(chunks, self.engine_cfg.micro_batches)
         try:
-            steps = [self.model.forward(self._batch(part), self.cache.kv) for part in parts]
+            batches = [self._batch(part) for part in parts]
+            if self.on_batches is not None:
+                self.on_batches(batches)
+            steps = [self.model.forward(b, self.cache.kv) for b in batches]
             logits = run_interleaved(steps, self.experts, tally)
         except Exception as e:
             raise StepFailed([c.seq.request_id for c in chunks], e) from e

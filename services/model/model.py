@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
@@ -408,19 +408,16 @@ class DeepseekV3:
         self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
         self.dtype, self.device = dtype, torch.device(device)
         self.rope = Rope(cfg, self.device)
-        self.attn_tp = 1
-        self.attn_shards: list[list[MLAWeights]] = []  # per layer, per TP rank (attn_tp > 1)
+        # attention tensor parallelism: sums the ranks' partial attention outputs (an all-reduce)
+        self.attn_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def set_attn_tp(self, tp: int) -> None:
-        """Split every layer's heads over `tp` ranks. In one process the ranks run one after the
-        other and their o_proj partial sums are added (the all-reduce); this is the correctness
-        path for CPU, on GPUs each rank is a device."""
-        self.attn_tp = tp
-        self.attn_shards = (
-            []
-            if tp == 1
-            else [[shard_heads(layer.attn, self.cfg, r, tp) for r in range(tp)] for layer in self.layers]
-        )
+    def shard_attention(self, rank: int, tp: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Keep only rank `rank` of `tp`'s slice of every layer's heads (the latent projections
+        stay whole: every rank holds the full latent cache); `reduce` sums the ranks' partial
+        attention outputs."""
+        for layer in self.layers:
+            layer.attn = shard_heads(layer.attn, self.cfg, rank, tp)
+        self.attn_reduce = reduce
 
     @classmethod
     def load(
@@ -471,13 +468,9 @@ class DeepseekV3:
         cos_sin = self.rope.cos_sin(batch.positions, self.dtype)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            if self.attn_tp == 1:
-                attn = mla_forward(x, layer.attn, cfg, self.rope, cos_sin, latent_cache[i], batch)
-            else:  # each rank writes the same latent rows into its (here: the shared) cache replica
-                attn = sum(
-                    mla_forward(x, w, cfg, self.rope, cos_sin, latent_cache[i], batch)
-                    for w in self.attn_shards[i]
-                )
+            attn = mla_forward(x, layer.attn, cfg, self.rope, cos_sin, latent_cache[i], batch)
+            if self.attn_reduce is not None:  # tensor parallel: sum the ranks' head slices
+                attn = self.attn_reduce(attn)
             h = h + attn
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             if not layer.is_moe:

@@ -1,0 +1,92 @@
+"""Attention tensor parallelism with real processes and real collectives (torch.distributed,
+gloo), no Ray: rank 0 runs the engine in this process, followers run in spawned processes."""
+
+import multiprocessing
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from services.attention.tensor_parallel import TPGroup, lead, pack_batches, run_follower, unpack_batches
+from services.model.engine import Engine, EngineConfig, LocalEngine, load_engine
+from services.model.model import StepBatch
+from services.model.sampling import SamplingParams
+from services.net import free_port
+
+from .hf_oracle import generate_with_logits, run_requests
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    lengths = (3, 70, 9, 130, 1)  # chunked prefill at max_num_batched_tokens=64
+    return [[0] + torch.randint(4, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+class _FailsFirst:
+    """Wraps a backend: the first `n` combines raise (the routed experts failed)."""
+
+    def __init__(self, inner, n):
+        self.inner, self.n = inner, n
+
+    def dispatch(self, msg):
+        return self.inner.dispatch(msg)
+
+    def combine(self, msg):
+        if self.n > 0:
+            self.n -= 1
+            raise ConnectionError("expert worker unavailable")
+        return self.inner.combine(msg)
+
+
+def _tp_run(engine_cfg: EngineConfig, tp: int, prompts, failures: int = 0):
+    """Generate with rank 0 here and tp-1 follower processes; (outputs, logits, follower steps)."""
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(tp - 1) as pool:
+        followers = [pool.apply_async(run_follower, (engine_cfg, r, tp, init_method)) for r in range(1, tp)]
+        cfg, model, experts, tokenizer = load_engine(engine_cfg)
+        group = TPGroup(0, tp, init_method)
+        try:
+            experts, on_batches = lead(group, model, _FailsFirst(experts, failures))
+            engine = Engine(cfg, model, experts, engine_cfg, tokenizer, on_batches)
+            done = run_requests(engine, prompts, GREEDY, retry_failed_steps=True)
+            assert experts.inner.n == 0  # every planned failure happened
+            group.stop()
+            steps = [f.get(timeout=120) for f in followers]
+        finally:
+            group.close()
+    return done[0], done[1], steps
+
+
+def test_step_layout_survives_the_wire():
+    a = StepBatch.build([([5, 6, 7], 0, [3], True), ([9], 64, [1, 2], True)])
+    b = StepBatch.build([([1, 2], 5, [7], False)])
+    for got, want in zip(unpack_batches(pack_batches([a, b]), torch.device("cpu")), [a, b], strict=True):
+        assert got.query_lens == want.query_lens
+        for field in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table", "logits_index"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_tp2_equals_one_process(tiny_model, micro_batches):
+    """Whole and chunked prefill, decode, with and without ping-pong: tokens equal, logits close."""
+    engine_cfg = EngineConfig(model=str(tiny_model), max_num_batched_tokens=64, micro_batches=micro_batches,
+                              num_kv_blocks=64)  # fmt: skip
+    prompts = _prompts()
+    want, want_logits = generate_with_logits(LocalEngine(engine_cfg), prompts, GREEDY)
+    got, got_logits, steps = _tp_run(engine_cfg, 2, prompts)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    assert steps[0] >= GREEDY.max_tokens  # the follower ran every step
+    assert not dist.is_initialized()
+
+
+def test_a_step_whose_experts_fail_is_dropped_by_every_rank_and_retried(tiny_model):
+    engine_cfg = EngineConfig(model=str(tiny_model), max_num_batched_tokens=64, num_kv_blocks=64)
+    prompts = _prompts()[:2]
+    want, _ = generate_with_logits(LocalEngine(engine_cfg), prompts, GREEDY)
+    got, _, _ = _tp_run(engine_cfg, 2, prompts, failures=2)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
