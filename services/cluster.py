@@ -136,12 +136,33 @@ def start_backend(
     attention workers restart in place (`max_restarts=-1`) and re-attach by name; expert workers
     are not restarted in place: the balancer re-plans a dead worker's experts onto the others and
     starts a fresh worker under a new name."""
-    from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-    from services.balancer.service import Balancer, BalancerConfig
-    from services.model.engine import EngineConfig
-
     shared = cfg.shared(redis_url)
     lifetime = {"lifetime": "detached", "max_restarts": -1, "get_if_exists": reuse}
+    created: list = []  # what this call started, stopped again if the start fails
+    try:
+        return _start_backend(cfg, model_dir, shared, lifetime, created, step)
+    except BaseException:
+        if not reuse:
+            _stop_actors(created)
+        raise
+
+
+def _stop_actors(actors: list) -> None:
+    """Best effort: shut down and kill these actors (a balancer stops its expert workers)."""
+    for actor in reversed(actors):
+        with contextlib.suppress(Exception):
+            ray.get(actor.shutdown.remote(), timeout=30)
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+
+
+def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, lifetime: dict, created: list,
+                   step) -> Backend:  # fmt: skip
+    from services.attention.worker import AttentionWorker, AttentionWorkerConfig
+    from services.balancer.actor import Balancer
+    from services.balancer.service import BalancerConfig
+    from services.model.engine import EngineConfig
+
     step(f"starting {cfg.expert_workers} expert workers and loading the placement")
     balancer = Balancer.options(name=BALANCER_NAME, namespace=shared.namespace, **lifetime).remote(
         BalancerConfig(
@@ -157,6 +178,7 @@ def start_backend(
             expert_resources=cfg.expert_resources,
         )
     )
+    created.append(balancer)
     info = ray.get(balancer.start.remote())
 
     step(f"starting {cfg.attention_workers} attention workers")
@@ -177,6 +199,7 @@ def start_backend(
         attention[name] = AttentionWorker.options(
             name=name, namespace=shared.namespace, resources=cfg.attention_resources or None, **lifetime
         ).remote(wcfg, info["placement"], info["addresses"])
+        created.append(attention[name])
     ready = ray.get([a.ready.remote() for a in attention.values()])
     ray.get(balancer.register_attention.remote(list(attention)))
     return Backend(model_dir, balancer, attention, ready[0]["max_model_len"], info["placement"]["version"])
@@ -285,8 +308,14 @@ class Cluster:
         try:
             serve.get_app_handle(APP_NAME).drain.remote().result(timeout_s=timeout_s)
             while time.monotonic() < deadline:
-                stats = ray.get([a.stats.remote() for a in self.attention.values()], timeout=10)
-                if all(s["running"] + s["waiting"] == 0 for s in stats):
+                busy = 0
+                for actor in self.attention.values():
+                    try:
+                        s = ray.get(actor.stats.remote(), timeout=10)
+                        busy += s["running"] + s["waiting"]
+                    except Exception:  # a dead worker holds nothing (its requests moved)
+                        pass
+                if not busy:
                     return True
                 time.sleep(0.1)
         except Exception as e:  # the app or a worker is gone already: nothing left to wait for
@@ -324,12 +353,17 @@ class Cluster:
             ray.get(self.balancer.shutdown.remote(), timeout=30)
         with contextlib.suppress(Exception):
             ray.kill(self.balancer)
-        # detached actors outlive us: stop whatever of ours is left (e.g. the balancer was down)
+        kill_named_actors(self.cfg.namespace)  # detached: whatever of ours is left (the balancer was down?)
+        done.set()
+
+
+def kill_named_actors(namespace: str) -> None:
+    """Kill this cluster's detached actors (balancer, attention and expert workers) in `namespace`."""
+    with contextlib.suppress(Exception):
         for info in ray.util.list_named_actors(all_namespaces=True):
-            if info["namespace"] == self.cfg.namespace and info["name"].startswith("moe-"):
+            if info["namespace"] == namespace and info["name"].startswith("moe-"):
                 with contextlib.suppress(Exception):
                     ray.kill(ray.get_actor(info["name"], namespace=info["namespace"]))
-        done.set()
 
 
 def connect(address: str = "auto", namespace: str = NAMESPACE):

@@ -67,6 +67,30 @@ def test_detokenizer_streams_whole_characters_and_holds_back_stop_prefixes(tiny_
     assert stopped and "".join(pieces) == "ab 你好 cd "
 
 
+@pytest.mark.parametrize("seam", range(1, 12))
+def test_a_resumed_detokenizer_continues_the_text_across_the_seam(tiny_model, seam):
+    """A request moved to another worker mid-stream (router failover): the new detokenizer starts
+    from the tokens and characters already sent; a character or stop string across the seam
+    comes out whole, exactly once."""
+    tok = Tokenizer.from_dir(tiny_model)
+    ids = tok.encode("ab 你好 cSTOP ef", add_bos=False)
+
+    def stream(detok, earlier, rest):
+        pieces = []
+        for n in range(1, len(rest) + 1):
+            piece, stopped = detok.step(rest[:n], final=earlier + n == len(ids))
+            pieces.append(piece)
+            if stopped:
+                return "".join(pieces), True
+        return "".join(pieces), False
+
+    first, stopped = stream(Detokenizer(tok, ["STOP"]), 0, ids[:seam])
+    if not stopped:
+        second, stopped = stream(Detokenizer(tok, ["STOP"], ids[:seam], len(first)), seam, ids[seam:])
+        first += second
+    assert stopped and first == "ab 你好 c" and "\ufffd" not in first
+
+
 def test_token_id_mode_without_tokenizer(tmp_path):
     path = init_model(tmp_path / "noid", "tiny", tokenizer=False)
     engine = LocalEngine(EngineConfig(model=str(path)))

@@ -104,22 +104,33 @@ class AttentionService:
         self._thread.start()
 
     # ---- entry points (any thread) ------------------------------------------------------
-    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> asyncio.Queue:
-        """Queue a request; returns the queue its RequestOutputs arrive on. Raises the engine's
-        RequestError / QueueFullError / ValueError for requests it refuses."""
+    async def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        resumed: tuple[int, int] = (0, 0),
+    ) -> asyncio.Queue:
+        """Queue a request (`resumed`: see Engine.add_request); returns the queue its
+        RequestOutputs arrive on. Raises the engine's RequestError / QueueFullError / ValueError
+        for requests it refuses."""
         out: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
         try:
-            await self._call("add", prompt_ids, params, request_id)
+            await self._call("add", prompt_ids, params, request_id, resumed)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         return out
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        resumed: tuple[int, int] = (0, 0),
     ) -> AsyncIterator[RequestOutput]:
-        q = await self.submit(prompt_ids, params, request_id)
+        q = await self.submit(prompt_ids, params, request_id, resumed)
         finished = False
         try:
             while not finished:
@@ -162,8 +173,8 @@ class AttentionService:
     def _apply(self, cmd: _Command) -> None:
         try:
             if cmd.kind == "add":
-                prompt_ids, params, request_id = cmd.args
-                cmd.done.set_result(self.engine.add_request(prompt_ids, params, request_id))
+                prompt_ids, params, request_id, resumed = cmd.args
+                cmd.done.set_result(self.engine.add_request(prompt_ids, params, request_id, resumed))
             elif cmd.kind == "abort":
                 (request_id,) = cmd.args
                 out = self.engine.abort(request_id)
@@ -189,7 +200,7 @@ class AttentionService:
             self.engine.abort(out.request_id)
 
     def _loop(self) -> None:
-        failing_since: float | None = None
+        failing_since: dict[str, float] = {}  # request id -> when the first failed step it was in ran
         while not self._stop.is_set():
             try:
                 block = not self.engine.has_unfinished()
@@ -205,16 +216,20 @@ class AttentionService:
                 continue
             try:
                 result = self.engine.step()
-                failing_since = None
+                failing_since.clear()
             except StepFailed as e:
                 self.times.failed_steps += 1
-                failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since > self.cfg.step_retry_s:
-                    log.error("%s: step failing for %.0fs, failing its %d requests: %s",
-                              self.cfg.worker_id, self.cfg.step_retry_s, len(e.request_ids), e)  # fmt: skip
-                    for out in self.engine.fail(e.request_ids, str(e)):
+                now = time.monotonic()
+                expired = [
+                    r for r in e.request_ids if now - failing_since.setdefault(r, now) > self.cfg.step_retry_s
+                ]
+                if expired:  # each request gets step_retry_s of retries, counted from its own first failure
+                    log.error("%s: steps failing for %.0fs, failing %d requests: %s",
+                              self.cfg.worker_id, self.cfg.step_retry_s, len(expired), e)  # fmt: skip
+                    for out in self.engine.fail(expired, str(e)):
                         self._emit(out)
-                    failing_since = None
+                    for r in expired:
+                        failing_since.pop(r, None)
                 else:
                     if self.times.failed_steps % 20 == 1:
                         log.warning("%s: step failed (%s); retrying", self.cfg.worker_id, e)
@@ -299,10 +314,13 @@ class AttentionWorker:
         self.service.placement_version = 0 if placement is None else int(placement["version"])
         self.cfg = cfg
 
-    async def generate(self, prompt_ids: list[int], params: dict, request_id: str):
+    async def generate(
+        self, prompt_ids: list[int], params: dict, request_id: str, resumed: tuple[int, int] = (0, 0)
+    ):
         """Stream of `RequestOutput`s (call with num_returns="streaming"); a refused request
-        yields one `Refusal`."""
-        stream = self.service.generate(prompt_ids, SamplingParams(**params), request_id)
+        yields one `Refusal`. `resumed`: a request moved here from a dead worker (its last
+        resumed[0] prompt tokens are its own output, resumed[1] characters of it already sent)."""
+        stream = self.service.generate(prompt_ids, SamplingParams(**params), request_id, tuple(resumed))
         try:
             async for out in stream:
                 yield out

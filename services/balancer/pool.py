@@ -4,10 +4,12 @@ their health.
 Expert workers are detached named actors (`moe-expert-{n}` in the cluster's namespace): they
 outlive the balancer, so a restarted balancer re-attaches to them by name instead of losing the
 pool. A worker that dies is not restarted in place: the balancer re-plans its experts onto the
-survivors and starts a fresh worker under a new name, so a name never means two processes.
+survivors and starts a fresh worker under a new name (numbered after every worker this balancer
+knows of).
 
-Health: a grpc.health.v1 check per worker every watch tick. A refused connection (the process is
-gone) marks the worker dead at once; a check that times out `max_missed` times in a row does too.
+Health: a grpc.health.v1 check per worker every watch tick. A worker whose gRPC server is
+unreachable and whose actor Ray reports dead is dead at once; `max_missed` failed checks in a
+row (unreachable or too slow, with the actor alive) make it dead too.
 """
 
 from __future__ import annotations
@@ -128,8 +130,10 @@ class ExpertPool:
         finally:
             ray.kill(member.actor)
 
-    def remove_dead(self, wid: str, reason: str) -> DeadWorker:
-        member = self.members.pop(wid)
+    def remove_dead(self, wid: str, reason: str) -> DeadWorker | None:
+        member = self.members.pop(wid, None)
+        if member is None:  # stopped meanwhile
+            return None
         member.client.close()
         self._kill(expert_worker_name(wid))
         record = DeadWorker(wid, member.address, time.time(), reason)
@@ -159,13 +163,24 @@ class ExpertPool:
         try:
             status = member.client.health(timeout=self.health_timeout_s)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                return f"unreachable: {e.details()}"
+            if e.code() == grpc.StatusCode.UNAVAILABLE and self._process_gone(member):
+                return f"unreachable ({e.details()}) and its actor is dead"
             member.missed += 1
-            return (
-                f"{member.missed} health checks missed ({e.code().name})"
-                if member.missed >= self.max_missed
-                else None
-            )
+            if member.missed >= self.max_missed:
+                return f"{member.missed} health checks missed in a row ({e.code().name})"
+            return None
+        except ValueError:  # its channel was closed: the worker is being stopped
+            return None
         member.missed = 0
         return None if status == "SERVING" else f"health status {status}"
+
+    @staticmethod
+    def _process_gone(member: Member) -> bool:
+        """Ray's word on an unreachable worker: True when its actor is dead."""
+        try:
+            ray.get(member.actor.pid.remote(), timeout=2.0)
+            return False
+        except ray.exceptions.RayActorError:
+            return True
+        except Exception:  # slow to answer: not proven dead
+            return False

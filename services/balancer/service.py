@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -74,6 +73,7 @@ class BalancerConfig:
     expert_host: str | None = None  # None: each worker's node IP
     watch_s: float = 0.5  # health check / reconcile period (0: off)
     switch_timeout_s: float = 30.0  # an attention worker slower than this to switch is retried later
+    gc_s: float = 5.0  # how often versions nobody uses are released
 
 
 @dataclass
@@ -115,7 +115,10 @@ class BalancerCore:
         self.resumed = False  # this balancer re-attached to a running pool
         self.last_decision: Decision | None = None
         self.last_loads: torch.Tensor | None = None
-        self._stale_versions: set[int] = set()  # loaded on workers, maybe still used by someone
+        self._retiring: set[str] = set()  # left the pool; stopped once no attention worker uses them
+        self._gc_due = 0.0  # next release of unused versions (monotonic)
+        self._heal_after = self._heal_backoff = 0.0
+        self._scale_after = self._scale_backoff = 0.0
         self._replacing: asyncio.Task | None = None
         self._lock = asyncio.Lock()
 
@@ -164,23 +167,33 @@ class BalancerCore:
         self.placement = placement
         self._persist(placement)
         if self.attention:  # a restarted balancer that found no worker alive
-            await self._switch_attention(placement)
+            await self._switch_attention(placement, self._addresses_of(placement))
 
     async def _resume(self, adopted: list[str]) -> bool:
         """Take over the running `adopted` workers and the placement they serve; False if there is
-        no placement to resume (then the caller starts afresh)."""
-        placement = self._persisted() or await self._placement_from_attention()
-        if placement is None:
-            return False
+        none to resume (then the caller starts afresh).
+
+        The candidates are the placement persisted in Redis and the one the attention workers
+        route with (either can be ahead: the balancer may have died between persisting and
+        switching, or a persist may have failed); the newest one the workers hold wins. Adopted
+        workers outside it stay in the pool (they are placed by the next scale)."""
+        held = {}
         for wid in adopted:
-            stats = await asyncio.to_thread(self.pool.members[wid].client.stats, 10.0)
-            versions = set(stats.loaded_versions)
-            if wid not in placement.workers or placement.version not in versions:
-                await self.pool.stop_worker(wid)  # not part of this placement (an unfinished change)
-            else:
-                self._stale_versions |= versions - {placement.version}
+            try:
+                stats = await asyncio.to_thread(self.pool.members[wid].client.stats, 10.0)
+                held[wid] = set(stats.loaded_versions)
+            except Exception as e:
+                log.warning("adopted expert worker %s did not answer Stats (%s); dropping it", wid, e)
+                self.pool.remove_dead(wid, f"no Stats on resume: {e}")
+        candidates = [p for p in (self._persisted(), await self._placement_from_attention()) if p is not None]
+        usable = [p for p in candidates if any(p.version in held.get(w, ()) for w in p.workers)]
+        if not usable:
+            return False
+        placement = max(usable, key=lambda p: p.version)
         self.placement, self.slots = placement, placement.slots_per_worker
-        self.target_workers = len(placement.workers)
+        self.target_workers = max(self.cfg.expert_workers, len(placement.workers))
+        self._persist(placement)
+        self._gc_due = 0.0  # release the versions nobody uses at the first chance
         log.info("resumed placement v%d over %s (missing: %s)", placement.version, self.pool.workers,
                  [w for w in placement.workers if w not in self.pool.members])  # fmt: skip
         return True
@@ -232,41 +245,66 @@ class BalancerCore:
 
     # ---- health: the watch tick ---------------------------------------------------------
     async def watch(self) -> None:
-        """One tick: drop dead workers, heal the placement, catch attention workers up, start
-        replacements for the dead."""
+        """One tick: drop dead workers, heal the placement, catch attention workers up, release
+        versions nobody uses, start replacements for the dead."""
         if self.placement is None:
             return
         for wid, why in (await self.pool.check()).items():
             log.warning("expert worker %s is dead (%s)", wid, why)
             self.pool.remove_dead(wid, why)
-        if any(w not in self.pool.members for w in self.placement.workers):
-            await self.heal()
+        if (
+            any(w not in self.pool.members for w in self.placement.workers)
+            and time.monotonic() >= self._heal_after
+        ):
+            record = await self.heal()
+            if record is not None and not record.ok:  # back off: 0.5, 1, 2, ... 10 s
+                self._heal_backoff = min(10.0, max(0.5, self._heal_backoff * 2))
+                self._heal_after = time.monotonic() + self._heal_backoff
+            else:
+                self._heal_backoff = 0.0
         if not self._lock.locked():
             await self._reconcile()
         replacing = self._replacing is not None and not self._replacing.done()
-        if len(self.pool.members) < self.target_workers and not replacing and not self._lock.locked():
-            self._replacing = asyncio.get_running_loop().create_task(
-                self.scale(self.target_workers, reason="replace dead workers")
-            )
+        unplaced = any(w not in self.placement.workers for w in self.pool.members)
+        short = len(self.pool.members) < self.target_workers
+        if (
+            (short or unplaced)
+            and not replacing
+            and not self._lock.locked()
+            and time.monotonic() >= self._scale_after
+        ):
+            self._replacing = asyncio.get_running_loop().create_task(self._replace())
+
+    async def _replace(self) -> None:
+        """Bring the pool to its target size (after deaths); backs off when that fails."""
+        try:
+            result = await self.scale(self.target_workers, reason="replace dead workers")
+            ok = result.get("ok", False)
+        except Exception as e:
+            log.warning("replacing dead expert workers failed: %s", e)
+            ok = False
+        self._scale_backoff = 0.0 if ok else min(30.0, max(1.0, self._scale_backoff * 2))
+        self._scale_after = time.monotonic() + self._scale_backoff
 
     async def heal(self) -> MigrationRecord | None:
-        """Re-plan the experts of workers that left the pool onto the live ones (onto a new pool
-        when none is left)."""
+        """Re-plan the experts of workers that left the pool onto the live ones (the placed ones
+        when any is left, onto a new pool when none is)."""
         async with self._lock:
             dead = [w for w in self.placement.workers if w not in self.pool.members]
             if not dead:
                 return None
-            if self.pool.members:
-                pool = self.eplb_pool()
-                self.slots = self._slots_for(pool.num_workers)
-                decision = decide(self.model_cfg, self.placement, self._loads(), pool, self.slots,
-                                  self.cfg.min_gain, force=True)  # fmt: skip
+            survivors = [w for w in self.placement.workers if w in self.pool.members]
+            if survivors:
+                pool = self.eplb_pool(survivors)
+                decision = decide(self.model_cfg, self.placement, self._loads(), pool,
+                                  self._slots_for(pool.num_workers), self.cfg.min_gain, force=True)  # fmt: skip
                 decision.reason = f"heal: {', '.join(dead)} died"
             else:
-                await asyncio.gather(*[self.pool.start_worker() for _ in range(self.target_workers)])
+                if not self.pool.members:
+                    await asyncio.gather(*[self.pool.start_worker() for _ in range(self.target_workers)])
                 pool = self.eplb_pool()
-                self.slots = slots_per_worker(self.model_cfg, pool.num_workers, self.cfg.redundant_experts)
-                fresh = initial_placement(self.model_cfg, pool, self.slots, self._loads())
+                slots = slots_per_worker(self.model_cfg, pool.num_workers, self.cfg.redundant_experts)
+                fresh = initial_placement(self.model_cfg, pool, slots, self._loads())
                 new = Placement(self.placement.version + 1, fresh.phy2log, pool.workers)
                 decision = Decision(
                     new, float("nan"), float("nan"), new.num_slots, "heal: every expert worker died"
@@ -281,28 +319,59 @@ class BalancerCore:
             return record
 
     async def _reconcile(self) -> None:
-        """Push the placement to attention workers that are behind; release versions nobody uses."""
-        version = self.placement.version
-        behind = []
+        """Push the placement to attention workers that are behind; forget the ones Ray reports
+        dead for good; once every one routes with the current placement, release the versions
+        nobody uses any more (every `gc_s`) and stop workers that left the pool."""
+        version, everyone_current = self.placement.version, True
         for name, actor in list(self.attention.items()):
             try:
                 state = self.attention_state[name] = await asyncio.wait_for(actor.ready.remote(), 2.0)
-            except Exception as e:  # dead or restarting: it catches up when it answers again
+            except ray.exceptions.ActorDiedError:  # gone for good (killed, or out of restarts)
+                log.warning("attention worker %s is gone; forgetting it", name)
+                self.attention.pop(name)
+                self.attention_state.pop(name, None)
+                continue
+            except Exception as e:  # restarting: it catches up when it answers again
                 self.attention_state[name] = {"state": "unavailable", "error": type(e).__name__}
-                behind.append(name)
+                everyone_current = False
                 continue
             if state["placement_version"] != version:
-                behind.append(name)
-                await self._switch_attention(self.placement, {name: actor})
-        if not behind and self._stale_versions:
-            stale, self._stale_versions = self._stale_versions, set()
-            for v in sorted(stale - {version}):
-                await self._release(v, list(self.addresses.values()))
+                everyone_current = False
+                await self._switch_attention(
+                    self.placement, self._addresses_of(self.placement), {name: actor}
+                )
+        if not everyone_current or self._lock.locked():
+            return
+        async with self._lock:  # no migration may be loading a version meanwhile
+            for wid in list(self._retiring):
+                self._retiring.discard(wid)
+                if wid in self.pool.members and wid not in self.placement.workers:
+                    await self.pool.stop_worker(wid)
+            if time.monotonic() >= self._gc_due:
+                self._gc_due = time.monotonic() + self.cfg.gc_s
+                await self._release_unused()
 
-    async def _switch_attention(self, placement: Placement, attention: dict | None = None) -> list[str]:
-        """Tell attention workers to route with `placement`; the names that did not switch."""
+    async def _release_unused(self) -> None:
+        """ReleaseSlots for every version an expert worker holds but the placement is not."""
+        version = self.placement.version
+        for member in list(self.pool.members.values()):
+            try:
+                stats = await asyncio.to_thread(member.client.stats, 5.0)
+            except Exception:
+                continue
+            for v in stats.loaded_versions:
+                if v != version:
+                    await self._release(v, [member.address])
+
+    def _addresses_of(self, placement: Placement) -> dict[str, str]:
+        return {w: self.addresses[w] for w in placement.workers if w in self.addresses}
+
+    async def _switch_attention(
+        self, placement: Placement, addresses: dict[str, str], attention: dict | None = None
+    ) -> list[str]:
+        """Tell attention workers to route with `placement` (its workers at `addresses`); the names
+        that did not switch."""
         attention = self.attention if attention is None else attention
-        addresses = {w: self.addresses[w] for w in placement.workers}
         results = await asyncio.gather(
             *[asyncio.wait_for(a.set_placement.remote(placement.to_dict(), addresses), self.cfg.switch_timeout_s)
               for a in attention.values()],
@@ -313,7 +382,7 @@ class BalancerCore:
     async def _release(self, version: int, addresses: list[str]) -> None:
         try:
             await asyncio.to_thread(release_version, version, addresses)
-        except Exception as e:  # a worker that died meanwhile holds nothing
+        except Exception as e:  # a worker that died meanwhile holds nothing; the others were released
             log.warning("releasing v%d: %s", version, e)
 
     # ---- loads and rebalancing ----------------------------------------------------------
@@ -364,7 +433,8 @@ class BalancerCore:
     async def scale(self, num_workers: int, reason: str = "scaled pool") -> dict:
         """Grow or shrink the expert pool to `num_workers` (also its target from now on, which the
         balancer restores after a worker dies), migrating experts off removed workers before they
-        stop. New workers start outside the lock: serving and healing go on meanwhile."""
+        stop. New workers start outside the lock: serving and healing go on meanwhile; if the
+        migration fails, the new workers that got no slot are stopped again."""
         if num_workers < 1:
             raise ValueError("the expert pool needs at least one worker")
         self.target_workers = num_workers
@@ -372,14 +442,16 @@ class BalancerCore:
         await asyncio.gather(*[self.pool.start_worker() for _ in range(max(0, grow))])
         async with self._lock:
             members = self.pool.workers
-            leaving = members[num_workers:]
-            staying = members[:num_workers]
+            leaving, staying = members[num_workers:], members[:num_workers]
             pool = self.eplb_pool(staying)
-            self.slots = self._slots_for(pool.num_workers)
-            decision = decide(self.model_cfg, self.placement, self._loads(), pool, self.slots,
-                              self.cfg.min_gain, force=True)  # fmt: skip
+            decision = decide(self.model_cfg, self.placement, self._loads(), pool,
+                              self._slots_for(pool.num_workers), self.cfg.min_gain, force=True)  # fmt: skip
             decision.reason = reason
             record = await self._migrate(decision, leaving)
+            if not record.ok:
+                for wid in staying:
+                    if wid in self.pool.members and wid not in self.placement.workers:
+                        await self.pool.stop_worker(wid)
             return {"workers": len(self.pool.members), **asdict(record)}
 
     async def _migrate(self, decision: Decision, leaving: list[str] = ()) -> MigrationRecord:
@@ -388,6 +460,8 @@ class BalancerCore:
         record = MigrationRecord(new.version, decision.reason, decision.balancedness_before,
                                  decision.balancedness_after, decision.moved_slots, 0, 0.0, 0.0, 0.0, False,
                                  started_at=time.time())  # fmt: skip
+        self.migrations.append(record)
+        del self.migrations[:-200]
         addresses = {w: self.addresses[w] for w in new.workers}
         try:  # (a) load the new version everywhere, old keeps serving; experts a node's
             # checkpoint lacks are copied from the live workers of the current pool (they hold v)
@@ -396,31 +470,32 @@ class BalancerCore:
             )
             record.bytes_read = sum(r.bytes_read for r in replies)
             record.bytes_from_peers = sum(r.bytes_from_peers for r in replies)
+            died = [w for w in new.workers if w not in self.pool.members]
+            if died:
+                raise RuntimeError(f"{died} died while loading")
         except Exception as e:
-            await self._release(new.version, list(addresses.values()))
+            await self._release(new.version, [a for w, a in addresses.items() if w in self.pool.members])
             record.error = f"load failed, kept v{old.version}: {e}"
             record.total_s = time.monotonic() - t0
-            self.migrations.append(record)
             log.warning(record.error)
             return record
         record.load_s = time.monotonic() - t0
         # (b) persist and switch attention workers at their step boundaries
         self._persist(new)
-        self.placement = new
+        self.placement, self.slots = new, new.slots_per_worker
         t1 = time.monotonic()
-        failed = await self._switch_attention(new)
+        failed = await self._switch_attention(new, addresses)
         record.switch_s = time.monotonic() - t1
-        live_old = [self.addresses[w] for w in old.workers if w in self.addresses]
-        if failed:  # keep the old version loaded: those attention workers may still use it
+        if failed:  # they may still route with the old version: the watch tick catches them up,
+            # then releases it and stops the leaving workers
             record.error = f"attention workers {failed} did not switch yet (the watch tick retries)"
-            self._stale_versions.add(old.version)
+            self._retiring.update(leaving)
         else:  # (c) nobody uses the old version any more
-            await self._release(old.version, live_old)
-        for w in leaving:
-            await self.pool.stop_worker(w)
+            await self._release(old.version, [self.addresses[w] for w in old.workers if w in self.addresses])
+            for w in leaving:
+                await self.pool.stop_worker(w)
         record.ok = True
         record.total_s = time.monotonic() - t0
-        self.migrations.append(record)
         log.info("migration to v%d: %s", new.version, asdict(record))
         return record
 
@@ -508,68 +583,3 @@ def _decision_info(d: Decision | None) -> dict | None:
     return {"version": d.placement.version if d.placement else None, "reason": d.reason,
             "balancedness_before": d.balancedness_before, "balancedness_after": d.balancedness_after,
             "moved_slots": d.moved_slots}  # fmt: skip
-
-
-@ray.remote(num_cpus=0, max_concurrency=100)
-class Balancer:
-    """Start it detached with `max_restarts=-1`: a restarted balancer resumes by itself."""
-
-    def __init__(self, cfg: BalancerConfig):
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.core = BalancerCore(cfg)
-        self._tasks: list[asyncio.Task] = []
-        if ray.get_runtime_context().was_current_actor_reconstructed:
-            log.warning("balancer restarted: re-attaching to the running pool")
-            ray.get_runtime_context().current_actor.start.remote()
-
-    async def start(self) -> dict:
-        info = await self.core.start()
-        if not self._tasks:
-            loop = asyncio.get_running_loop()
-            if self.core.cfg.period_s > 0:
-                self._tasks.append(loop.create_task(self._every(self.core.cfg.period_s, self._rebalance)))
-            if self.core.cfg.watch_s > 0:
-                self._tasks.append(loop.create_task(self._every(self.core.cfg.watch_s, self.core.watch)))
-        return info
-
-    async def _rebalance(self) -> None:
-        result = await self.core.rebalance()
-        log.info("periodic rebalance: %s", {k: result.get(k) for k in ("migrated", "reason")})
-
-    @staticmethod
-    async def _every(period_s: float, fn) -> None:
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                await fn()
-            except Exception:
-                log.exception("%s failed", getattr(fn, "__name__", fn))
-
-    async def placement(self) -> dict:
-        return self.core.placement_info()
-
-    async def register_attention(self, names: list[str]) -> None:
-        self.core.register_attention(names)
-
-    async def rebalance(self, force: bool = False, loads: list | None = None) -> dict:
-        return await self.core.rebalance(force, None if loads is None else torch.tensor(loads))
-
-    async def scale_experts(self, num_workers: int) -> dict:
-        return await self.core.scale(num_workers)
-
-    async def status(self) -> dict:
-        return self.core.status()
-
-    async def worker_stats(self) -> dict:
-        return await self.core.worker_stats()
-
-    async def migration_log(self) -> list[dict]:
-        return [asdict(m) for m in self.core.migrations]
-
-    async def pid(self) -> int:
-        return os.getpid()
-
-    async def shutdown(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await self.core.shutdown()

@@ -112,13 +112,19 @@ def load_placement(
 
 
 def release_version(version: int, addresses: Sequence[str], timeout: float = 30.0) -> None:
-    """ReleaseSlots(version) on every address."""
+    """ReleaseSlots(version) on every address (each one tried; raises afterwards, naming the ones
+    that failed)."""
+    failed = []
     for address in addresses:
         client = ExpertClient(address)
         try:
             client.release_slots(version, timeout)
+        except grpc.RpcError as e:
+            failed.append(f"{address}: {e.code().name}")
         finally:
             client.close()
+    if failed:
+        raise RuntimeError(f"ReleaseSlots(v{version}) failed on {failed}")
 
 
 class PeerFetcher:

@@ -174,8 +174,15 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        resumed: tuple[int, int] = (0, 0),
     ) -> str:
+        """Queue a request. resumed = (n, chars): the last n prompt tokens are this request's own
+        output produced elsewhere (failover), of which `chars` characters were already sent: its
+        text continues from there."""
         params.validate()
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
@@ -187,7 +194,9 @@ class Engine:
         seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
         self.scheduler.add(seq)
         if self.tokenizer is not None:
-            self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop)
+            n, chars = resumed
+            earlier = list(prompt_ids[len(prompt_ids) - n :]) if n else []
+            self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop, earlier, chars)
         return seq.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:

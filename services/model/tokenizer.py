@@ -88,15 +88,20 @@ class Detokenizer:
     string is held back until it is certain.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+    def __init__(
+        self, tokenizer: Tokenizer, stop: list[str], earlier_ids: list[int] = (), earlier_sent: int = 0
+    ):
+        """earlier_ids / earlier_sent: a resumed request's output so far (produced elsewhere) and
+        how many of its characters were already emitted: text continues from there."""
         self.tokenizer, self.stop = tokenizer, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent = 0  # characters already emitted
+        self.earlier = list(earlier_ids)
+        self.sent = earlier_sent  # characters already emitted
         self.text = ""
 
     def step(self, output_ids: list[int], final: bool) -> tuple[str, bool]:
         """Returns (new text, stopped). When stopped, the text ends before the stop string."""
-        self.text = self.tokenizer.decode(output_ids)
+        self.text = self.tokenizer.decode(self.earlier + output_ids)
         hits = [i for s in self.stop if (i := self.text.find(s, max(0, self.sent - len(s) + 1))) >= 0]
         if hits:  # stop at the earliest stop string
             self.text = self.text[: min(hits)]

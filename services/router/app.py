@@ -68,6 +68,14 @@ class _WorkerDied(Exception):
     """The attention worker serving a stream died."""
 
 
+class _QueueFull(Exception):
+    """The attention worker refused the request: its waiting queue is full."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.message)
+        self.error = error
+
+
 @dataclass
 class _Sub:
     """One generation (prompt x n) of a request."""
@@ -147,43 +155,58 @@ class RouterCore:
         one is skipped until it answers again). A request that had produced no token yet is just
         resubmitted; one that had is resumed: its produced tokens are appended to the prompt
         (re-prefilled there) and it asks for the tokens still missing, so the stream continues
-        where it stopped. Greedy decoding continues exactly; sampling continues from a fresh
-        generator state, and a stop string that straddles the resume point is not seen."""
+        where it stopped (its text too: the new worker's detokenizer starts from the tokens and
+        characters already sent, so a character or stop string across the seam comes out right).
+        Greedy decoding continues exactly; sampling continues from a fresh generator state. A
+        moved request that finds the live worker's queue full waits and tries again."""
         produced: list[int] = []
+        sent_chars = 0
         for attempt in itertools.count():
             prompt = sub.prompt_ids + produced
             params = {**sub.params, "max_tokens": sub.params["max_tokens"] - len(produced)}
             request_id = sub.request_id if attempt == 0 else f"{sub.request_id}-resumed-{attempt}"
+            stream = self._stream(
+                await self.pick_worker(), prompt, params, request_id, (len(produced), sent_chars)
+            )
             try:
-                async with contextlib.aclosing(
-                    self._stream(await self.pick_worker(), prompt, params, request_id)
-                ) as stream:
+                async with contextlib.aclosing(stream):
                     async for out in stream:
                         produced += out.token_ids
+                        sent_chars += len(out.text)
                         yield out
                 return
-            except _WorkerDied as e:
+            except (_WorkerDied, _QueueFull) as e:
+                if isinstance(e, _QueueFull) and attempt == 0:  # a new request: the client retries
+                    raise e.error from None
                 if attempt >= self.cfg.max_failovers:
                     raise APIError(503, f"{e}; gave up after {attempt + 1} attempts",
                                    retry_after=self.cfg.retry_after_s) from None  # fmt: skip
+                if isinstance(e, _QueueFull):
+                    await asyncio.sleep(0.5 * (attempt + 1))
                 self.metrics.failovers.labels("resumed" if produced else "resubmitted").inc()
                 log.warning("%s; %s %s on another worker", e, "resuming" if produced else "resubmitting",
                             sub.request_id)  # fmt: skip
 
-    async def _stream(self, name: str, prompt: list[int], params: dict, request_id: str):
-        """One worker's output stream; raises _WorkerDied when the worker dies meanwhile."""
+    async def _stream(self, name: str, prompt: list[int], params: dict, request_id: str, resumed=(0, 0)):
+        """One worker's output stream; raises _WorkerDied when the worker dies meanwhile, _QueueFull
+        when it refuses the request for a full queue."""
         cost = len(prompt) + params["max_tokens"]
         self.outstanding[name] += cost
         actor = self.workers[name]
         finished = False
         try:
-            stream = actor.generate.options(num_returns="streaming").remote(prompt, params, request_id)
+            stream = actor.generate.options(num_returns="streaming").remote(
+                prompt, params, request_id, resumed
+            )
             async for ref in stream:
                 out: RequestOutput | Refusal = await ref
                 if isinstance(out, Refusal):
                     finished = True
                     retry = self.cfg.retry_after_s if out.status == 429 else None
-                    raise APIError(out.status, out.message, param=out.param, retry_after=retry)
+                    error = APIError(out.status, out.message, param=out.param, retry_after=retry)
+                    if out.status == 429:
+                        raise _QueueFull(error)
+                    raise error
                 finished = out.finished
                 if out.finish_reason == "error":
                     raise APIError(503, f"generation failed: {out.error}", retry_after=self.cfg.retry_after_s)
@@ -193,6 +216,8 @@ class RouterCore:
         except ray.exceptions.RayActorError as e:
             finished = True
             self.mark_down(name)
+            if isinstance(e, ray.exceptions.ActorUnavailableError):  # maybe alive: don't compute it twice
+                actor.abort.remote(request_id)
             raise _WorkerDied(f"attention worker {name} died ({type(e).__name__})") from e
         finally:
             self.outstanding[name] -= cost

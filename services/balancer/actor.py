@@ -1,0 +1,95 @@
+"""The balancer's Ray actor: schedules `BalancerCore` (service.py): the periodic rebalance and
+the watch tick, and, after Ray restarted it, the resume."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import asdict
+
+import ray
+import torch
+
+from .service import BalancerConfig, BalancerCore
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0, max_concurrency=100)
+class Balancer:
+    """Start it detached with `max_restarts=-1`: a restarted balancer resumes by itself."""
+
+    def __init__(self, cfg: BalancerConfig):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.core = BalancerCore(cfg)
+        self._tasks: list[asyncio.Task] = []
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            log.warning("balancer restarted: re-attaching to the running pool")
+            ray.get_runtime_context().current_actor.resume.remote()
+
+    async def resume(self) -> None:
+        """After a restart: start (re-attach), retrying with backoff until it works."""
+        delay = 0.5
+        while True:
+            try:
+                await self.start()
+                return
+            except Exception:
+                log.exception("resuming failed; retrying in %.1fs", delay)
+                await asyncio.sleep(delay)
+                delay = min(10.0, delay * 2)
+
+    async def start(self) -> dict:
+        info = await self.core.start()
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            if self.core.cfg.period_s > 0:
+                self._tasks.append(loop.create_task(self._every(self.core.cfg.period_s, self._rebalance)))
+            if self.core.cfg.watch_s > 0:
+                self._tasks.append(loop.create_task(self._every(self.core.cfg.watch_s, self.core.watch)))
+        return info
+
+    async def _rebalance(self) -> None:
+        result = await self.core.rebalance()
+        log.info("periodic rebalance: %s", {k: result.get(k) for k in ("migrated", "reason")})
+
+    @staticmethod
+    async def _every(period_s: float, fn) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await fn()
+            except Exception:
+                log.exception("%s failed", getattr(fn, "__name__", fn))
+
+    async def placement(self) -> dict:
+        if self.core.placement is None:
+            raise RuntimeError("the balancer is starting: no placement yet")
+        return self.core.placement_info()
+
+    async def register_attention(self, names: list[str]) -> None:
+        self.core.register_attention(names)
+
+    async def rebalance(self, force: bool = False, loads: list | None = None) -> dict:
+        return await self.core.rebalance(force, None if loads is None else torch.tensor(loads))
+
+    async def scale_experts(self, num_workers: int) -> dict:
+        return await self.core.scale(num_workers)
+
+    async def status(self) -> dict:
+        return self.core.status()
+
+    async def worker_stats(self) -> dict:
+        return await self.core.worker_stats()
+
+    async def migration_log(self) -> list[dict]:
+        return [asdict(m) for m in self.core.migrations]
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.core.shutdown()
