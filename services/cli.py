@@ -174,7 +174,8 @@ def cmd_bench(args) -> int:
 
     names = {"local-engine": "benchmarks.bench_local_engine", "eplb": "benchmarks.bench_eplb",
              "dispatch": "benchmarks.bench_dispatch", "attention": "benchmarks.bench_attention",
-             "balancer": "benchmarks.bench_balancer"}  # fmt: skip
+             "balancer": "benchmarks.bench_balancer", "faults": "benchmarks.bench_faults",
+             "prefix": "benchmarks.bench_prefix"}  # fmt: skip
     chosen = list(names) if args.which == "all" else [args.which]
     for name in chosen:
         print(f"== {name}", flush=True)
@@ -199,7 +200,7 @@ def up_flags() -> dict[str, tuple[type, str]]:
         kinds = (
             [t for t in get_args(hint) if t is not type(None)] if get_origin(hint) is UnionType else [hint]
         )
-        if len(kinds) == 1 and kinds[0] in (int, float, str):
+        if len(kinds) == 1 and kinds[0] in (bool, int, float, str):
             flags[f.name] = (kinds[0], f.metadata.get("help", ""))
     return flags
 
@@ -234,7 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("up", help="start the cluster: Ray, Redis, workers, balancer, OpenAI API")
     s.add_argument("--config", help="YAML file with cluster settings (flags override it)")
     for name, (kind, help_) in up_flags().items():
-        s.add_argument(f"--{name.replace('_', '-')}", type=kind, help=help_)
+        flag = f"--{name.replace('_', '-')}"
+        if kind is bool:  # --prefix-caching / --no-prefix-caching
+            s.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            s.add_argument(flag, type=kind, help=help_)
     s.set_defaults(fn=cmd_up)
 
     for name, fn, help_ in (("status", cmd_status, "placement, expert workers, loads, balancedness"),
@@ -248,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
 
     s = sub.add_parser("bench", help="run benchmarks (JSON results under benchmarks/results/)")
-    s.add_argument("which", choices=["all", "local-engine", "eplb", "dispatch", "attention", "balancer"])
+    s.add_argument("which", choices=["all", "local-engine", "eplb", "dispatch", "attention", "balancer", "faults",
+                                     "prefix"])  # fmt: skip
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
     return p

@@ -59,6 +59,9 @@ class ClusterConfig:
     micro_batches: int = _setting(
         1, "2 = ping-pong micro-batches (pays when experts have their own cores/GPUs)"
     )
+    prefix_caching: bool = _setting(
+        True, "reuse cached prompt-prefix blocks; send requests to the worker holding their prefix"
+    )
     attention_tp: int = _setting(
         1, "tensor-parallel ranks per attention worker (heads split, latent cache replicated)"
     )
@@ -190,6 +193,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
         max_model_len=cfg.max_model_len,
         max_waiting=cfg.max_waiting,
         micro_batches=cfg.micro_batches,
+        prefix_caching=cfg.prefix_caching,
         num_threads=cfg.attention_threads,
     )
     attention = {}
@@ -216,6 +220,7 @@ def router_config(cfg: ClusterConfig, backend: Backend):
         balancer=BALANCER_NAME,
         api_key=cfg.api_key,
         max_model_len=backend.max_model_len,
+        prefix_caching=cfg.prefix_caching,
     )
 
 

@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+import ray
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -122,6 +123,26 @@ def test_stop_strings(client):
     r = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0, stop=[needle],
                                   extra_body={"ignore_eos": True})  # fmt: skip
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.index(needle)]
+
+
+def test_prefix_cache_hits_and_n_choices_prefill_once(cluster, client):
+    def hit_tokens():
+        return sum(
+            ray.get(a.stats.remote())["prefix_cache"]["hit_tokens"] for a in cluster.attention.values()
+        )
+
+    params = {"model": "tiny", "prompt": [0] + list(range(10, 210)), "max_tokens": 8, "temperature": 0.0,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    first = client.completions.create(**params)
+    again = client.completions.create(**params)
+    assert again.choices[0].text == first.choices[0].text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 192  # 3 full blocks, never the last token
+    before = hit_tokens()
+    four = client.completions.create(**{**params, "prompt": [0] + list(range(150, 350)), "n": 4})
+    assert len({c.text for c in four.choices}) == 1  # greedy: all the same
+    assert hit_tokens() - before == 3 * 192  # the first choice prefilled, the three others hit
+    assert "moe_prefix_cache_hit_tokens" in httpx.get(f"{cluster.url}/metrics").text
 
 
 def test_errors_are_openai_json(cluster, client):

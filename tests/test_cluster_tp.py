@@ -53,6 +53,23 @@ def test_tp2_x_dp2_equals_one_process(cluster, expected):
     assert all(s["times"]["steps"] > 0 for s in stats)  # data parallel: both served
 
 
+def test_requests_sharing_a_prefix_go_to_the_worker_holding_it(cluster):
+    """Prefix affinity: the router sends requests with a common prefix to one attention worker,
+    where they hit its prefix cache (the other worker sees none of them)."""
+
+    def hits():
+        return {
+            n: ray.get(a.stats.remote())["prefix_cache"]["hit_tokens"] for n, a in cluster.attention.items()
+        }
+
+    shared = [0] + list(range(4, 204))  # 3 full cacheable blocks
+    before = hits()
+    for i in range(4):
+        _complete(cluster, shared + [300 + i])
+    gained = sorted(hits()[n] - before[n] for n in before)
+    assert gained == [0, 3 * 192]
+
+
 def test_a_dead_rank_restarts_its_group_and_requests_move_on(cluster, expected, tiny_model):
     """SIGKILL of a follower rank: its attention worker goes down as a group and restarts; the
     router moves the requests; every one completes with the same tokens."""

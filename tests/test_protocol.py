@@ -98,8 +98,8 @@ def test_usage_counts_each_prompt_once_whatever_n_is():
     outs = [[out([1, 2], "Hello"), out([4], "!", finish_reason="stop")] for _ in choices]
     assert p.prompt_tokens(choices) == 5
     assert p.completion_tokens(outs) == 3 * len(choices)
-    assert p.usage(p.prompt_tokens(choices), p.completion_tokens(outs)) == {
-        "prompt_tokens": 5, "completion_tokens": 18, "total_tokens": 23
+    assert p.usage(p.prompt_tokens(choices), p.completion_tokens(outs), 2) == {
+        "prompt_tokens": 5, "completion_tokens": 18, "total_tokens": 23, "prompt_tokens_details": {"cached_tokens": 2}
     }  # fmt: skip
     head = p.response_head("cmpl-1", "text_completion", "tiny", created=5)
     usage = p.usage(5, 18)

@@ -40,6 +40,7 @@ class EngineConfig:
     max_waiting: int = 1024
     num_threads: int | None = None  # torch intra-op threads (None: leave torch's default)
     micro_batches: int = 1  # 2 = ping-pong: one micro-batch's expert calls overlap the other's attention
+    prefix_caching: bool = True  # reuse the cache blocks of prompt prefixes seen before
 
     def scheduler_config(self, cfg: ModelConfig) -> SchedulerConfig:
         return SchedulerConfig(
@@ -71,6 +72,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set with finish_reason "error"
 
 
@@ -162,7 +164,7 @@ class Engine:
         self.tokenizer, self.on_batches = tokenizer, on_batches
         sched_cfg = engine_cfg.scheduler_config(cfg)
         num_blocks = engine_cfg.kv_blocks(cfg, sched_cfg.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, num_blocks, cfg.eos_token_ids)
+        self.scheduler = Scheduler(sched_cfg, num_blocks, cfg.eos_token_ids, engine_cfg.prefix_caching)
         self.cache = PagedLatentCache(
             cfg.num_hidden_layers, num_blocks, cfg.latent_dim, model.dtype, model.device
         )
@@ -188,6 +190,10 @@ class Engine:
         if bad:
             raise RequestError(
                 "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
+            )
+        if any(t >= self.cfg.vocab_size for t in params.logit_bias):
+            raise RequestError(
+                "logit_bias", f"logit_bias names a token outside the vocabulary [0, {self.cfg.vocab_size})"
             )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer; this model runs in token-id mode")
@@ -236,6 +242,12 @@ class Engine:
             "kv_blocks_total": self.cache.num_blocks,
             "kv_blocks_used": self.cache.num_blocks - sched.num_free_blocks,
             "preemptions": sched.num_preemptions,
+            "prefix_cache": {
+                "queried_tokens": sched.prefix_queried_tokens,
+                "hit_tokens": sched.prefix_hit_tokens,
+                "cached_blocks": sched.allocator.num_cached,
+                "evictions": sched.allocator.evictions,
+            },
         }
 
     # ---- one step -----------------------------------------------------------------------
@@ -285,7 +297,14 @@ class Engine:
         self, chunks: list[Chunk], want: list[Sequence], logits: torch.Tensor
     ) -> list[RequestOutput]:
         """Sample from `logits` (one row per sequence in `want`) and advance the requests."""
-        tokens, logprobs = sample(logits, [s.params for s in want], [s.generator for s in want])
+        eos = set(self.cfg.eos_token_ids)
+        tokens, logprobs = sample(
+            logits,
+            [s.params for s in want],
+            [s.generator for s in want],
+            [(s.prompt_ids, s.output_ids) for s in want],
+            [(set() if s.params.ignore_eos else eos) | set(s.params.stop_token_ids) for s in want],
+        )
         outputs = []
         for seq in self.scheduler.update(chunks, tokens, logprobs):
             out = RequestOutput(
@@ -293,6 +312,7 @@ class Engine:
                 token_ids=[seq.output_ids[-1]],
                 logprobs=[seq.output_logprobs[-1]],
                 num_prompt_tokens=len(seq.prompt_ids),
+                num_cached_tokens=seq.num_cached_tokens or 0,
             )
             detok = self._detok.get(seq.request_id)
             if detok is not None:

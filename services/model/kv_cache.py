@@ -5,9 +5,16 @@ One cache row per token per layer holds [c_kv (kv_lora_rank, after kv_a_layernor
 `[num_blocks, BLOCK_SIZE, 1, latent_dim]` (one latent "KV head"), addressed through an int32
 block table `[batch, max_blocks]` and int32 seqlens, exactly what FlashMLA's
 `flash_mla_with_kvcache` takes, so that kernel drops in on Hopper.
+
+Blocks are shared between requests with a common prompt prefix (automatic prefix caching,
+`BlockAllocator`): a full block's identity is the chained hash of its tokens and everything
+before them, as in vLLM.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -15,39 +22,113 @@ BLOCK_SIZE = 64
 
 
 class BlockAllocator:
-    """Free list of cache blocks. Pure bookkeeping; the scheduler owns one."""
+    """Cache blocks and their reuse across requests (automatic prefix caching). Pure bookkeeping;
+    the scheduler owns one.
 
-    def __init__(self, num_blocks: int):
+    A block is free, in use (reference counted: sequences sharing a cached prefix share its
+    blocks), or cached: unreferenced but still holding the latent rows of a known token prefix,
+    found by the chained hash of that prefix's blocks (`block_hash`) and reused until the space is
+    needed (least recently freed first). Only full blocks whose rows are all computed are ever
+    registered, and a registered block is never written again: shared blocks are immutable.
+    With `caching` off, freed blocks go straight back to the free list.
+    """
+
+    def __init__(self, num_blocks: int, caching: bool = True):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
-        self.num_blocks = num_blocks
+        self.num_blocks, self.caching = num_blocks, caching
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # block in use -> sequences holding it
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, LRU first
+        self._by_hash: dict[int, int] = {}  # prefix hash -> block
+        self._hash_of: dict[int, int] = {}  # block -> its prefix hash
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones and cached ones nobody references."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a registered prefix (referenced or not)."""
+        return len(self._hash_of)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"KV cache: asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
-        self._used.update(blocks)
+        """n fresh (private, writable) blocks; evicts the least recently freed cached ones when
+        the free list runs out."""
+        if n > self.num_free:
+            raise MemoryError(f"KV cache: asked for {n} blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(b)]
+                self.evictions += 1
+            self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; unreferenced ones become cached (if registered) or free."""
         for b in blocks:
-            if b not in self._used:
+            refs = self._refs.get(b)
+            if refs is None:
                 raise ValueError(f"KV cache: block {b} freed twice or never allocated")
-            self._used.remove(b)
-            self._free.append(b)
+            if refs > 1:
+                self._refs[b] = refs - 1
+                continue
+            del self._refs[b]
+            if b in self._hash_of:
+                self._cached[b] = None
+            else:
+                self._free.append(b)
+
+    # ---- prefix caching -----------------------------------------------------------------
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """The blocks of the longest cached prefix of `hashes` (a sequence's chained block
+        hashes, in order); takes a reference to each."""
+        hit = []
+        if self.caching:
+            for h in hashes:
+                b = self._by_hash.get(h)
+                if b is None:
+                    break
+                hit.append(b)
+        for b in hit:
+            if b in self._cached:
+                del self._cached[b]
+                self._refs[b] = 1
+            else:
+                self._refs[b] += 1
+        return hit
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Record that in-use `block` now holds the full, computed prefix `block_hash` (a prefix
+        already cached elsewhere keeps its first block; this one stays private)."""
+        if self.caching and block_hash not in self._by_hash and block not in self._hash_of:
+            self._by_hash[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def is_registered(self, block: int) -> bool:
+        return block in self._hash_of
 
 
 def blocks_needed(num_tokens: int) -> int:
     return (num_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """The chained hash of a full block: its tokens and everything before them."""
+    return hash((parent, tuple(tokens)))
 
 
 class PagedLatentCache:

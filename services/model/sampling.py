@@ -1,7 +1,10 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeds, logprobs).
+"""Sampling parameters and the sampler: logits processing (repetition, frequency and presence
+penalties, logit bias, min_tokens), then greedy or temperature / top-k / top-p / min-p sampling,
+with seeds and logprobs.
 
 Each request owns a `torch.Generator`, advanced only by its own samples, so a seeded request
-gives the same tokens whatever it is batched with and whichever topology serves it.
+gives the same tokens whatever it is batched with and whichever topology serves it. The
+processing is batched: one tensor operation per kind over the rows that use it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (need a tokenizer)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n alternatives per token (0 = only the chosen token)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    min_tokens: int = 0  # no EOS / stop token before this many tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def validate(self) -> None:
         """Raise ValueError(param, message) for the first invalid field."""
@@ -46,6 +55,27 @@ class SamplingParams:
             bad("stop_token_ids", "stop_token_ids must be non-negative integers")
         if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 16:
             bad("stop", "stop must be up to 16 non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if len(self.logit_bias) > 1024 or any(
+            not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()
+        ):
+            bad("logit_bias", "logit_bias maps up to 1024 token ids to biases in [-100, 100]")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens
+        )  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -69,15 +99,62 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
+def process_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    history: list[tuple[list[int], list[int]]],
+    stop_ids: list[set[int]],
+) -> torch.Tensor:
+    """Penalties, logit bias and min_tokens applied to logits [B, V] (a new tensor when any row
+    uses them). history: per row (prompt ids, output ids so far); stop_ids: per row the tokens
+    min_tokens holds back (EOS and stop_token_ids)."""
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    V = logits.shape[1]
+    sel = torch.tensor(rows)
+    counts = torch.zeros(len(rows), V)  # output token counts
+    seen = torch.zeros(len(rows), V, dtype=torch.bool)  # prompt or output tokens
+    for r, i in enumerate(rows):
+        prompt, output = history[i]
+        if output:
+            counts[r].index_add_(0, torch.tensor(output), torch.ones(len(output)))
+        seen[r, torch.tensor(prompt + output, dtype=torch.long)] = True
+    sub = logits[sel]
+    rep = torch.tensor([params[i].repetition_penalty for i in rows])[:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows])[:, None]
+    pres = torch.tensor([params[i].presence_penalty for i in rows])[:, None]
+    sub = sub - freq * counts - pres * (counts > 0)
+    for r, i in enumerate(rows):
+        p = params[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            sub[r, ids] += torch.tensor(list(p.logit_bias.values()))
+        if len(history[i][1]) < p.min_tokens and stop_ids[i]:
+            sub[r, torch.tensor(sorted(stop_ids[i]), dtype=torch.long)] = float("-inf")
+    logits[sel] = sub
+    return logits
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    history: list[tuple[list[int], list[int]]] | None = None,
+    stop_ids: list[set[int]] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [B, V] fp32 -> one token per row, and logprobs where requested.
 
-    Logprobs are those of the model's distribution (log_softmax of the raw logits), as vLLM
-    reports by default; the sampled token comes from the temperature/top-k/top-p-processed one.
+    history / stop_ids: see `process_logits` (needed when a row uses penalties, bias or
+    min_tokens). Logprobs are those of the model's distribution (log_softmax of the raw
+    logits), as vLLM reports by default; the sampled token comes from the processed one.
     """
-    logits = logits.float().cpu()  # per-request generators live on the CPU
+    raw = logits.float().cpu()  # per-request generators live on the CPU
+    if history is None:
+        history = [([], [])] * len(params)
+    logits = process_logits(raw, params, history, stop_ids or [set()] * len(params))
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.greedy:
@@ -92,13 +169,15 @@ def sample(
             drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
             row = row.scatter(0, order, sorted_row.masked_fill(drop, float("-inf")))
         probs = row.softmax(-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
 
     out_tokens = tokens.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
+        lp = torch.log_softmax(raw[want], dim=-1)
         for row, i in enumerate(want):
             n = params[i].logprobs
             top = torch.topk(lp[row], n) if n else None

@@ -8,6 +8,11 @@ still prefilling get chunks; then waiting requests are admitted (first come, fir
 admitted only if the blocks for all its current tokens fit; decodes take one more block every
 64 tokens, and when none is free the newest running sequence is preempted (its blocks freed,
 recomputed later from its tokens).
+
+Prefix caching: at admission a sequence takes the cached blocks of its longest known prefix
+(full blocks only, and never its last token: at least one token is always computed, into a
+private block) and starts computing after them; each block a sequence fills completely is
+registered under its chained hash for later requests. Shared blocks are never written.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from enum import Enum
 
 import torch
 
-from .kv_cache import BlockAllocator, blocks_needed
+from .kv_cache import BLOCK_SIZE, BlockAllocator, block_hash, blocks_needed
 from .sampling import SamplingParams, TokenLogprobs
 
 
@@ -54,7 +59,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, computed blocks
     num_computed: int = 0  # tokens whose latent rows are in the cache
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    prefix_hashes: tuple[int, list[int]] | None = field(default=None, repr=False)  # (num_tokens, hashes) memo
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
     generator: torch.Generator | None = None
@@ -100,10 +108,18 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, num_blocks: int, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        num_blocks: int,
+        eos_token_ids: tuple[int, ...] = (),
+        prefix_caching: bool = True,
+    ):
         cfg.validate()
         self.cfg = cfg
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, caching=prefix_caching)
+        self.prefix_queried_tokens = 0  # prompt tokens looked up at first admissions
+        self.prefix_hit_tokens = 0  # of which found in the cache
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -152,7 +168,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_ids)
-        seq.block_ids = []
+        seq.block_ids, seq.block_hashes = [], []
         seq.num_computed = 0
 
     def has_work(self) -> bool:
@@ -180,20 +196,52 @@ class Scheduler:
                 chunks.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
 
-        # 3. admit waiting requests, first come first served
+        # 3. admit waiting requests, first come first served, reusing cached prefix blocks
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            need = blocks_needed(seq.num_tokens)
+            hashes = self._prefix_hashes(seq)
+            hit = self.allocator.lookup(hashes)
+            need = blocks_needed(seq.num_tokens) - len(hit)
             if not self.allocator.can_allocate(need):
+                self.allocator.free(hit)
                 break
             self.waiting.popleft()
-            seq.block_ids = self.allocator.allocate(need)
+            seq.block_ids = hit + self.allocator.allocate(need)
+            seq.block_hashes = hashes[: len(hit)]
+            seq.num_computed = len(hit) * BLOCK_SIZE
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed
+                self.prefix_queried_tokens += seq.num_tokens
+                self.prefix_hit_tokens += seq.num_computed
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens, budget)
-            chunks.append(Chunk(seq, 0, n))
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
+
+    def _prefix_hashes(self, seq: Sequence) -> list[int]:
+        """Chained hashes of the full blocks a cached prefix of `seq` may cover: all but the
+        block of its last token (which must be computed)."""
+        if not self.allocator.caching:
+            return []
+        if seq.prefix_hashes is not None and seq.prefix_hashes[0] == seq.num_tokens:
+            return seq.prefix_hashes[1]
+        hashes, parent = [], None
+        for i in range((seq.num_tokens - 1) // BLOCK_SIZE):
+            parent = block_hash(parent, seq.token_slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE))
+            hashes.append(parent)
+        seq.prefix_hashes = (seq.num_tokens, hashes)
+        return hashes
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks `seq` has filled completely since the last call."""
+        while len(seq.block_hashes) < seq.num_computed // BLOCK_SIZE:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = block_hash(parent, seq.token_slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE))
+            self.allocator.register(seq.block_ids[i], h)
+            seq.block_hashes.append(h)
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to hold num_tokens, preempting newer sequences if needed.
@@ -231,6 +279,8 @@ class Scheduler:
                     next(sampled)
                 continue
             seq.num_computed += c.num_tokens
+            if self.allocator.caching:
+                self._register_full_blocks(seq)
             if not wanted:
                 continue
             token, lp = next(sampled)

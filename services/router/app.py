@@ -23,10 +23,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from services.model.engine import Refusal, RequestOutput
+from services.model.kv_cache import BLOCK_SIZE
 from services.model.tokenizer import Tokenizer
 from services.settings import NAMESPACE
 
 from . import protocol as proto
+from .affinity import PrefixAffinity
 from .metrics import RouterMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 
@@ -44,6 +46,8 @@ class RouterConfig:
     max_model_len: int = 4096
     default_completion_max_tokens: int = 16
     retry_after_s: int = 1
+    prefix_caching: bool = True  # affinity routing by prompt prefix; n > 1 choices prefill once
+    affinity_max_imbalance_tokens: int = 8192  # how much busier the worker holding a prefix may be
     max_failovers: int = 3  # times one request moves on after its attention worker died
     failover_wait_s: float = 60.0  # how long a request waits for a live attention worker
     ready_timeout_s: float = 5.0
@@ -96,6 +100,7 @@ class RouterCore:
         self.workers = {n: ray.get_actor(n, namespace=cfg.namespace) for n in cfg.attention_workers}
         self.outstanding = dict.fromkeys(self.workers, 0)
         self.draining = False  # shutting down: new requests are refused
+        self.affinity = PrefixAffinity(max_imbalance_tokens=cfg.affinity_max_imbalance_tokens)
         self.down: dict[str, float] = {}  # attention workers that died: name -> since (monotonic)
         self._probes: set[asyncio.Task] = set()
         self._rr = itertools.count()
@@ -165,9 +170,8 @@ class RouterCore:
             prompt = sub.prompt_ids + produced
             params = {**sub.params, "max_tokens": sub.params["max_tokens"] - len(produced)}
             request_id = sub.request_id if attempt == 0 else f"{sub.request_id}-resumed-{attempt}"
-            stream = self._stream(
-                await self.pick_worker(), prompt, params, request_id, (len(produced), sent_chars)
-            )
+            worker = await self.pick_worker(prompt)
+            stream = self._stream(worker, prompt, params, request_id, (len(produced), sent_chars))
             try:
                 async with contextlib.aclosing(stream):
                     async for out in stream:
@@ -225,16 +229,22 @@ class RouterCore:
                 actor.abort.remote(request_id)
 
     # ---- attention worker health --------------------------------------------------------
-    async def pick_worker(self) -> str:
-        """The live attention worker with the fewest outstanding tokens; waits (bounded) while
-        every worker is down."""
+    async def pick_worker(self, prompt: list[int]) -> str:
+        """The live attention worker for `prompt`: the one holding its longest cached prefix unless
+        it is much busier than the others (prefix affinity), else the one with the fewest
+        outstanding tokens; waits (bounded) while every worker is down."""
         deadline = time.monotonic() + self.cfg.failover_wait_s
         while True:
             live = {n: v for n, v in self.outstanding.items() if n not in self.down}
             if live:
-                least = min(live.values())
-                names = [n for n, v in live.items() if v == least]
-                return names[next(self._rr) % len(names)]
+                name = self.affinity.choose(prompt, live) if self.cfg.prefix_caching else None
+                if name is None:
+                    least = min(live.values())
+                    names = [n for n, v in live.items() if v == least]
+                    name = names[next(self._rr) % len(names)]
+                if self.cfg.prefix_caching:
+                    self.affinity.record(prompt, name)
+                return name
             if time.monotonic() > deadline:
                 raise APIError(503, "no attention worker is available", retry_after=self.cfg.retry_after_s)
             await asyncio.sleep(0.1)
@@ -263,14 +273,26 @@ class RouterCore:
         """All sub-request streams interleaved as they arrive: (sub index, output)."""
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
+        # n > 1 choices of one prompt prefill it once: the others start when the first has its
+        # first token (its prompt blocks are in the prefix cache by then, on the same worker)
+        prefilled = {s.prompt_index: asyncio.Event() for s in subs}
+        leaders: dict[int, int] = {}
+        for s in subs:
+            leaders.setdefault(s.prompt_index, s.index)
 
         async def pump(sub: _Sub):
+            gate = prefilled[sub.prompt_index]
+            follower = leaders[sub.prompt_index] != sub.index and len(sub.prompt_ids) > BLOCK_SIZE
             try:
+                if self.cfg.prefix_caching and follower:
+                    await gate.wait()
                 async for out in self.run(sub):
+                    gate.set()
                     await queue.put((sub.index, out))
             except BaseException as e:  # noqa: BLE001 (re-raised in the consumer)
                 await queue.put((sub.index, e))
             finally:
+                gate.set()
                 await queue.put((sub.index, done))
 
         tasks = [asyncio.create_task(pump(s)) for s in subs]
@@ -390,7 +412,7 @@ class Router:
         outs = await self._collect(request, subs)
         choices = [proto.completion_choice(sub.index, seq, sub.prompt_ids, core.token_str, **opts)
                    for sub, seq in zip(subs, outs, strict=True)]  # fmt: skip
-        return proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs)))
+        return proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs), outs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -421,17 +443,21 @@ class Router:
             proto.chat_choice(sub.index, seq, core.token_str, **opts)
             for sub, seq in zip(subs, outs, strict=True)
         ]
-        return proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs)))
+        return proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs), outs))
 
     # ---- shared plumbing ----------------------------------------------------------------
     def _token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
         return req.return_token_ids or self.core.tokenizer is None  # token-id mode always returns ids
 
     @staticmethod
-    def _usage(subs: list[_Sub], completion_tokens: int) -> dict:
-        return proto.usage(
-            proto.prompt_tokens((s.prompt_index, s.prompt_ids) for s in subs), completion_tokens
-        )
+    def _usage(subs: list[_Sub], completion_tokens: int, outs: list[list[RequestOutput]]) -> dict:
+        """Usage of a request; cached tokens: per prompt, those of its first choice's prefill."""
+        cached = {}
+        for sub, seq in zip(subs, outs, strict=True):
+            if seq and sub.prompt_index not in cached:
+                cached[sub.prompt_index] = seq[0].num_cached_tokens
+        prompt = proto.prompt_tokens((s.prompt_index, s.prompt_ids) for s in subs)
+        return proto.usage(prompt, completion_tokens, sum(cached.values()))
 
     async def _collect(self, request: Request, subs: list[_Sub]) -> list[list[RequestOutput]]:
         """Run sub-requests to the end (aborting them if the client disconnects)."""
@@ -475,6 +501,7 @@ class Router:
             started = time.monotonic()
             completion_tokens = 0
             offsets = [0] * len(subs)  # text so far of each completion choice
+            firsts: list[list[RequestOutput]] = [[] for _ in subs]  # each choice's first output
             if chat:
                 for sub in subs:
                     yield proto.sse(proto.chat_role_chunk(head, sub.index))
@@ -484,6 +511,8 @@ class Router:
                     if completion_tokens == 0:
                         core.metrics.ttft.observe(time.monotonic() - started)
                     completion_tokens += len(out.token_ids)
+                    if not firsts[index]:
+                        firsts[index].append(out)
                     if chat:
                         chunk = proto.chat_chunk(head, index, out, core.token_str, **opts)
                     else:
@@ -493,7 +522,7 @@ class Router:
                         offsets[index] += len(out.text)
                     yield proto.sse(chunk)
                 if usage:
-                    yield proto.sse(proto.usage_chunk(head, self._usage(subs, completion_tokens)))
+                    yield proto.sse(proto.usage_chunk(head, self._usage(subs, completion_tokens, firsts)))
             except APIError as e:
                 status = e.status
                 yield proto.sse(e.body())

@@ -64,6 +64,24 @@ class RouterMetrics:
         self.failed_steps = Gauge(
             "moe_engine_failed_steps", "Engine steps that failed and were retried", ["worker"], registry=r
         )
+        self.prefix_hits = Gauge(
+            "moe_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            ["worker"],
+            registry=r,
+        )
+        self.prefix_queries = Gauge(
+            "moe_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            ["worker"],
+            registry=r,
+        )
+        self.prefix_blocks = Gauge(
+            "moe_prefix_cache_blocks",
+            "Cache blocks holding a registered prompt prefix",
+            ["worker"],
+            registry=r,
+        )
         self.heals = Gauge("moe_expert_heals", "Placements re-planned after expert workers died", registry=r)
         self.dead_workers = Gauge(
             "moe_expert_workers_died", "Expert workers that died (since the balancer started)", registry=r
@@ -92,6 +110,10 @@ class RouterMetrics:
             self.dispatch_rpcs.labels(w).set((s.get("dispatch") or {}).get("rpcs", 0))
             self.resent_pairs.labels(w).set((s.get("dispatch") or {}).get("resent_pairs", 0))
             self.failed_steps.labels(w).set(s["times"]["failed_steps"])
+            prefix = s.get("prefix_cache") or {}
+            self.prefix_hits.labels(w).set(prefix.get("hit_tokens", 0))
+            self.prefix_queries.labels(w).set(prefix.get("queried_tokens", 0))
+            self.prefix_blocks.labels(w).set(prefix.get("cached_blocks", 0))
             self.dropped.labels(w).set((s.get("load_reporter") or {}).get("dropped_tokens", 0))
             self.version.labels(w).set(s["placement_version"])
         if balancer:

@@ -190,9 +190,11 @@ def response(head: dict, choices: list[dict], usage: dict) -> dict:
     return {**head, "choices": choices, "usage": usage}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
 
 
 def prompt_tokens(choice_prompts: Iterable[tuple[int, Sequence[int]]]) -> int:

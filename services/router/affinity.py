@@ -1,0 +1,47 @@
+"""Prefix-affinity routing: send requests that share a prompt prefix to the attention worker
+that already holds it in its prefix cache, unless that worker is too much busier than the
+least busy one (like Ray Serve LLM's PrefixCacheAffinityRouter). Pure: no Ray, no HTTP."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from services.model.kv_cache import BLOCK_SIZE, block_hash
+
+
+class PrefixAffinity:
+    """Remembers, per chained hash of a prompt's leading full blocks, the worker it went to."""
+
+    def __init__(self, max_blocks: int = 32, capacity: int = 100_000, max_imbalance_tokens: int = 8192):
+        self.max_blocks, self.capacity = max_blocks, capacity
+        self.max_imbalance_tokens = max_imbalance_tokens  # how much busier than the least busy worker may be
+        self._owner: OrderedDict[int, str] = OrderedDict()  # prefix hash -> worker, LRU first
+
+    @staticmethod
+    def hashes(prompt_ids: Sequence[int], max_blocks: int) -> list[int]:
+        """Chained hashes of the prompt's full blocks (the ones a worker can have cached)."""
+        out, parent = [], None
+        for i in range(min(max_blocks, (len(prompt_ids) - 1) // BLOCK_SIZE)):
+            parent = block_hash(parent, prompt_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            out.append(parent)
+        return out
+
+    def choose(self, prompt_ids: Sequence[int], outstanding: dict[str, int]) -> str | None:
+        """The worker holding this prompt's longest cached prefix among `outstanding` (live worker
+        -> outstanding tokens), unless it is busier than the least busy by more than
+        `max_imbalance_tokens`; None: no preference (the caller takes the least busy)."""
+        least = min(outstanding.values())
+        for h in reversed(self.hashes(prompt_ids, self.max_blocks)):
+            owner = self._owner.get(h)
+            if owner in outstanding and outstanding[owner] - least <= self.max_imbalance_tokens:
+                return owner
+        return None
+
+    def record(self, prompt_ids: Sequence[int], worker: str) -> None:
+        """`worker` will hold this prompt's blocks."""
+        for h in self.hashes(prompt_ids, self.max_blocks):
+            self._owner[h] = worker
+            self._owner.move_to_end(h)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)

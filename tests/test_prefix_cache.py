@@ -1,0 +1,163 @@
+"""Automatic prefix caching over the paged latent cache: the allocator, the scheduler under
+random schedules (no leak, no shared block ever written, hits hold the right tokens), the
+engine's outputs with caching on and off, and prefix-affinity routing."""
+
+import random
+
+import pytest
+import torch
+
+from services.model.engine import EngineConfig, LocalEngine
+from services.model.kv_cache import BLOCK_SIZE, BlockAllocator, block_hash
+from services.model.sampling import SamplingParams
+from services.model.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from services.router.affinity import PrefixAffinity
+
+from .hf_oracle import run_requests
+
+
+def test_allocator_shares_caches_and_evicts_least_recently_freed():
+    a = BlockAllocator(4)
+    x, y = a.allocate(2)
+    a.register(x, 11)
+    a.register(y, 22)
+    assert a.lookup([11, 22, 33]) == [x, y] and a.refs(x) == 2  # shared
+    a.free([x, y])
+    a.free([x, y])  # both unreferenced now: cached, still allocatable
+    assert a.num_free == 4 and a.num_cached == 2
+    assert a.lookup([11]) == [x] and a.num_free == 3
+    a.free([x])  # x freed last: y is the least recently freed
+    fresh = a.allocate(3)  # two free blocks, then evicts y
+    assert y in fresh and x not in fresh and a.lookup([22]) == [] and a.lookup([11]) == [x]
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free([x, x])
+    off = BlockAllocator(2, caching=False)
+    b = off.allocate(1)
+    off.register(b[0], 5)
+    assert off.lookup([5]) == [] and off.num_cached == 0
+
+
+def _content_check(sched: Scheduler, chunks, written: dict[int, dict[int, int]]) -> None:
+    """Play the model's cache writes for `chunks`: every written row must land in a block that
+    its sequence alone holds and nobody registered; record what each row holds."""
+    alloc = sched.allocator
+    for c in chunks:
+        seq = c.seq
+        for p in range(c.start, c.start + c.num_tokens):
+            block = seq.block_ids[p // BLOCK_SIZE]
+            assert alloc.refs(block) == 1 and not alloc.is_registered(block), "write into a shared block"
+            written.setdefault(block, {})[p % BLOCK_SIZE] = seq.token_slice(p, p + 1)[0]
+
+
+def _hit_check(seq: Sequence, written: dict[int, dict[int, int]]) -> None:
+    """The rows of every block a sequence reuses hold exactly its own tokens."""
+    for i in range(seq.num_computed // BLOCK_SIZE if seq.num_cached_tokens else 0):
+        rows = written[seq.block_ids[i]]
+        assert [rows[j] for j in range(BLOCK_SIZE)] == seq.token_slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
+
+
+def _accounting(sched: Scheduler) -> None:
+    alloc = sched.allocator
+    held: dict[int, int] = {}
+    for seq in sched.running:
+        for b in seq.block_ids:
+            held[b] = held.get(b, 0) + 1
+    assert held == alloc._refs  # every reference is a running sequence's
+    assert len(alloc._free) + len(alloc._cached) + len(alloc._refs) == alloc.num_blocks
+    assert not set(alloc._free) & set(alloc._cached)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_schedules_never_leak_or_corrupt_a_block(seed):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(4, 300) for _ in range(rng.choice([64, 100, 130, 200]))] for _ in range(3)]
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=rng.choice([48, 96, 256])),
+                      num_blocks=rng.choice([12, 20, 40]))  # fmt: skip
+    written: dict[int, dict[int, int]] = {}
+    live: list[Sequence] = []
+    hits = 0
+    for _ in range(400):
+        if rng.random() < 0.3 and len(sched.waiting) < 8:  # a request sharing some prefix
+            p = rng.choice(prefixes)
+            prompt = p[: rng.randint(1, len(p))] + [rng.randrange(4, 300) for _ in range(rng.randint(0, 40))]
+            seq = Sequence(prompt, SamplingParams(max_tokens=rng.randint(1, 70), ignore_eos=True))
+            try:
+                sched.add(seq)
+                live.append(seq)
+            except Exception:
+                pass
+        if live and rng.random() < 0.05:  # an abort
+            sched.finish_id(rng.choice(live).request_id, "abort")
+        chunks = sched.schedule()
+        for c in chunks:
+            if c.start == c.seq.num_computed and c.seq.num_cached_tokens:
+                _hit_check(c.seq, written)
+        hits += sum(1 for c in chunks if c.seq.num_cached_tokens)
+        _content_check(sched, chunks, written)
+        want = [c for c in chunks if c.wants_logits]
+        sched.update(chunks, [rng.randrange(4, 300) for _ in want], [None] * len(want))
+        _accounting(sched)
+        live = [s for s in live if s.status is not SeqStatus.FINISHED]
+    for seq in list(sched.running) + list(sched.waiting):
+        sched.finish(seq, "abort")
+    _accounting(sched)
+    assert sched.allocator.num_free == sched.allocator.num_blocks  # nothing leaked
+    assert hits > 0 and sched.prefix_hit_tokens > 0
+
+
+def _prompts(base):
+    a = base[:200]
+    return {
+        "A": a,
+        "B (prefix of A, hit ends mid-block)": a[:150],
+        "C (A and more)": a + base[200:240],
+        "D (A again)": list(a),
+        "E (one block exactly)": a[:64],
+        "F (other)": base[300:420],
+    }
+
+
+@pytest.mark.parametrize("max_batched", [2048, 64])  # whole and chunked prefill
+def test_greedy_outputs_are_identical_with_caching_on_and_off(tiny_model, max_batched):
+    g = torch.Generator().manual_seed(3)
+    prompts = _prompts([0] + torch.randint(4, 384, (500,), generator=g).tolist())
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    results = {}
+    for caching in (False, True):
+        engine = LocalEngine(EngineConfig(model=str(tiny_model), max_num_batched_tokens=max_batched,
+                                          prefix_caching=caching))  # fmt: skip
+        first, first_logits, _ = run_requests(engine, [prompts["A"]], params)  # A fills the cache
+        rest, rest_logits, _ = run_requests(engine, list(prompts.values())[1:], params)
+        results[caching] = (first + rest, first_logits + rest_logits, engine.stats()["prefix_cache"])
+    (off, off_logits, _), (on, on_logits, stats) = results[False], results[True]
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    for a, b in zip(on_logits, off_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    assert stats["hit_tokens"] == 128 + 192 + 192  # B: 2 blocks; C, D: 3 (never the last token's)
+
+
+def test_cached_tokens_are_reported_per_request(tiny_model):
+    engine = LocalEngine(EngineConfig(model=str(tiny_model)))
+    prompt = [0] + list(range(4, 204))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    first = engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        outs = {o.request_id: o for o in engine.step().outputs}
+        if first in outs:
+            assert outs[first].num_cached_tokens == 0
+    second = engine.add_request(prompt, params)
+    outs = {o.request_id: o for o in engine.step().outputs}
+    assert outs[second].num_cached_tokens == 192
+
+
+def test_affinity_follows_the_prefix_unless_that_worker_is_too_busy():
+    aff = PrefixAffinity(max_imbalance_tokens=100)
+    shared = list(range(200))
+    assert aff.choose(shared + [1], {"a": 0, "b": 0}) is None  # nothing known yet
+    aff.record(shared + [1], "b")
+    assert aff.choose(shared + [2, 3], {"a": 0, "b": 50}) == "b"  # shares 3 full blocks with b
+    assert aff.choose(shared + [2, 3], {"a": 0, "b": 500}) is None  # b is too busy
+    assert aff.choose(list(range(500, 700)), {"a": 0, "b": 0}) is None  # no shared prefix
+    assert aff.choose(shared[:63], {"a": 0, "b": 0}) is None  # no full block
+    h = PrefixAffinity.hashes(shared, 8)
+    assert len(h) == 3 and h[0] == block_hash(None, shared[:64])
