@@ -210,7 +210,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
 
 
 def router_config(cfg: ClusterConfig, backend: Backend):
-    from services.router.app import RouterConfig
+    from services.router.core import RouterConfig
 
     return RouterConfig(
         model_dir=backend.model_dir,

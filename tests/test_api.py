@@ -183,10 +183,12 @@ def test_64_concurrent_streams_complete(cluster):
 BAD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
                        st.text(max_size=20), st.lists(st.integers(-5, 10**7), max_size=5), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))  # fmt: skip
 FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
-          "stream", "messages", "stop_token_ids", "echo"]  # fmt: skip
+          "stream", "messages", "stop_token_ids", "echo", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "min_p", "min_tokens", "logit_bias", "response_format", "tools", "tool_choice",
+          "top_logprobs", "unknown_field"]  # fmt: skip
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=st.one_of(st.dictionaries(st.sampled_from(FIELDS), BAD_VALUES, max_size=6), BAD_VALUES),
        path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))  # fmt: skip
 def test_bad_bodies_get_4xx_openai_errors(cluster, body, path):
@@ -199,6 +201,85 @@ def test_bad_bodies_get_4xx_openai_errors(cluster, body, path):
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     err = r.json()["error"]
     assert err["message"] and err["type"]
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_unimplemented_fields_are_refused_by_name(cluster):
+    base = {"model": "tiny", "prompt": [0, 5], "max_tokens": 2}
+    for extra, param in (({"foo": 1}, "foo"), ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"tools": [{"type": "function"}]}, "tools"), ({"suffix": "x"}, "suffix")):  # fmt: skip
+        r = httpx.post(f"{cluster.url}/v1/completions", json={**base, **extra}, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = httpx.post(
+        f"{cluster.url}/v1/completions", json={**base, "response_format": {"type": "text"}}, headers=AUTH
+    )
+    assert ok.status_code == 200
+
+
+def test_size_and_nesting_limits(cluster):
+    huge = b'{"model": "tiny", "prompt": "' + b"a" * (9 << 20) + b'"}'
+    r = httpx.post(
+        f"{cluster.url}/v1/completions", content=huge, headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert r.status_code == 413 and r.json()["error"]["message"]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = httpx.post(
+        f"{cluster.url}/v1/completions", content=deep, headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert r.status_code == 400
+    many = {"model": "tiny", "prompt": [[0, 5]] * 300, "max_tokens": 1}
+    assert httpx.post(f"{cluster.url}/v1/completions", json=many, headers=AUTH).status_code == 400
+
+
+def test_a_stream_refused_before_its_first_byte_gets_its_http_status(cluster):
+    body = {"model": "tiny", "prompt": [0, 10**6], "max_tokens": 2, "stream": True}  # out of the vocabulary
+    r = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+def test_echo_penalties_and_bias(client, local):
+    prompt = [0, 7, 7, 7, 7]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    tokens = plain.choices[0].model_extra["token_ids"]
+    assert tokens == _greedy(local, prompt, 16).token_ids
+    echoed = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    alone = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    assert echoed.choices[0].text == "Hello" + alone.choices[0].text
+    biased = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                       logit_bias={str(t): -100 for t in set(tokens)},
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert not set(biased.choices[0].model_extra["token_ids"]) & set(tokens)
+    penalised = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert penalised.choices[0].model_extra["token_ids"] != tokens
+
+
+def test_tokenize_detokenize_version(cluster, tiny_model):
+    from services.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model)
+    r = httpx.post(
+        f"{cluster.url}/tokenize", json={"model": "tiny", "prompt": "Hello wörld"}, headers=AUTH
+    ).json()
+    assert (
+        r["tokens"] == tok.encode("Hello wörld") and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    )
+    chat = httpx.post(f"{cluster.url}/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+                      headers=AUTH).json()  # fmt: skip
+    assert tok.decode(chat["tokens"], skip_special_tokens=False).endswith("<｜Assistant｜>")
+    back = httpx.post(
+        f"{cluster.url}/detokenize", json={"model": "tiny", "tokens": r["tokens"]}, headers=AUTH
+    ).json()
+    assert back["prompt"] == "Hello wörld"
+    assert httpx.post(f"{cluster.url}/detokenize", json={"model": "tiny", "tokens": [10**9]},
+                      headers=AUTH).status_code == 400  # fmt: skip
+    assert httpx.get(f"{cluster.url}/version").json()["version"]
 
 
 def test_still_healthy_after_bad_input(cluster, client, local):

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint import quantize_fp8_blocks
+from .tokenizer import DEFAULT_CHAT_TEMPLATE
 
 _YARN = {
     "type": "yarn",
@@ -207,6 +208,7 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
                 "add_bos_token": True,
                 "add_eos_token": False,
                 "model_max_length": 163840,
+                "chat_template": DEFAULT_CHAT_TEMPLATE,  # DeepSeek-V3's turn markers: other engines can chat
             },
             indent=2,
         )

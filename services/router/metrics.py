@@ -82,6 +82,41 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        # the same quantities under vLLM's names, so that existing dashboards work
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Requests running (vLLM name)", ["worker"], registry=r
+        )
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting (vLLM name)", ["worker"], registry=r
+        )
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (vLLM name)",
+            ["worker"],
+            registry=r,
+        )
+        self.vllm_prefix_queries = Gauge(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (vLLM name)",
+            ["worker"],
+            registry=r,
+        )
+        self.vllm_prefix_hits = Gauge(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (vLLM name)",
+            ["worker"],
+            registry=r,
+        )
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (vLLM name)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.vllm_tpot = Histogram(
+            "vllm:time_per_output_token_seconds", "Time per output token (vLLM name)", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
         self.heals = Gauge("moe_expert_heals", "Placements re-planned after expert workers died", registry=r)
         self.dead_workers = Gauge(
             "moe_expert_workers_died", "Expert workers that died (since the balancer started)", registry=r
@@ -90,6 +125,14 @@ class RouterMetrics:
             "moe_expert_recovery_seconds", "Seconds from an expert worker's death until its experts served again (last)",
             registry=r,
         )  # fmt: skip
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.vllm_ttft.observe(seconds)
+
+    def observe_tpot(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
+        self.vllm_tpot.observe(seconds)
 
     def request_started(self, endpoint: str) -> None:
         self.requests.labels(endpoint).inc()
@@ -114,6 +157,11 @@ class RouterMetrics:
             self.prefix_hits.labels(w).set(prefix.get("hit_tokens", 0))
             self.prefix_queries.labels(w).set(prefix.get("queried_tokens", 0))
             self.prefix_blocks.labels(w).set(prefix.get("cached_blocks", 0))
+            self.vllm_running.labels(w).set(s["running"])
+            self.vllm_waiting.labels(w).set(s["waiting"])
+            self.vllm_kv_usage.labels(w).set(s["kv_blocks_used"] / max(1, s["kv_blocks_total"]))
+            self.vllm_prefix_queries.labels(w).set(prefix.get("queried_tokens", 0))
+            self.vllm_prefix_hits.labels(w).set(prefix.get("hit_tokens", 0))
             self.dropped.labels(w).set((s.get("load_reporter") or {}).get("dropped_tokens", 0))
             self.version.labels(w).set(s["placement_version"])
         if balancer:

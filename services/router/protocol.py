@@ -47,7 +47,7 @@ class APIError(Exception):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # a field we do not implement is refused, by name
 
     model: str
     max_tokens: int | None = Field(default=None)
@@ -62,7 +62,32 @@ class _Request(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
-    user: str | None = None
+    user: str | None = None  # for the caller's own tracking: accepted, not used
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def check_not_yet_supported(self) -> None:
+        """Fields of the OpenAI API this server does not implement yet: refused by name."""
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError(400, "response_format json_object / json_schema (structured outputs) is not supported yet",
+                           param="response_format")  # fmt: skip
+        if self.tools:
+            raise APIError(400, "tool calling is not supported yet", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools, which are not supported yet", param="tool_choice")
+
+    def bias(self) -> dict[int, float]:
+        try:
+            return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -76,7 +101,14 @@ class _Request(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            logit_bias=self.bias(),
         )
+        self.check_not_yet_supported()
         try:
             params.validate()
         except SamplingParamError as e:
@@ -113,8 +145,8 @@ class CompletionRequest(_Request):
         raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
 
     def check_unsupported(self) -> None:
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1, self.n):
@@ -122,7 +154,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -157,6 +189,27 @@ class ChatCompletionRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def model_post_init(self, _) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
 def parse(model: type[BaseModel], body: Any):
     """Validate a JSON body; pydantic errors become a 400 naming the first bad field."""
     if not isinstance(body, dict):
@@ -166,6 +219,10 @@ def parse(model: type[BaseModel], body: Any):
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"] if not isinstance(x, int)) or None
+        if err["type"] == "extra_forbidden":
+            raise APIError(
+                400, f"unsupported field `{loc}`: this server does not implement it", param=loc
+            ) from None
         raise APIError(400, f"{loc or 'body'}: {err['msg']}", param=loc) from None
 
 
@@ -246,11 +303,12 @@ def _text(outs: Sequence[RequestOutput]) -> str:
 
 
 def completion_choice(index: int, outs: Sequence[RequestOutput], prompt_ids: Sequence[int],
-                      token_str: TokenStr, *, logprobs: bool = False, token_ids: bool = False) -> dict:  # fmt: skip
+                      token_str: TokenStr, *, logprobs: bool = False, token_ids: bool = False,
+                      prefix: str = "") -> dict:  # fmt: skip
     """One choice of a whole completion from all its outputs; `token_ids` adds the generated and
-    the prompt's token ids (vLLM's `return_token_ids`)."""
+    the prompt's token ids (vLLM's `return_token_ids`); `prefix`: text before it (echo)."""
     lps = completion_logprobs(outs, token_str) if logprobs else None
-    choice = _choice(index, {"text": _text(outs)}, lps, outs, token_ids)
+    choice = _choice(index, {"text": prefix + _text(outs)}, lps, outs, token_ids)
     if token_ids:
         choice["prompt_token_ids"] = list(prompt_ids)
     return choice
@@ -264,10 +322,11 @@ def chat_choice(index: int, outs: Sequence[RequestOutput], token_str: TokenStr, 
 
 
 def completion_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, *, offset: int = 0,
-                     logprobs: bool = False, token_ids: bool = False) -> dict:  # fmt: skip
-    """A streamed completion chunk of one output; `offset`: the length of the choice's text so far."""
-    lps = completion_logprobs([out], token_str, offset) if logprobs else None
-    return {**head, "choices": [_choice(index, {"text": out.text}, lps, [out], token_ids)]}
+                     logprobs: bool = False, token_ids: bool = False, prefix: str = "") -> dict:  # fmt: skip
+    """A streamed completion chunk of one output; `offset`: the length of the choice's text so far;
+    `prefix`: text before the output's (echo, on a choice's first chunk)."""
+    lps = completion_logprobs([out], token_str, offset + len(prefix)) if logprobs else None
+    return {**head, "choices": [_choice(index, {"text": prefix + out.text}, lps, [out], token_ids)]}
 
 
 def chat_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, *, logprobs: bool = False,

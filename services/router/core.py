@@ -1,0 +1,307 @@
+"""The router's logic without HTTP or Serve: request validation helpers, worker choice (prefix
+affinity, least outstanding tokens, failover), the per-request output streams and their
+merging. `app.py` wires it to FastAPI routes in a Ray Serve deployment."""
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+from fastapi import Request
+
+from services.model.engine import Refusal, RequestOutput
+from services.model.kv_cache import BLOCK_SIZE
+from services.model.tokenizer import Tokenizer
+from services.settings import NAMESPACE
+
+from .affinity import PrefixAffinity
+from .metrics import RouterMetrics
+from .protocol import APIError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterConfig:
+    model_dir: str
+    served_model_name: str
+    attention_workers: list[str]  # Ray actor names
+    namespace: str = NAMESPACE  # of the attention workers and the balancer (SharedSettings.namespace)
+    balancer: str | None = None  # Ray actor name of the balancer (placement/loads for operators)
+    api_key: str | None = None
+    max_model_len: int = 4096
+    default_completion_max_tokens: int = 16
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413 before they are parsed
+    max_prompts: int = 256  # prompts in one completions request
+    max_prompt_chars: int = 1 << 20  # characters of one text prompt, checked before tokenizing
+    retry_after_s: int = 1
+    prefix_caching: bool = True  # affinity routing by prompt prefix; n > 1 choices prefill once
+    affinity_max_imbalance_tokens: int = 8192  # how much busier the worker holding a prefix may be
+    max_failovers: int = 3  # times one request moves on after its attention worker died
+    failover_wait_s: float = 60.0  # how long a request waits for a live attention worker
+    ready_timeout_s: float = 5.0
+
+
+class _WorkerDied(Exception):
+    """The attention worker serving a stream died."""
+
+
+class _QueueFull(Exception):
+    """The attention worker refused the request: its waiting queue is full."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass
+class Sub:
+    """One generation (prompt x n) of a request."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: dict
+    request_id: str
+
+
+class RouterCore:
+    """Everything the HTTP routes do, without FastAPI/Serve (so it can be driven directly)."""
+
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
+        self.workers = {n: ray.get_actor(n, namespace=cfg.namespace) for n in cfg.attention_workers}
+        self.outstanding = dict.fromkeys(self.workers, 0)
+        self.draining = False  # shutting down: new requests are refused
+        self.affinity = PrefixAffinity(max_imbalance_tokens=cfg.affinity_max_imbalance_tokens)
+        self.down: dict[str, float] = {}  # attention workers that died: name -> since (monotonic)
+        self._probes: set[asyncio.Task] = set()
+        self._rr = itertools.count()
+        self.metrics = RouterMetrics()
+
+    # ---- helpers ------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if not self.cfg.api_key:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {self.cfg.api_key}".encode()):
+            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", retry_after=self.cfg.retry_after_s)
+
+    def check_model(self, model: str) -> None:
+        if model not in (self.cfg.served_model_name, self.cfg.model_dir):
+            raise APIError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
+
+    def check_prompts(self, prompts: list[str | list[int]]) -> list[str | list[int]]:
+        """Prompt count and size limits, checked before anything is tokenized."""
+        if len(prompts) > self.cfg.max_prompts:
+            raise APIError(400, f"at most {self.cfg.max_prompts} prompts per request", param="prompt")
+        for p in prompts:
+            if isinstance(p, str) and len(p) > self.cfg.max_prompt_chars:
+                raise APIError(
+                    400, f"a prompt has more than {self.cfg.max_prompt_chars} characters", param="prompt"
+                )
+            if isinstance(p, list) and len(p) > self.cfg.max_model_len:
+                raise APIError(400, f"a prompt has more than {self.cfg.max_model_len} tokens", param="prompt")
+        return prompts
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
+        return self.tokenizer.encode(prompt)
+
+    def token_str(self, token: int) -> str:
+        return self.tokenizer.token_text(token) if self.tokenizer else f"token_id:{token}"
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
+        if len(prompt_ids) + max_tokens > self.cfg.max_model_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.cfg.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def subrequests(self, prompts: list[list[int]], params, n: int, rid: str) -> list[Sub]:
+        subs = []
+        for p, ids in enumerate(prompts):
+            self.check_length(ids, params.max_tokens)
+            for i in range(n):
+                d = dict(vars(params))
+                if params.seed is not None:
+                    d["seed"] = params.seed + i  # n samples from one seed: seed, seed+1, ...
+                subs.append(Sub(p * n + i, p, ids, d, f"{rid}-{p * n + i}"))
+        return subs
+
+    async def run(self, sub: Sub) -> AsyncIterator[RequestOutput]:
+        """The output stream of one sub-request; aborts it if the consumer leaves.
+
+        Failover: when its attention worker dies, the request goes on on a live worker (the dead
+        one is skipped until it answers again). A request that had produced no token yet is just
+        resubmitted; one that had is resumed: its produced tokens are appended to the prompt
+        (re-prefilled there) and it asks for the tokens still missing, so the stream continues
+        where it stopped (its text too: the new worker's detokenizer starts from the tokens and
+        characters already sent, so a character or stop string across the seam comes out right).
+        Greedy decoding continues exactly; sampling continues from a fresh generator state. A
+        moved request that finds the live worker's queue full waits and tries again."""
+        produced: list[int] = []
+        sent_chars = 0
+        for attempt in itertools.count():
+            prompt = sub.prompt_ids + produced
+            params = {**sub.params, "max_tokens": sub.params["max_tokens"] - len(produced)}
+            request_id = sub.request_id if attempt == 0 else f"{sub.request_id}-resumed-{attempt}"
+            worker = await self.pick_worker(prompt)
+            stream = self._stream(worker, prompt, params, request_id, (len(produced), sent_chars))
+            try:
+                async with contextlib.aclosing(stream):
+                    async for out in stream:
+                        produced += out.token_ids
+                        sent_chars += len(out.text)
+                        yield out
+                return
+            except (_WorkerDied, _QueueFull) as e:
+                if isinstance(e, _QueueFull) and attempt == 0:  # a new request: the client retries
+                    raise e.error from None
+                if attempt >= self.cfg.max_failovers:
+                    raise APIError(503, f"{e}; gave up after {attempt + 1} attempts",
+                                   retry_after=self.cfg.retry_after_s) from None  # fmt: skip
+                if isinstance(e, _QueueFull):
+                    await asyncio.sleep(0.5 * (attempt + 1))
+                self.metrics.failovers.labels("resumed" if produced else "resubmitted").inc()
+                log.warning("%s; %s %s on another worker", e, "resuming" if produced else "resubmitting",
+                            sub.request_id)  # fmt: skip
+
+    async def _stream(self, name: str, prompt: list[int], params: dict, request_id: str, resumed=(0, 0)):
+        """One worker's output stream; raises _WorkerDied when the worker dies meanwhile, _QueueFull
+        when it refuses the request for a full queue."""
+        cost = len(prompt) + params["max_tokens"]
+        self.outstanding[name] += cost
+        actor = self.workers[name]
+        finished = False
+        try:
+            stream = actor.generate.options(num_returns="streaming").remote(
+                prompt, params, request_id, resumed
+            )
+            async for ref in stream:
+                out: RequestOutput | Refusal = await ref
+                if isinstance(out, Refusal):
+                    finished = True
+                    retry = self.cfg.retry_after_s if out.status == 429 else None
+                    error = APIError(out.status, out.message, param=out.param, retry_after=retry)
+                    if out.status == 429:
+                        raise _QueueFull(error)
+                    raise error
+                finished = out.finished
+                if out.finish_reason == "error":
+                    raise APIError(503, f"generation failed: {out.error}", retry_after=self.cfg.retry_after_s)
+                yield out
+                if finished:
+                    return
+        except ray.exceptions.RayActorError as e:
+            finished = True
+            self.mark_down(name)
+            if isinstance(e, ray.exceptions.ActorUnavailableError):  # maybe alive: don't compute it twice
+                actor.abort.remote(request_id)
+            raise _WorkerDied(f"attention worker {name} died ({type(e).__name__})") from e
+        finally:
+            self.outstanding[name] -= cost
+            if not finished:
+                actor.abort.remote(request_id)
+
+    # ---- attention worker health --------------------------------------------------------
+    async def pick_worker(self, prompt: list[int]) -> str:
+        """The live attention worker for `prompt`: the one holding its longest cached prefix unless
+        it is much busier than the others (prefix affinity), else the one with the fewest
+        outstanding tokens; waits (bounded) while every worker is down."""
+        deadline = time.monotonic() + self.cfg.failover_wait_s
+        while True:
+            live = {n: v for n, v in self.outstanding.items() if n not in self.down}
+            if live:
+                name = self.affinity.choose(prompt, live) if self.cfg.prefix_caching else None
+                if name is None:
+                    least = min(live.values())
+                    names = [n for n, v in live.items() if v == least]
+                    name = names[next(self._rr) % len(names)]
+                if self.cfg.prefix_caching:
+                    self.affinity.record(prompt, name)
+                return name
+            if time.monotonic() > deadline:
+                raise APIError(503, "no attention worker is available", retry_after=self.cfg.retry_after_s)
+            await asyncio.sleep(0.1)
+
+    def mark_down(self, name: str) -> None:
+        """Skip `name` until it answers `ready` again (Ray restarts it)."""
+        if name in self.down:
+            return
+        self.down[name] = time.monotonic()
+        self._probes.add(asyncio.get_running_loop().create_task(self._probe(name)))
+
+    async def _probe(self, name: str) -> None:
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(self.workers[name].ready.remote(), 10)
+                    break
+                except Exception:  # restarting, or dead for good: keep it out, ask again
+                    await asyncio.sleep(0.5)
+            log.info("attention worker %s is back after %.1fs", name, time.monotonic() - self.down[name])
+            self.down.pop(name, None)
+        finally:
+            self._probes.discard(asyncio.current_task())
+
+    async def merged(self, subs: list[Sub]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """All sub-request streams interleaved as they arrive: (sub index, output)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+        # n > 1 choices of one prompt prefill it once: the others start when the first has its
+        # first token (its prompt blocks are in the prefix cache by then, on the same worker)
+        prefilled = {s.prompt_index: asyncio.Event() for s in subs}
+        leaders: dict[int, int] = {}
+        for s in subs:
+            leaders.setdefault(s.prompt_index, s.index)
+
+        async def pump(sub: Sub):
+            gate = prefilled[sub.prompt_index]
+            follower = leaders[sub.prompt_index] != sub.index and len(sub.prompt_ids) > BLOCK_SIZE
+            try:
+                if self.cfg.prefix_caching and follower:
+                    await gate.wait()
+                async for out in self.run(sub):
+                    gate.set()
+                    await queue.put((sub.index, out))
+            except BaseException as e:  # noqa: BLE001 (re-raised in the consumer)
+                await queue.put((sub.index, e))
+            finally:
+                gate.set()
+                await queue.put((sub.index, done))
+
+        tasks = [asyncio.create_task(pump(s)) for s in subs]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
