@@ -161,3 +161,29 @@ def test_affinity_follows_the_prefix_unless_that_worker_is_too_busy():
     assert aff.choose(shared[:63], {"a": 0, "b": 0}) is None  # no full block
     h = PrefixAffinity.hashes(shared, 8)
     assert len(h) == 3 and h[0] == block_hash(None, shared[:64])
+
+
+def test_eviction_takes_a_prefix_from_its_tail(tiny_model):
+    """Freed blocks are cached last-block-first: evicting one keeps the head of the prefix usable."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512), num_blocks=5)
+    prompt = list(range(4, 4 + 4 * BLOCK_SIZE + 1))  # 4 full blocks + 1 token
+    first = Sequence(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.add(first)
+    while sched.has_work():
+        chunks = sched.schedule()
+        sched.update(
+            chunks, [9] * sum(c.wants_logits for c in chunks), [None] * sum(c.wants_logits for c in chunks)
+        )
+    sched.allocator.free(sched.allocator.allocate(2))  # the free block, then one cached block: evicts one
+    again = Sequence(list(prompt), SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.add(again)
+    sched.schedule()
+    assert again.num_cached_tokens == 3 * BLOCK_SIZE  # blocks 0-2 still there, block 3 went
+
+
+def test_out_of_vocabulary_stop_tokens_are_refused(tiny_model):
+    from services.model.scheduler import RequestError
+
+    engine = LocalEngine(EngineConfig(model=str(tiny_model)))
+    with pytest.raises(RequestError, match="stop_token_ids"):
+        engine.add_request([0, 5], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**6]))

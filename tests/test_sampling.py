@@ -34,8 +34,8 @@ def test_logit_bias_and_min_tokens():
     tokens, _ = sample(_logits(), params, [torch.Generator()] * 2, [([], [2]), ([], [])], [{3, 0}, set()])
     # row 0: bias would make 3 the argmax, but it is a stop token and min_tokens is not reached: 0 too
     assert tokens == [4, 4]
-    tokens, _ = sample(_logits(), params, [torch.Generator()] * 2, [([], [2, 2]), ([], [])], [{3, 0}, set()])
-    assert tokens[0] == 3  # min_tokens reached: the bias wins
+    tokens, _ = sample(_logits(), params, [torch.Generator()] * 2, [([], [2, 2]), ([], [])], [set(), set()])
+    assert tokens[0] == 3  # min_tokens reached (nothing held back any more): the bias wins
 
 
 def test_min_p_keeps_only_likely_tokens():

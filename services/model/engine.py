@@ -191,6 +191,8 @@ class Engine:
             raise RequestError(
                 "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
             )
+        if any(t >= self.cfg.vocab_size for t in params.stop_token_ids):
+            raise RequestError("stop_token_ids", f"stop_token_ids must be in [0, {self.cfg.vocab_size})")
         if any(t >= self.cfg.vocab_size for t in params.logit_bias):
             raise RequestError(
                 "logit_bias", f"logit_bias names a token outside the vocabulary [0, {self.cfg.vocab_size})"
@@ -198,6 +200,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer; this model runs in token-id mode")
         seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
+        seq.num_resumed = resumed[0]
         self.scheduler.add(seq)
         if self.tokenizer is not None:
             n, chars = resumed
@@ -293,6 +296,21 @@ class Engine:
             self.model.device,
         )
 
+    @staticmethod
+    def _held_back(seq: Sequence, eos: set[int]) -> set[int]:
+        """The tokens min_tokens forbids for now: EOS (unless ignored) and the stop tokens."""
+        if len(seq.output_ids) >= seq.params.min_tokens:
+            return set()
+        return (set() if seq.params.ignore_eos else eos) | set(seq.params.stop_token_ids)
+
+    @staticmethod
+    def _history(seq: Sequence) -> tuple[list[int], list[int]]:
+        """(prompt, output so far) for penalties: a resumed request's earlier output counts as output."""
+        if not seq.params.processes_logits:
+            return [], []
+        cut = len(seq.prompt_ids) - seq.num_resumed
+        return seq.prompt_ids[:cut], seq.prompt_ids[cut:] + seq.output_ids
+
     def _advance(
         self, chunks: list[Chunk], want: list[Sequence], logits: torch.Tensor
     ) -> list[RequestOutput]:
@@ -302,8 +320,8 @@ class Engine:
             logits,
             [s.params for s in want],
             [s.generator for s in want],
-            [(s.prompt_ids, s.output_ids) for s in want],
-            [(set() if s.params.ignore_eos else eos) | set(s.params.stop_token_ids) for s in want],
+            [self._history(s) for s in want],
+            [self._held_back(s, eos) for s in want],
         )
         outputs = []
         for seq in self.scheduler.update(chunks, tokens, logprobs):
@@ -317,7 +335,9 @@ class Engine:
             detok = self._detok.get(seq.request_id)
             if detok is not None:
                 out.text, stopped = detok.step(seq.output_ids, final=seq.status is SeqStatus.FINISHED)
-                if stopped:
+                if (
+                    stopped and len(seq.output_ids) >= seq.params.min_tokens
+                ):  # min_tokens holds stop strings too
                     self.scheduler.finish(seq, "stop")
             if seq.status is SeqStatus.FINISHED:
                 out.finished, out.finish_reason = True, seq.finish_reason

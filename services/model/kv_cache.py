@@ -13,6 +13,8 @@ before them, as in vLLM.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -127,8 +129,12 @@ def blocks_needed(num_tokens: int) -> int:
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """The chained hash of a full block: its tokens and everything before them."""
-    return hash((parent, tuple(tokens)))
+    """The chained hash of a full block: its tokens and everything before them (128-bit BLAKE2b,
+    so that nobody can make two different prefixes share a block, as vLLM hashes with SHA-256)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"root" if parent is None else parent.to_bytes(16, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 class PagedLatentCache:

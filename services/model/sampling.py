@@ -103,38 +103,36 @@ def process_logits(
     logits: torch.Tensor,
     params: list[SamplingParams],
     history: list[tuple[list[int], list[int]]],
-    stop_ids: list[set[int]],
+    held_back: list[set[int]],
 ) -> torch.Tensor:
     """Penalties, logit bias and min_tokens applied to logits [B, V] (a new tensor when any row
-    uses them). history: per row (prompt ids, output ids so far); stop_ids: per row the tokens
-    min_tokens holds back (EOS and stop_token_ids)."""
+    uses them). history: per row (prompt ids, output ids so far); held_back: per row the tokens
+    min_tokens forbids for now (EOS and stop_token_ids; empty once enough were generated).
+    Each row touches only the ids it names (its history, its bias), never a [V]-wide temporary."""
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     if not rows:
         return logits
     logits = logits.clone()
     V = logits.shape[1]
-    sel = torch.tensor(rows)
-    counts = torch.zeros(len(rows), V)  # output token counts
-    seen = torch.zeros(len(rows), V, dtype=torch.bool)  # prompt or output tokens
-    for r, i in enumerate(rows):
+    for i in rows:
+        p, row = params[i], logits[i]
         prompt, output = history[i]
-        if output:
-            counts[r].index_add_(0, torch.tensor(output), torch.ones(len(output)))
-        seen[r, torch.tensor(prompt + output, dtype=torch.long)] = True
-    sub = logits[sel]
-    rep = torch.tensor([params[i].repetition_penalty for i in rows])[:, None]
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([params[i].frequency_penalty for i in rows])[:, None]
-    pres = torch.tensor([params[i].presence_penalty for i in rows])[:, None]
-    sub = sub - freq * counts - pres * (counts > 0)
-    for r, i in enumerate(rows):
-        p = params[i]
+        if p.repetition_penalty != 1.0 and (prompt or output):
+            seen = torch.tensor(prompt + output, dtype=torch.long).unique()
+            seen = seen[seen < V]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and output:
+            ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
+            keep = ids < V
+            row[ids[keep]] -= p.frequency_penalty * counts[keep] + p.presence_penalty
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-            sub[r, ids] += torch.tensor(list(p.logit_bias.values()))
-        if len(history[i][1]) < p.min_tokens and stop_ids[i]:
-            sub[r, torch.tensor(sorted(stop_ids[i]), dtype=torch.long)] = float("-inf")
-    logits[sel] = sub
+            keep = ids < V
+            row[ids[keep]] += torch.tensor(list(p.logit_bias.values()))[keep]
+        if held_back[i]:
+            ids = torch.tensor(sorted(held_back[i]), dtype=torch.long)
+            row[ids[ids < V]] = float("-inf")
     return logits
 
 
@@ -143,18 +141,18 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator],
     history: list[tuple[list[int], list[int]]] | None = None,
-    stop_ids: list[set[int]] | None = None,
+    held_back: list[set[int]] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [B, V] fp32 -> one token per row, and logprobs where requested.
 
-    history / stop_ids: see `process_logits` (needed when a row uses penalties, bias or
+    history / held_back: see `process_logits` (needed when a row uses penalties, bias or
     min_tokens). Logprobs are those of the model's distribution (log_softmax of the raw
     logits), as vLLM reports by default; the sampled token comes from the processed one.
     """
     raw = logits.float().cpu()  # per-request generators live on the CPU
     if history is None:
         history = [([], [])] * len(params)
-    logits = process_logits(raw, params, history, stop_ids or [set()] * len(params))
+    logits = process_logits(raw, params, history, held_back or [set()] * len(params))
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.greedy:

@@ -62,6 +62,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, computed blocks
     num_computed: int = 0  # tokens whose latent rows are in the cache
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    num_resumed: int = 0  # the last prompt tokens are this request's own earlier output (failover)
     prefix_hashes: tuple[int, list[int]] | None = field(default=None, repr=False)  # (num_tokens, hashes) memo
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
@@ -167,7 +168,8 @@ class Scheduler:
         self._by_id.pop(seq.request_id, None)
 
     def _free(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_ids)
+        # last block first: a cached prefix is evicted from its tail, its head stays reusable
+        self.allocator.free(seq.block_ids[::-1])
         seq.block_ids, seq.block_hashes = [], []
         seq.num_computed = 0
 
@@ -203,7 +205,7 @@ class Scheduler:
             hit = self.allocator.lookup(hashes)
             need = blocks_needed(seq.num_tokens) - len(hit)
             if not self.allocator.can_allocate(need):
-                self.allocator.free(hit)
+                self.allocator.free(hit[::-1])
                 break
             self.waiting.popleft()
             seq.block_ids = hit + self.allocator.allocate(need)

@@ -163,7 +163,8 @@ class RouterCore:
         sent_chars = 0
         for attempt in itertools.count():
             prompt = sub.prompt_ids + produced
-            params = {**sub.params, "max_tokens": sub.params["max_tokens"] - len(produced)}
+            params = {**sub.params, "max_tokens": sub.params["max_tokens"] - len(produced),
+                      "min_tokens": max(0, sub.params.get("min_tokens", 0) - len(produced))}  # fmt: skip
             request_id = sub.request_id if attempt == 0 else f"{sub.request_id}-resumed-{attempt}"
             worker = await self.pick_worker(prompt)
             stream = self._stream(worker, prompt, params, request_id, (len(produced), sent_chars))
