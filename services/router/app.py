@@ -122,6 +122,15 @@ class Router:
                                             "created": proto.now(), "owned_by": "moe-cluster",
                                             "root": cfg.model_dir, "max_model_len": cfg.max_model_len}]}  # fmt: skip
 
+    async def _tokenizer_request(self, request: Request, model: type):
+        """A /tokenize or /detokenize body, checked (auth, model, a tokenizer to use)."""
+        self.core.check_auth(request)
+        req = parse(model, await self._body(request))
+        self.core.check_model(req.model)
+        if self.core.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (token-id mode)")
+        return req
+
     @app.get("/version")
     async def version(self) -> dict:
         return {"version": __version__}
@@ -130,14 +139,10 @@ class Router:
     async def tokenize(self, request: Request) -> dict:
         """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
         core = self.core
-        core.check_auth(request)
-        req: TokenizeRequest = parse(TokenizeRequest, await self._body(request))
-        core.check_model(req.model)
-        if core.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer (token-id mode)")
+        req: TokenizeRequest = await self._tokenizer_request(request, TokenizeRequest)
         if req.messages is not None:
             text = core.tokenizer.apply_chat_template(
-                [m.model_dump() for m in req.messages], req.add_generation_prompt
+                proto.chat_messages(req.messages), req.add_generation_prompt
             )
             ids = core.tokenizer.encode(text, add_bos=False)
         else:
@@ -149,11 +154,7 @@ class Router:
     async def detokenize(self, request: Request) -> dict:
         """vLLM's /detokenize: {"tokens": [...]} -> {"prompt": str}."""
         core = self.core
-        core.check_auth(request)
-        req: DetokenizeRequest = parse(DetokenizeRequest, await self._body(request))
-        core.check_model(req.model)
-        if core.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer (token-id mode)")
+        req: DetokenizeRequest = await self._tokenizer_request(request, DetokenizeRequest)
         vocab = core.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")

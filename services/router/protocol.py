@@ -170,6 +170,11 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them (text content; "developer" is "system")."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -178,10 +183,7 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return chat_messages(self.messages)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
