@@ -227,7 +227,8 @@ class Engine:
             if seq is not None:
                 outputs.append(RequestOutput(request_id, finished=True, finish_reason=reason, error=error,
                                              num_prompt_tokens=len(seq.prompt_ids),
-                                             num_output_tokens=len(seq.output_ids)))  # fmt: skip
+                                             num_output_tokens=len(seq.output_ids),
+                                             num_cached_tokens=seq.num_cached_tokens or 0))  # fmt: skip
         return outputs
 
     def unfinished_ids(self) -> list[str]:

@@ -292,7 +292,7 @@ def shard_heads(w: MLAWeights, cfg: ModelConfig, rank: int, tp: int) -> MLAWeigh
     rank holds the full latent cache); o's bias goes to rank 0 so the sum over ranks adds it once."""
     N = cfg.num_attention_heads
     if N % tp:
-        raise ValueError(f"attn_tp={tp} does not divide num_attention_heads={N}")
+        raise ValueError(f"attention_tp={tp} does not divide num_attention_heads={N}")
     heads = slice(rank * N // tp, (rank + 1) * N // tp)
     D, R, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
 

@@ -76,6 +76,9 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.prefix_evictions = Gauge(
+            "moe_prefix_cache_evictions", "Cached prefix blocks evicted to make room", ["worker"], registry=r
+        )
         self.prefix_blocks = Gauge(
             "moe_prefix_cache_blocks",
             "Cache blocks holding a registered prompt prefix",
@@ -157,6 +160,7 @@ class RouterMetrics:
             self.prefix_hits.labels(w).set(prefix.get("hit_tokens", 0))
             self.prefix_queries.labels(w).set(prefix.get("queried_tokens", 0))
             self.prefix_blocks.labels(w).set(prefix.get("cached_blocks", 0))
+            self.prefix_evictions.labels(w).set(prefix.get("evictions", 0))
             self.vllm_running.labels(w).set(s["running"])
             self.vllm_waiting.labels(w).set(s["waiting"])
             self.vllm_kv_usage.labels(w).set(s["kv_blocks_used"] / max(1, s["kv_blocks_total"]))
