@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from services.model.engine import EngineConfig, load_engine
-from services.model.kv_cache import PagedLatentCache
 from services.model.model import ExpertCombine, ExpertDispatch, StepBatch, run_interleaved
 
 log = logging.getLogger(__name__)
@@ -191,10 +190,7 @@ class Follower:
 
     def __init__(self, engine_cfg: EngineConfig, rank: int, tp: int, init_method: str):
         cfg, model, _, _ = load_engine(engine_cfg, lambda *_: None)
-        blocks = engine_cfg.kv_blocks(cfg, engine_cfg.scheduler_config(cfg).max_model_len)
-        self.cache = PagedLatentCache(
-            cfg.num_hidden_layers, blocks, cfg.latent_dim, model.dtype, model.device
-        )
+        self.cache = engine_cfg.latent_cache(cfg, model)
         self.group = TPGroup(rank, tp, init_method, engine_cfg.device)
         model.shard_attention(rank, tp, self.group.all_reduce)
         self.model, self.rank = model, rank

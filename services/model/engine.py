@@ -59,6 +59,12 @@ class EngineConfig:
         wanted = self.max_num_seqs * blocks_needed(max_model_len)
         return max(1, min(wanted, int(self.kv_cache_gib * 2**30) // per_block))
 
+    def latent_cache(self, cfg: ModelConfig, model: DeepseekV3) -> PagedLatentCache:
+        """The paged latent cache this config gives `model` (every tensor-parallel rank gets the
+        same one, a replica)."""
+        blocks = self.kv_blocks(cfg, self.scheduler_config(cfg).max_model_len)
+        return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.latent_dim, model.dtype, model.device)
+
 
 @dataclass
 class RequestOutput:
@@ -162,12 +168,9 @@ class Engine:
         tensor parallelism broadcasts them to the other ranks)."""
         self.cfg, self.model, self.experts, self.engine_cfg = cfg, model, experts, engine_cfg
         self.tokenizer, self.on_batches = tokenizer, on_batches
-        sched_cfg = engine_cfg.scheduler_config(cfg)
-        num_blocks = engine_cfg.kv_blocks(cfg, sched_cfg.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, num_blocks, cfg.eos_token_ids, engine_cfg.prefix_caching)
-        self.cache = PagedLatentCache(
-            cfg.num_hidden_layers, num_blocks, cfg.latent_dim, model.dtype, model.device
-        )
+        self.cache = engine_cfg.latent_cache(cfg, model)
+        self.scheduler = Scheduler(engine_cfg.scheduler_config(cfg), self.cache.num_blocks, cfg.eos_token_ids,
+                                   engine_cfg.prefix_caching)  # fmt: skip
         self._detok: dict[str, Detokenizer] = {}
 
     @property

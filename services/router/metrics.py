@@ -10,6 +10,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class RouterMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
+
+        def per_worker(name: str, doc: str) -> Gauge:
+            """A gauge with one value per attention worker (filled from its stats at scrape)."""
+            return Gauge(name, doc, ["worker"], registry=r)
+
         self.requests = Counter(
             "moe_requests", "HTTP generation requests by endpoint", ["endpoint"], registry=r
         )
@@ -22,26 +27,18 @@ class RouterMetrics:
         self.tpot = Histogram(
             "moe_time_per_output_token_seconds", "Time per output token", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.running = Gauge("moe_requests_running", "Requests running", ["worker"], registry=r)
-        self.waiting = Gauge("moe_requests_waiting", "Requests waiting", ["worker"], registry=r)
-        self.kv_used = Gauge("moe_kv_blocks_used", "KV cache blocks in use", ["worker"], registry=r)
-        self.kv_total = Gauge("moe_kv_blocks_total", "KV cache blocks", ["worker"], registry=r)
-        self.steps = Gauge("moe_engine_steps", "Engine steps run", ["worker"], registry=r)
-        self.step_s = Gauge("moe_engine_step_seconds", "Cumulative engine step time", ["worker"], registry=r)
-        self.wait_s = Gauge(
-            "moe_expert_wait_seconds",
-            "Cumulative time steps waited for routed experts",
-            ["worker"],
-            registry=r,
+        self.running = per_worker("moe_requests_running", "Requests running")
+        self.waiting = per_worker("moe_requests_waiting", "Requests waiting")
+        self.kv_used = per_worker("moe_kv_blocks_used", "KV cache blocks in use")
+        self.kv_total = per_worker("moe_kv_blocks_total", "KV cache blocks")
+        self.steps = per_worker("moe_engine_steps", "Engine steps run")
+        self.step_s = per_worker("moe_engine_step_seconds", "Cumulative engine step time")
+        self.wait_s = per_worker("moe_expert_wait_seconds", "Cumulative time steps waited for routed experts")
+        self.dispatch_rpcs = per_worker("moe_dispatch_rpcs", "Dispatch RPCs sent")
+        self.dropped = per_worker(
+            "moe_load_counts_dropped", "Routed-token counts dropped (Redis down too long)"
         )
-        self.dispatch_rpcs = Gauge("moe_dispatch_rpcs", "Dispatch RPCs sent", ["worker"], registry=r)
-        self.dropped = Gauge(
-            "moe_load_counts_dropped",
-            "Routed-token counts dropped (Redis down too long)",
-            ["worker"],
-            registry=r,
-        )
-        self.version = Gauge("moe_placement_version", "Placement version in use", ["worker"], registry=r)
+        self.version = per_worker("moe_placement_version", "Placement version in use")
         self.balancedness = Gauge(
             "moe_layer_balancedness", "Mean/max expert-worker load per MoE layer", ["layer"], registry=r
         )
@@ -57,58 +54,33 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
-        self.resent_pairs = Gauge(
-            "moe_dispatch_resent_pairs", "(token, expert) pairs resent after an expert worker failed", ["worker"],
-            registry=r,
-        )  # fmt: skip
-        self.failed_steps = Gauge(
-            "moe_engine_failed_steps", "Engine steps that failed and were retried", ["worker"], registry=r
+        self.resent_pairs = per_worker(
+            "moe_dispatch_resent_pairs", "(token, expert) pairs resent after an expert worker failed"
         )
-        self.prefix_hits = Gauge(
-            "moe_prefix_cache_hit_tokens",
-            "Prompt tokens served from the prefix cache",
-            ["worker"],
-            registry=r,
+        self.failed_steps = per_worker("moe_engine_failed_steps", "Engine steps that failed and were retried")
+        self.prefix_hits = per_worker(
+            "moe_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"
         )
-        self.prefix_queries = Gauge(
-            "moe_prefix_cache_queried_tokens",
-            "Prompt tokens looked up in the prefix cache",
-            ["worker"],
-            registry=r,
+        self.prefix_queries = per_worker(
+            "moe_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"
         )
-        self.prefix_evictions = Gauge(
-            "moe_prefix_cache_evictions", "Cached prefix blocks evicted to make room", ["worker"], registry=r
+        self.prefix_evictions = per_worker(
+            "moe_prefix_cache_evictions", "Cached prefix blocks evicted to make room"
         )
-        self.prefix_blocks = Gauge(
-            "moe_prefix_cache_blocks",
-            "Cache blocks holding a registered prompt prefix",
-            ["worker"],
-            registry=r,
+        self.prefix_blocks = per_worker(
+            "moe_prefix_cache_blocks", "Cache blocks holding a registered prompt prefix"
         )
         # the same quantities under vLLM's names, so that existing dashboards work
-        self.vllm_running = Gauge(
-            "vllm:num_requests_running", "Requests running (vLLM name)", ["worker"], registry=r
+        self.vllm_running = per_worker("vllm:num_requests_running", "Requests running (vLLM name)")
+        self.vllm_waiting = per_worker("vllm:num_requests_waiting", "Requests waiting (vLLM name)")
+        self.vllm_kv_usage = per_worker(
+            "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (vLLM name)"
         )
-        self.vllm_waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting (vLLM name)", ["worker"], registry=r
+        self.vllm_prefix_queries = per_worker(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM name)"
         )
-        self.vllm_kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "Fraction of KV cache blocks in use (vLLM name)",
-            ["worker"],
-            registry=r,
-        )
-        self.vllm_prefix_queries = Gauge(
-            "vllm:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache (vLLM name)",
-            ["worker"],
-            registry=r,
-        )
-        self.vllm_prefix_hits = Gauge(
-            "vllm:prefix_cache_hits",
-            "Prompt tokens found in the prefix cache (vLLM name)",
-            ["worker"],
-            registry=r,
+        self.vllm_prefix_hits = per_worker(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (vLLM name)"
         )
         self.vllm_ttft = Histogram(
             "vllm:time_to_first_token_seconds",
