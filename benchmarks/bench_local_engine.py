@@ -1,11 +1,17 @@
-"""LocalEngine vs transformers `generate` on the `small` preset, same machine, same run.
+"""LocalEngine vs transformers `generate` (and llama.cpp, given a build) on one checkpoint,
+same machine, same run.
 
 Decode tokens/s at batch 1, 8, 32 (greedy, 64 new tokens): decode time = time(64 new tokens)
 - time(1 new token) for both engines, so prefill is excluded the same way. Also the achieved
 weight-read bandwidth at batch 1 (bytes of the weights a decode step must read / step time)
 against a measured memory-copy bandwidth of this machine.
 
-    python -m benchmarks.bench_local_engine [--model DIR] [--out benchmarks/results/local_engine.json]
+With `--llama-bench PATH/llama-batched-bench --gguf MODEL.gguf` (the same checkpoint converted
+by llama.cpp's convert_hf_to_gguf.py, see docs/benchmarks.md), each row also gets llama.cpp's
+decode tokens/s (`S_TG`, same threads, f32 KV cache, flash attention off). Never run in CI.
+
+    python -m benchmarks.bench_local_engine [--model DIR] [--llama-bench BIN --gguf FILE]
+                                            [--out benchmarks/results/local_engine.json]
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -64,6 +72,22 @@ def decode_tps(fn, batch, repeats: int) -> float:
     return len(batch) * (NEW_TOKENS - 1) / (t64 - t1)
 
 
+def llama_cpp_tps(
+    binary: str, gguf: str, batches: list[int], prompt_len: int, threads: int
+) -> dict[int, float]:
+    """llama.cpp's decode tokens/s per batch size from one `llama-batched-bench` run."""
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-npp", str(prompt_len),
+           "-ntg", str(NEW_TOKENS), "-npl", ",".join(map(str, batches)), "-fa", "off", "-ctk", "f32",
+           "-ctv", "f32", "-c", str(max(batches) * (prompt_len + NEW_TOKENS) + 64)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = {}
+    for line in out.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and re.fullmatch(r"\d+", cells[2]):
+            rows[int(cells[2])] = float(cells[7])
+    return rows
+
+
 def active_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
     """Weight bytes one decode token must read: attention side + shared + top-k routed experts."""
     H, N = cfg.hidden_size, cfg.num_attention_heads
@@ -103,6 +127,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="benchmarks/results/local_engine.json")
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-batched-bench binary (adds a llama.cpp column)")
+    ap.add_argument("--gguf", help="the same checkpoint as llama.cpp f32 GGUF (with --llama-bench)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else init_model(Path(tempfile.mkdtemp()) / "small", "small")
@@ -113,15 +139,23 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(args.device)  # sdpa
     engine = LocalEngine(EngineConfig(model=str(model_dir), max_num_seqs=64, device=args.device))
     rows = []
+    batches = [int(x) for x in args.batches.split(",")]
     for prompt_len in [int(x) for x in args.prompt_lens.split(",")]:
-        for b in [int(x) for x in args.batches.split(",")]:
+        llama = {}
+        if args.llama_bench:
+            llama = llama_cpp_tps(args.llama_bench, args.gguf, batches, prompt_len, args.threads)
+        for b in batches:
             batch = prompts(b, cfg.vocab_size, prompt_len)
             ours = decode_tps(lambda p, n: time_ours(engine, p, n), batch, args.repeats)
             ref = decode_tps(lambda p, n: time_hf(hf, p, n), batch, args.repeats)
-            rows.append({"prompt_len": prompt_len, "batch": b, "local_engine_tok_s": ours,
-                         "transformers_tok_s": ref, "speedup": ours / ref})  # fmt: skip
-            print(f"prompt {prompt_len:4d} batch {b:3d}: LocalEngine {ours:8.1f} tok/s  "
-                  f"transformers {ref:8.1f} tok/s  x{ours / ref:.2f}", flush=True)  # fmt: skip
+            row = {"prompt_len": prompt_len, "batch": b, "local_engine_tok_s": ours, "transformers_tok_s": ref,
+                   "speedup": ours / ref}  # fmt: skip
+            if b in llama:
+                row |= {"llama_cpp_tok_s": llama[b], "vs_llama_cpp": ours / llama[b]}
+            rows.append(row)
+            print(f"prompt {prompt_len:4d} batch {b:3d}: LocalEngine {ours:8.1f} tok/s  transformers {ref:8.1f} "
+                  f"tok/s  x{ours / ref:.2f}" + (f"  llama.cpp {llama[b]:8.1f} tok/s" if b in llama else ""),
+                  flush=True)  # fmt: skip
 
     step_s = 1.0 / rows[0]["local_engine_tok_s"] if rows[0]["batch"] == 1 else None  # shortest prompt
     active = active_bytes_per_token(cfg)
@@ -148,9 +182,14 @@ def main() -> None:
     def speedup(b: int) -> float | None:  # at the shortest prompt
         return next((r["speedup"] for r in rows if r["batch"] == b), None)
 
-    result["targets"] = {
-        "batch32_speedup>=2": None if speedup(32) is None else speedup(32) >= 2,
-        "batch1_speedup>=1": None if speedup(1) is None else speedup(1) >= 1,
+    def vs_llama(b: int) -> float | None:
+        return next((r.get("vs_llama_cpp") for r in rows if r["batch"] == b), None)
+
+    result["targets"] = {  # issue #21, at the shortest prompt
+        "batch32_vs_transformers>=2.5": None if speedup(32) is None else speedup(32) >= 2.5,
+        "batch32_vs_llama_cpp>=1.0": None if vs_llama(32) is None else vs_llama(32) >= 1.0,
+        "batch1_vs_llama_cpp>=0.6": None if vs_llama(1) is None else vs_llama(1) >= 0.6,
+        "batch1_fraction_of_memcpy>=0.5": None if not step_s else active / step_s / bw >= 0.5,
     }
     print(json.dumps(result["batch1_weight_read"], indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

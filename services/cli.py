@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("init-model", help="write a random-weight DeepSeek-V3 checkpoint")
     s.add_argument("dir")
-    s.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    s.add_argument("--preset", default="tiny", choices=["tiny", "tiny-v32", "small"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--fp8", action="store_true", help="FP8 e4m3 128x128 block-quantised weights")
     s.set_defaults(fn=cmd_init_model)

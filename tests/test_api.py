@@ -4,8 +4,10 @@ attention worker -> gRPC expert workers, on a real local Ray cluster with an emb
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import ray
@@ -16,6 +18,7 @@ from services.model.engine import EngineConfig, LocalEngine
 from services.model.sampling import SamplingParams
 
 from .clusters import tiny_cluster
+from .test_grammar import FORECAST
 
 pytestmark = pytest.mark.cluster
 
@@ -208,7 +211,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 def test_unimplemented_fields_are_refused_by_name(cluster):
     base = {"model": "tiny", "prompt": [0, 5], "max_tokens": 2}
-    for extra, param in (({"foo": 1}, "foo"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    for extra, param in (({"foo": 1}, "foo"), ({"response_format": {"type": "yaml"}}, "response_format"),
                          ({"tools": [{"type": "function"}]}, "tools"), ({"suffix": "x"}, "suffix")):  # fmt: skip
         r = httpx.post(f"{cluster.url}/v1/completions", json={**base, **extra}, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -340,3 +343,89 @@ def test_full_queue_answers_429_with_retry_after(cluster):
     assert refused, "32 running + 64 waiting should not absorb 160 concurrent requests"
     assert refused[0].headers["retry-after"] and refused[0].json()["error"]["type"] == "rate_limit_error"
     assert httpx.get(f"{cluster.url}/health").status_code == 200
+
+
+# ---- structured outputs and tools ------------------------------------------------------------
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"], "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": CITY}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}},
+]  # fmt: skip
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _twenty(call):
+    with ThreadPoolExecutor(20) as pool:
+        return list(pool.map(call, range(20)))
+
+
+def test_json_schema_outputs_parse_and_validate_20_of_20(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST, "strict": True}}
+    rs = _twenty(lambda i: client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": f"Forecast {i}"}], response_format=fmt, seed=i,
+        max_tokens=128))  # fmt: skip
+    for r in rs:
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), FORECAST)
+
+
+def test_json_mode_streams_json(client):
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON please"}],
+                                            response_format={"type": "json_object"}, seed=3, max_tokens=64,
+                                            stream=True)  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("{")
+    if chunks[-1].choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    completion = client.completions.create(model="tiny", prompt="JSON:", max_tokens=128, seed=1,
+                                           extra_body={"response_format": {"type": "json_schema",
+                                                       "json_schema": {"name": "f", "schema": FORECAST}}})  # fmt: skip
+    jsonschema.validate(json.loads(completion.choices[0].text), FORECAST)
+
+
+def test_required_tool_calls_validate_20_of_20(client):
+    rs = _twenty(lambda i: client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": f"Weather or time? {i}"}], tools=TOOLS,
+        tool_choice="required", seed=i, max_tokens=200))  # fmt: skip
+    for r in rs:
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_named_tool_call_streamed_then_answered(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Time?"}],
+                                            tools=TOOLS, tool_choice=named, stream=True, max_tokens=64)  # fmt: skip
+    calls = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_time"]
+    args = json.loads(calls[0].function.arguments)
+    jsonschema.validate(args, SCHEMAS["get_time"])
+    messages = [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].id, "type": "function",
+         "function": {"name": "get_time", "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "12:00"},
+    ]  # fmt: skip
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_bad_structured_requests_name_their_field(cluster):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    for extra, param in (
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}],
+          "tool_choice": "required"}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ):  # fmt: skip
+        r = httpx.post(f"{cluster.url}/v1/chat/completions", json={**chat, **extra}, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -61,7 +61,7 @@ def test_streamed_completion_chunks_continue_the_offsets():
 
 
 def test_chat_choice():
-    choice = p.chat_choice(1, OUTS, token_str, logprobs=True)
+    choice = p.chat_choice(1, OUTS, token_str, p.ChatParser(), logprobs=True)
     assert list(choice) == ["index", "message", "logprobs", "finish_reason"]
     assert choice["message"] == {"role": "assistant", "content": "Hello wé!"}
     assert choice["finish_reason"] == "length"
@@ -70,7 +70,7 @@ def test_chat_choice():
     assert content[2] == {"token": " wé", "logprob": -1.0, "bytes": list(" wé".encode()),
                           "top_logprobs": [{"token": " wé", "logprob": -1.0, "bytes": [32, 119, 195, 169]},
                                            {"token": "!", "logprob": -1.25, "bytes": [33]}]}  # fmt: skip
-    assert p.chat_choice(1, OUTS, token_str)["logprobs"] is None
+    assert p.chat_choice(1, OUTS, token_str, p.ChatParser())["logprobs"] is None
 
 
 def test_chat_logprobs_skip_tokens_without_logprobs():
@@ -80,10 +80,12 @@ def test_chat_logprobs_skip_tokens_without_logprobs():
 def test_streamed_chat_chunk_with_held_back_text_has_empty_content():
     head = p.response_head("chatcmpl-1", "chat.completion.chunk", "tiny", created=5)
     held = out([3], "")  # a token ending mid UTF-8 character: its text is held back
-    chunk = p.chat_chunk(head, 0, held, token_str)
+    chunk = p.chat_chunk(head, 0, held, token_str, p.ChatParser())
     assert chunk == {**head, "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None,
                                           "finish_reason": None}]}  # fmt: skip
-    assert p.chat_chunk(head, 0, OUTS[2], token_str)["choices"][0]["delta"] == {"content": "!"}
+    assert p.chat_chunk(head, 0, OUTS[2], token_str, p.ChatParser())["choices"][0]["delta"] == {
+        "content": "!"
+    }
     assert p.chat_role_chunk(head, 3)["choices"] == [
         {"index": 3, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     ]
@@ -111,15 +113,20 @@ def test_token_id_mode_adds_token_ids():
     choice = p.completion_choice(0, OUTS, [7, 8], token_str, token_ids=True)
     assert choice["token_ids"] == [1, 2, 3, 4] and choice["prompt_token_ids"] == [7, 8]
     assert list(choice)[-2:] == ["token_ids", "prompt_token_ids"]
-    chat = p.chat_choice(0, OUTS, token_str, token_ids=True)
+    chat = p.chat_choice(0, OUTS, token_str, p.ChatParser(), token_ids=True)
     assert chat["token_ids"] == [1, 2, 3, 4] and "prompt_token_ids" not in chat
     head = p.response_head("x", "text_completion", "tiny", created=5)
     assert p.completion_chunk(head, 0, OUTS[0], token_str, token_ids=True)["choices"][0]["token_ids"] == [
         1,
         2,
     ]
-    assert p.chat_chunk(head, 0, OUTS[1], token_str, token_ids=True)["choices"][0]["token_ids"] == [3]
-    for without in (p.completion_choice(0, OUTS, [7], token_str), p.chat_choice(0, OUTS, token_str)):
+    assert p.chat_chunk(head, 0, OUTS[1], token_str, p.ChatParser(), token_ids=True)["choices"][0][
+        "token_ids"
+    ] == [3]
+    for without in (
+        p.completion_choice(0, OUTS, [7], token_str),
+        p.chat_choice(0, OUTS, token_str, p.ChatParser()),
+    ):
         assert "token_ids" not in without and "prompt_token_ids" not in without
 
 

@@ -195,7 +195,7 @@ class SlotStore:
         hold the same experts: a whole layer with identical slots is shared without a copy,
         single experts are copied from memory, the rest is read from the checkpoint, and what
         the checkpoint here lacks comes from `fetch`."""
-        packed, report = PackedExperts(), LoadReport(0)
+        packed, report = PackedExperts(swiglu_limit=self.cfg.swiglu_limit), LoadReport(0)
         checkpoint = _Checkpoint(self.model_dir, self.cfg, self.dtype)
         try:
             for layer, experts in layout.items():

@@ -1,7 +1,8 @@
 """Selective, mmap'd reading of Hugging Face safetensors checkpoints.
 
 Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`) checkpoints,
-original per-expert names (`model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`),
+original per-expert names (`model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`; DeepSeek-V4:
+`model.layers.{l}.ffn.experts.{e}.{w1,w3,w2}.weight`),
 bf16/fp16/fp32 and FP8 e4m3 with block `weight_scale_inv` (dequantisation multiplies; edge
 blocks may be partial, e.g. the 576-row kv_a_proj_with_mqa of DeepSeek-V3).
 
@@ -58,9 +59,12 @@ def quantize_fp8_blocks(
 class CheckpointReader:
     """Name -> tensor access over one or many safetensors files, one tensor at a time."""
 
-    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None):
+    def __init__(
+        self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None, v4_names: bool = False
+    ):
         self.model_dir = Path(model_dir)
         self.fp8_block = fp8_block or (128, 128)
+        self.v4_names = v4_names  # DeepSeek-V4's expert tensor names (`expert_name`)
         index = self.model_dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -80,7 +84,7 @@ class CheckpointReader:
 
     @classmethod
     def for_config(cls, model_dir: str | Path, cfg: ModelConfig) -> CheckpointReader:
-        return cls(model_dir, cfg.fp8_block_size)
+        return cls(model_dir, cfg.fp8_block_size, cfg.is_v4)
 
     def names(self) -> Iterable[str]:
         return self._file_of.keys()
@@ -122,12 +126,18 @@ class CheckpointReader:
         self._handles.clear()
 
 
-def expert_name(layer: int, expert: int, proj: str) -> str:
+_V4_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def expert_name(layer: int, expert: int, proj: str, v4: bool = False) -> str:
+    """proj: gate / up / down. v4: DeepSeek-V4's naming (`ffn.experts.E.w1/w3/w2`)."""
+    if v4:
+        return f"model.layers.{layer}.ffn.experts.{expert}.{_V4_PROJ[proj]}.weight"
     return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
 
 
 def is_routed_expert_tensor(name: str) -> bool:
-    return ".mlp.experts." in name
+    return ".mlp.experts." in name or ".ffn.experts." in name
 
 
 def load_expert_weights(
@@ -140,12 +150,13 @@ def load_expert_weights(
     """
     if not experts:
         raise ValueError("load_expert_weights needs at least one expert")
-    first_gate = reader.get(expert_name(layer, experts[0], "gate"), dtype)
+    v4 = reader.v4_names
+    first_gate = reader.get(expert_name(layer, experts[0], "gate", v4), dtype)
     inter, hidden = first_gate.shape
     w13 = torch.empty(len(experts), 2 * inter, hidden, dtype=dtype)
     w2 = torch.empty(len(experts), hidden, inter, dtype=dtype)
     for s, e in enumerate(experts):
-        w13[s, :inter] = first_gate if s == 0 else reader.get(expert_name(layer, e, "gate"), dtype)
-        w13[s, inter:] = reader.get(expert_name(layer, e, "up"), dtype)
-        w2[s] = reader.get(expert_name(layer, e, "down"), dtype)
+        w13[s, :inter] = first_gate if s == 0 else reader.get(expert_name(layer, e, "gate", v4), dtype)
+        w13[s, inter:] = reader.get(expert_name(layer, e, "up", v4), dtype)
+        w2[s] = reader.get(expert_name(layer, e, "down", v4), dtype)
     return w13, w2

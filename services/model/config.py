@@ -1,8 +1,17 @@
-"""Model configuration: one dataclass read from a Hugging Face DeepSeek-V3/V2 `config.json`.
+"""Model configuration: one dataclass read from a Hugging Face DeepSeek-V3/V2/V3.2/V4 `config.json`.
 
 Both config styles are accepted: the original `rope_scaling` + `rope_theta` keys and the
 transformers-v5 `rope_parameters` dict. `head_dim` written by transformers v5 is the rope
 dimension, not the attention head size, and is ignored.
+
+Only the model types in `MODEL_TYPES` load; a config naming another one, or an option that would
+change the math in a way this code does not implement (sliding windows, hyper-connections, a V3.2
+indexer on a non-V3.2 model, ...), is refused with a ValueError naming the key: silently running
+such a model as plain DeepSeek-V3 would produce wrong tokens.
+
+DeepSeek-V4 (`deepseek_v4`) has no MLA: its fields (`head_dim`, `layer_types`, compress ratios,
+hyper-connections, ...) are read by `config_v4.v4_fields`; the MLA fields then describe its one shared
+KV head (qk_nope_head_dim = head_dim - rope dims, v_head_dim = head_dim, kv_lora_rank = 0).
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .config_v4 import v4_fields, validate_v4
 
 _DTYPES = {
     "float32": torch.float32,
@@ -47,6 +58,70 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+
+
+# model_type -> what it is. V2 and V3 share the MLA + MoE math (routing set by scoring_func /
+# topk_method); V3.2 adds the lightning indexer (DeepSeek Sparse Attention) to every layer.
+MODEL_TYPES = {
+    "deepseek_v2": "DeepSeek-V2 / V2-Lite",
+    "deepseek_v3": "DeepSeek-V3 / R1, Moonlight",
+    "kimi_k2": "Kimi-K2 (DeepSeek-V3 architecture)",
+    "deepseek_v32": "DeepSeek-V3.2 (V3 + lightning indexer, top-k sparse MLA)",
+    "deepseek_v4": "DeepSeek-V4 (shared-KV sliding/compressed attention, mHC, hash-routed MoE)",
+}
+_V3_LIKE = ("deepseek_v3", "deepseek_v32", "kimi_k2")  # sigmoid / noaux_tc routing defaults
+INDEXER_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
+
+# Options of other architectures (DeepSeek-V4, Llama/Qwen/Gemma-style models) that change the
+# math when set: accepted only at their neutral value (absent, null, or the value given here).
+_NEUTRAL = {
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "swiglu_limit": None,
+    "hc_mult": 1,
+    "o_groups": None,
+    "o_lora_rank": None,
+    "compress_ratios": None,
+    "compress_rates": None,
+    "mlp_bias": False,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "qk_layernorm": False,
+    "use_qk_norm": False,
+    "num_hash_layers": 0,
+}
+# DeepSeek-V4's own options, accepted (at any value) for deepseek_v4 only
+_V4_OPTIONS = ("sliding_window", "swiglu_limit", "hc_mult", "o_groups", "o_lora_rank", "compress_ratios",
+               "compress_rates", "num_hash_layers")  # fmt: skip
+_ATTENTION_LAYER_TYPE = {"deepseek_v32": "indexed_attention"}  # others: "full_attention"
+
+
+def _check_hf_options(hf: dict[str, Any], model_type: str) -> None:
+    """Refuse (ValueError naming the key) config options whose math this code does not run."""
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(MODEL_TYPES))})"
+        )
+    v4 = model_type == "deepseek_v4"
+    for key, neutral in _NEUTRAL.items():
+        if v4 and key in _V4_OPTIONS:
+            continue
+        value = hf.get(key)
+        if value is not None and value != neutral and not (neutral is None and value in (0, False)):
+            raise ValueError(f"config option {key}={value!r} is not supported by this engine")
+    if model_type not in ("deepseek_v32", "deepseek_v4"):
+        for key in INDEXER_KEYS:
+            if hf.get(key) is not None:
+                raise ValueError(
+                    f"config option {key} is a DeepSeek-V3.2 indexer option, but model_type is "
+                    f"{model_type!r} (expected 'deepseek_v32')"
+                )
+    if v4:  # V4's layer types are checked by _v4_fields
+        return
+    want = _ATTENTION_LAYER_TYPE.get(model_type, "full_attention")
+    bad = sorted({t for t in hf.get("layer_types") or () if t != want})
+    if bad:
+        raise ValueError(f"layer_types {bad} not supported for {model_type} (only {want!r})")
 
 
 @dataclass(frozen=True)
@@ -87,6 +162,26 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     fp8_block_size: tuple[int, int] | None = None  # set for FP8 block-quantised checkpoints
     model_type: str = "deepseek_v3"
+    # DeepSeek-V3.2 lightning indexer (model_type "deepseek_v32"; all 0 otherwise)
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    # DeepSeek-V4 (model_type "deepseek_v4"; neutral otherwise). The index_* fields above are its
+    # CSA indexer's; qk_rope_head_dim its rope dims.
+    head_dim: int = 0  # the one shared K=V head: qk_nope_head_dim + qk_rope_head_dim
+    layer_types: tuple[str, ...] = ()  # per layer, one of config_v4.V4_ATTENTION_TYPES
+    mlp_layer_types: tuple[str, ...] = ()  # per layer, "hash_moe" (experts from tid2eid) or "moe"
+    compress_ratio_csa: int = 0  # source tokens per compressed entry, compressed_sparse_attention
+    compress_ratio_hca: int = 0  # ... and heavily_compressed_attention
+    sliding_window: int = 0  # every V4 layer attends to its last `sliding_window` tokens
+    compress_rope_theta: float = 0.0  # rope of the CSA/HCA layers (sliding ones use rope_theta)
+    compress_rope_scaling: RopeScaling | None = None
+    hc_mult: int = 1  # hyper-connection residual streams
+    hc_sinkhorn_iters: int = 0
+    hc_eps: float = 0.0
+    swiglu_limit: float | None = None  # clamp of the SwiGLU gate (max) and up (both sides)
+    o_groups: int = 0  # grouped output projection: head groups ...
+    o_lora_rank: int = 0  # ... and each group's intermediate width
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived -------------------------------------------------------------------------
@@ -100,6 +195,44 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def has_indexer(self) -> bool:
+        """DeepSeek-V3.2: every layer's queries attend only to their indexer's top-k tokens."""
+        return self.index_topk > 0 and not self.is_v4
+
+    @property
+    def is_v4(self) -> bool:
+        return self.model_type == "deepseek_v4"
+
+    @property
+    def cache_dim(self) -> int:
+        """Width of one paged-cache row: the latent row [c_kv | k_pe], then for V3.2 the
+        indexer's key (index_head_dim), so one block table addresses both. DeepSeek-V4: the
+        widest row of its layer types (`v4_row_dim`)."""
+        if self.is_v4:
+            return max(self.v4_row_dim(t) for t in self.layer_types)
+        return self.latent_dim + (self.index_head_dim if self.has_indexer else 0)
+
+    def compress_ratio(self, layer: int) -> int:
+        """DeepSeek-V4: source tokens per compressed KV entry of `layer` (0: sliding only)."""
+        kind = self.layer_types[layer]
+        if kind == "compressed_sparse_attention":
+            return self.compress_ratio_csa
+        return self.compress_ratio_hca if kind == "heavily_compressed_attention" else 0
+
+    def v4_row_dim(self, layer_type: str) -> int:
+        """Width of a DeepSeek-V4 cache row (one token, one layer) of `layer_type`:
+        sliding: [kv (head_dim)];
+        HCA: [kv | compressor kv (D) | compressor gate (D) | compressed entry (D)], D = head_dim;
+        CSA: [kv | compressor kv (2D) | gate (2D) | entry (D) | indexer kv (2Di) | gate (2Di) |
+        indexer entry (Di)], Di = index_head_dim (two overlapping series). See v4_attention.py."""
+        D, Di = self.head_dim, self.index_head_dim
+        if layer_type == "sliding_attention":
+            return D
+        if layer_type == "heavily_compressed_attention":
+            return D + 3 * D
+        return D + 5 * D + 5 * Di
+
+    @property
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, times mscale^2 under YaRN (mscale from mscale_all_dim), as in HF."""
         scale = self.qk_head_dim**-0.5
@@ -108,6 +241,10 @@ class ModelConfig:
             m = yarn_get_mscale(rs.factor, rs.mscale_all_dim)
             scale *= m * m
         return scale
+
+    def is_hash_layer(self, layer: int) -> bool:
+        """DeepSeek-V4: the layer's experts come from the token id (`ffn.gate.tid2eid`)."""
+        return bool(self.mlp_layer_types) and self.mlp_layer_types[layer] == "hash_moe"
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -128,30 +265,19 @@ class ModelConfig:
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed HF config.json dict (DeepSeek-V3, V2, V2-Lite, Kimi-K2-style)."""
-        model_type = hf.get("model_type", "deepseek_v3")
-        rope_params = dict(hf.get("rope_parameters") or {})
-        rope_scaling_raw = dict(hf.get("rope_scaling") or {})
-        merged = {**rope_scaling_raw, **rope_params}
-        rope_type = merged.get("rope_type") or merged.get("type") or "default"
-        rope_theta = float(merged.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+        """Build from a parsed HF config.json dict (DeepSeek-V3, V2, V2-Lite, V3.2, V4, Kimi-K2)."""
+        model_type = hf.get("model_type") or "deepseek_v3"
+        _check_hf_options(hf, model_type)
         max_pos = int(hf.get("max_position_embeddings", 4096))
-        rope_scaling = None
-        if rope_type == "yarn":
-            orig = int(merged.get("original_max_position_embeddings") or max_pos)
-            factor = merged.get("factor")
-            rope_scaling = RopeScaling(
-                factor=float(factor) if factor is not None else max_pos / orig,
-                original_max_position_embeddings=orig,
-                beta_fast=float(merged.get("beta_fast") or 32),
-                beta_slow=float(merged.get("beta_slow") or 1),
-                mscale=merged.get("mscale"),
-                mscale_all_dim=merged.get("mscale_all_dim"),
-                attention_factor=merged.get("attention_factor"),
-                truncate=bool(merged.get("truncate", True)),
-            )
-        elif rope_type != "default":
-            raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, yarn)")
+        if model_type == "deepseek_v4":
+            v4 = v4_fields(hf)
+            rope_theta, rope_scaling = _parse_rope(v4.pop("main_rope"), 10000.0, max_pos)
+            compress = _parse_rope(v4.pop("compress_rope"), 160000.0, max_pos)
+            v4["compress_rope_theta"], v4["compress_rope_scaling"] = compress
+        else:
+            v4 = {}
+            merged = {**dict(hf.get("rope_scaling") or {}), **dict(hf.get("rope_parameters") or {})}
+            rope_theta, rope_scaling = _parse_rope(merged, float(hf.get("rope_theta") or 10000.0), max_pos)
 
         eos = hf.get("eos_token_id", 1)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -162,22 +288,23 @@ class ModelConfig:
                 raise ValueError(f"unsupported quantization {qc.get('quant_method')!r} (only fp8 blocks)")
             fp8_block = tuple(qc.get("weight_block_size") or (128, 128))
 
-        default_scoring = "sigmoid" if model_type == "deepseek_v3" else "softmax"
-        default_topk = "noaux_tc" if model_type == "deepseek_v3" else "greedy"
+        v3_like = model_type in _V3_LIKE or bool(v4)
+        default_scoring = "sqrtsoftplus" if v4 else "sigmoid" if v3_like else "softmax"
+        default_topk = "noaux_tc" if v3_like else "greedy"
         n_routed = int(hf.get("n_routed_experts") or 0)
         mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
         known = {f.name for f in fields(cls)}
         cfg = cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size=int(hf["moe_intermediate_size"] if v4 else hf["intermediate_size"]),
             moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
             num_hidden_layers=int(hf["num_hidden_layers"]),
             num_attention_heads=int(hf["num_attention_heads"]),
-            kv_lora_rank=int(hf["kv_lora_rank"]),
-            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-            v_head_dim=int(hf["v_head_dim"]),
+            kv_lora_rank=0 if v4 else int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=v4.pop("qk_nope_head_dim") if v4 else int(hf["qk_nope_head_dim"]),
+            qk_rope_head_dim=v4.pop("qk_rope_head_dim") if v4 else int(hf["qk_rope_head_dim"]),
+            v_head_dim=v4["head_dim"] if v4 else int(hf["v_head_dim"]),
             q_lora_rank=hf.get("q_lora_rank") or None,
             n_routed_experts=n_routed,
             n_shared_experts=int(hf.get("n_shared_experts") or 0),
@@ -185,9 +312,9 @@ class ModelConfig:
             n_group=int(hf.get("n_group") or 1),
             topk_group=int(hf.get("topk_group") or 1),
             routed_scaling_factor=float(
-                hf.get("routed_scaling_factor", 2.5 if model_type == "deepseek_v3" else 1.0)
+                hf.get("routed_scaling_factor", 1.5 if v4 else 2.5 if v3_like else 1.0)
             ),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "deepseek_v3")),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", v3_like)),
             scoring_func=hf.get("scoring_func") or default_scoring,
             topk_method=hf.get("topk_method") or default_topk,
             first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
@@ -206,9 +333,19 @@ class ModelConfig:
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
             fp8_block_size=fp8_block,
             model_type=model_type,
+            **{k: int(hf.get(k) or 0) for k in INDEXER_KEYS},
+            **v4,  # DeepSeek-V4's own fields (empty otherwise)
             extra={k: v for k, v in hf.items() if k not in known},
         )
         cfg.validate()
+        mlp_types = hf.get("mlp_layer_types")  # transformers' V3.2 decides dense/MoE per layer by this
+        if mlp_types is not None and not v4:
+            ours = ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_hidden_layers)]
+            if list(mlp_types) != ours:
+                raise ValueError(
+                    f"mlp_layer_types {mlp_types} disagrees with first_k_dense_replace="
+                    f"{cfg.first_k_dense_replace} / moe_layer_freq={cfg.moe_layer_freq} ({ours})"
+                )
         return cfg
 
     @classmethod
@@ -222,8 +359,9 @@ class ModelConfig:
         """Raise ValueError naming the first constraint the config breaks."""
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} not supported (only silu)")
-        if self.scoring_func not in ("sigmoid", "softmax"):
-            raise ValueError(f"scoring_func {self.scoring_func!r} not supported")
+        scoring = ("sqrtsoftplus", "sigmoid") if self.is_v4 else ("sigmoid", "softmax")
+        if self.scoring_func not in scoring:
+            raise ValueError(f"scoring_func {self.scoring_func!r} not supported for {self.model_type}")
         if self.n_routed_experts:
             if self.n_routed_experts % self.n_group:
                 raise ValueError(f"n_routed_experts {self.n_routed_experts} % n_group {self.n_group} != 0")
@@ -239,6 +377,26 @@ class ModelConfig:
                 )
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even")
+        if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method {self.topk_method!r} not supported")
+        if self.model_type == "deepseek_v32":
+            self._validate_indexer()
+        if self.is_v4:
+            validate_v4(self)
+
+    def _validate_indexer(self) -> None:
+        for key in INDEXER_KEYS:
+            if getattr(self, key) <= 0:
+                raise ValueError(f"deepseek_v32 needs a positive {key} (got {getattr(self, key)})")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(
+                f"index_head_dim {self.index_head_dim} < qk_rope_head_dim {self.qk_rope_head_dim}: "
+                "the indexer ropes its first qk_rope_head_dim dims"
+            )
+        if not self.q_lora_rank:
+            raise ValueError("deepseek_v32 needs q_lora_rank (the indexer reads the q_lora query)")
+        if not self.rope_interleave:
+            raise ValueError("rope_interleave=false is not supported for deepseek_v32")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -246,15 +404,43 @@ class ModelConfig:
         return d
 
 
+def _parse_rope(params: dict[str, Any], theta: float, max_pos: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, YaRN parameters or None) of one rope_scaling / rope_parameters dict;
+    `theta` when the dict names none."""
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta") or theta)
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, yarn)")
+    orig = int(params.get("original_max_position_embeddings") or max_pos)
+    factor = params.get("factor")
+    return theta, RopeScaling(
+        factor=float(factor) if factor is not None else max_pos / orig,
+        original_max_position_embeddings=orig,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [rope_dim/2] (fp32) and the cos/sin attention factor, as HF computes them."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+def rope_inv_freq(cfg: ModelConfig, compress: bool = False) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rope_dim/2] (fp32) and the cos/sin attention factor, as HF computes them.
+    compress: DeepSeek-V4's rope of the compressed (CSA/HCA) layers."""
+    dim = cfg.qk_rope_head_dim
+    base, rs = (
+        (cfg.compress_rope_theta, cfg.compress_rope_scaling)
+        if compress
+        else (cfg.rope_theta, cfg.rope_scaling)
+    )
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    rs = cfg.rope_scaling
     if rs is None:
         return 1.0 / pos_freqs, 1.0
 

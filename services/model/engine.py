@@ -17,6 +17,8 @@ import torch
 
 from .checkpoint import CheckpointReader
 from .config import ModelConfig, parse_dtype
+from .deepseek_v4 import DeepseekV4
+from .grammar import GrammarCompiler, GrammarError, Matcher
 from .kv_cache import PagedLatentCache, blocks_needed
 from .model import DeepseekV3, ExpertBackend, ExpertTally, StepBatch, run_interleaved
 from .moe import LocalExperts
@@ -54,16 +56,17 @@ class EngineConfig:
         if self.num_kv_blocks:
             return self.num_kv_blocks
         per_block = PagedLatentCache.bytes_per_block(
-            cfg.num_hidden_layers, cfg.latent_dim, parse_dtype(self.dtype)
+            cfg.num_hidden_layers, cfg.cache_dim, parse_dtype(self.dtype)
         )
         wanted = self.max_num_seqs * blocks_needed(max_model_len)
         return max(1, min(wanted, int(self.kv_cache_gib * 2**30) // per_block))
 
     def latent_cache(self, cfg: ModelConfig, model: DeepseekV3) -> PagedLatentCache:
         """The paged latent cache this config gives `model` (every tensor-parallel rank gets the
-        same one, a replica)."""
+        same one, a replica). Rows are `cfg.cache_dim` wide: [c_kv | k_pe], plus the indexer key
+        for DeepSeek-V3.2."""
         blocks = self.kv_blocks(cfg, self.scheduler_config(cfg).max_model_len)
-        return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.latent_dim, model.dtype, model.device)
+        return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.cache_dim, model.dtype, model.device)
 
 
 @dataclass
@@ -172,6 +175,8 @@ class Engine:
         self.scheduler = Scheduler(engine_cfg.scheduler_config(cfg), self.cache.num_blocks, cfg.eos_token_ids,
                                    engine_cfg.prefix_caching)  # fmt: skip
         self._detok: dict[str, Detokenizer] = {}
+        self._matchers: dict[str, Matcher] = {}  # requests with structured output: their grammar state
+        self._grammar: GrammarCompiler | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -202,14 +207,40 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer; this model runs in token-id mode")
+        matcher = self._matcher(
+            params, list(prompt_ids[len(prompt_ids) - resumed[0] :]) if resumed[0] else []
+        )
         seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
         seq.num_resumed = resumed[0]
         self.scheduler.add(seq)
+        if matcher is not None:
+            self._matchers[seq.request_id] = matcher
         if self.tokenizer is not None:
             n, chars = resumed
             earlier = list(prompt_ids[len(prompt_ids) - n :]) if n else []
             self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop, earlier, chars)
         return seq.request_id
+
+    def _matcher(self, params: SamplingParams, earlier_output: list[int]) -> Matcher | None:
+        """The grammar state of a request with structured output, advanced past the output it
+        produced elsewhere (failover); None without one."""
+        if params.json_schema is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError(
+                "json_schema", "structured outputs need a tokenizer; this model runs in token-id mode"
+            )
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(
+                self.tokenizer.to_json(), self.cfg.vocab_size, self.cfg.eos_token_ids
+            )
+        try:
+            matcher = self._grammar.matcher(params.json_schema)
+        except GrammarError as e:
+            raise RequestError("json_schema", str(e)) from None
+        if not all(matcher.consume(t) for t in earlier_output):
+            raise RequestError("prompt", "the resumed output does not follow the request's grammar")
+        return matcher
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request between steps (its blocks are freed at once); its final output, None
@@ -227,6 +258,7 @@ class Engine:
         for request_id in request_ids:
             seq = self.scheduler.finish_id(request_id, reason)
             self._detok.pop(request_id, None)
+            self._matchers.pop(request_id, None)
             if seq is not None:
                 outputs.append(RequestOutput(request_id, finished=True, finish_reason=reason, error=error,
                                              num_prompt_tokens=len(seq.prompt_ids),
@@ -300,10 +332,10 @@ class Engine:
             self.model.device,
         )
 
-    @staticmethod
-    def _held_back(seq: Sequence, eos: set[int]) -> set[int]:
-        """The tokens min_tokens forbids for now: EOS (unless ignored) and the stop tokens."""
-        if len(seq.output_ids) >= seq.params.min_tokens:
+    def _held_back(self, seq: Sequence, eos: set[int]) -> set[int]:
+        """The tokens min_tokens forbids for now: EOS (unless ignored) and the stop tokens. A
+        request with a grammar has none: its grammar decides where the output ends."""
+        if len(seq.output_ids) >= seq.params.min_tokens or seq.request_id in self._matchers:
             return set()
         return (set() if seq.params.ignore_eos else eos) | set(seq.params.stop_token_ids)
 
@@ -326,9 +358,15 @@ class Engine:
             [s.generator for s in want],
             [self._history(s) for s in want],
             [self._held_back(s, eos) for s in want],
+            self._allowed(want),
         )
         outputs = []
         for seq in self.scheduler.update(chunks, tokens, logprobs):
+            matcher = self._matchers.get(seq.request_id)
+            if matcher is not None and seq.status is not SeqStatus.FINISHED:
+                matcher.consume(seq.output_ids[-1])
+                if matcher.done:  # the grammar is complete: nothing but EOS could follow
+                    self.scheduler.finish(seq, "stop")
             out = RequestOutput(
                 seq.request_id,
                 token_ids=[seq.output_ids[-1]],
@@ -348,9 +386,17 @@ class Engine:
                 if detok is not None and not out.text:
                     out.text = detok.step(seq.output_ids, final=True)[0]
                 self._detok.pop(seq.request_id, None)
+                self._matchers.pop(seq.request_id, None)
             out.num_output_tokens = len(seq.output_ids)
             outputs.append(out)
         return outputs
+
+    def _allowed(self, want: list[Sequence]) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, mask [rows, vocab]): the tokens the grammars of the constrained rows allow."""
+        rows = [i for i, s in enumerate(want) if s.request_id in self._matchers]
+        if not rows:
+            return None
+        return rows, self._grammar.allowed([self._matchers[want[i].request_id] for i in rows])
 
     # ---- offline batch ------------------------------------------------------------------
     def generate(
@@ -378,7 +424,8 @@ def load_engine(
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(engine_cfg.dtype)
     reader = CheckpointReader.for_config(model_dir, cfg)
-    model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device)
+    model_cls = DeepseekV4 if cfg.is_v4 else DeepseekV3  # same forward(batch, cache) contract
+    model = model_cls.load(reader, cfg, dtype, engine_cfg.device)
     if make_experts is None:
         experts = LocalExperts.load_all(reader, cfg, dtype).to(engine_cfg.device)
     else:

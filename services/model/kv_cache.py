@@ -1,10 +1,13 @@
 """Paged latent KV cache (FlashMLA layout) and its block allocator.
 
 One cache row per token per layer holds [c_kv (kv_lora_rank, after kv_a_layernorm) | k_pe
-(qk_rope_head_dim, after RoPE, interleaved pairs)]. Per layer the cache is
-`[num_blocks, BLOCK_SIZE, 1, latent_dim]` (one latent "KV head"), addressed through an int32
-block table `[batch, max_blocks]` and int32 seqlens, exactly what FlashMLA's
-`flash_mla_with_kvcache` takes, so that kernel drops in on Hopper.
+(qk_rope_head_dim, after RoPE, interleaved pairs)], and for DeepSeek-V3.2 then the lightning
+indexer's key (index_head_dim, see indexer.py), so one block table addresses both. Per layer the
+cache is `[num_blocks, BLOCK_SIZE, 1, row_dim]` (one latent "KV head"; row_dim is
+`ModelConfig.cache_dim`), addressed through an int32 block table `[batch, max_blocks]` and int32
+seqlens, exactly what FlashMLA's `flash_mla_with_kvcache` takes for V3 (576-wide rows), so that
+kernel drops in on Hopper. DeepSeek-V4 keeps its own rows here (window K=V, compressor state,
+compressed entries: see v4_attention.py).
 
 Blocks are shared between requests with a common prompt prefix (automatic prefix caching,
 `BlockAllocator`): a full block's identity is the chained hash of its tokens and everything
@@ -138,7 +141,8 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
 
 
 class PagedLatentCache:
-    """`kv[layer]` is `[num_blocks, BLOCK_SIZE, 1, latent_dim]`, all layers in one tensor."""
+    """`kv[layer]` is `[num_blocks, BLOCK_SIZE, 1, latent_dim]`, all layers in one tensor
+    (`latent_dim` here is the whole row: `ModelConfig.cache_dim`)."""
 
     def __init__(
         self,

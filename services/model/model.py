@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
+from .indexer import IndexerWeights, IndexQueries, index_keys
 from .kv_cache import BLOCK_SIZE
 from .layers import Rope, rms_norm, route, swiglu
 
@@ -229,6 +230,7 @@ class MLAWeights:
     q_a_bias: torch.Tensor | None = None
     kv_a_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    indexer: IndexerWeights | None = None  # DeepSeek-V3.2 (replicated across tensor-parallel ranks)
 
 
 @dataclass
@@ -269,6 +271,8 @@ def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch
         attn.q_a_bias = opt(a + "q_a_proj.bias", dtype)
     else:
         attn.q_proj = get(a + "q_proj.weight", dtype)
+    if cfg.has_indexer:
+        attn.indexer = IndexerWeights.load(get, a + "indexer.", dtype)
     layer = LayerWeights(
         input_norm=get(p + "input_layernorm.weight", dtype),
         post_norm=get(p + "post_attention_layernorm.weight", dtype),
@@ -288,8 +292,9 @@ def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch
 
 def shard_heads(w: MLAWeights, cfg: ModelConfig, rank: int, tp: int) -> MLAWeights:
     """The MLA weights of attention tensor-parallel rank `rank` of `tp`: a contiguous slice of
-    the heads in q_b/q_proj, kv_b and o (columns); the latent projections are replicated (every
-    rank holds the full latent cache); o's bias goes to rank 0 so the sum over ranks adds it once."""
+    the heads in q_b/q_proj, kv_b and o (columns); the latent projections and the V3.2 indexer
+    are replicated (every rank holds the full latent cache and picks the same top-k tokens); o's
+    bias goes to rank 0 so the sum over ranks adds it once."""
     N = cfg.num_attention_heads
     if N % tp:
         raise ValueError(f"attention_tp={tp} does not divide num_attention_heads={N}")
@@ -311,6 +316,7 @@ def shard_heads(w: MLAWeights, cfg: ModelConfig, rank: int, tp: int) -> MLAWeigh
         q_a_bias=w.q_a_bias,
         kv_a_bias=w.kv_a_bias,
         o_bias=w.o_bias if rank == 0 else None,
+        indexer=w.indexer,
     )
 
 
@@ -326,20 +332,23 @@ def mla_forward(
     cache: torch.Tensor,
     batch: StepBatch,
 ) -> torch.Tensor:
-    """x [T, H] -> [T, H]. Writes this step's latent rows into `cache` [blocks, 64, 1, C+R].
+    """x [T, H] -> [T, H]. Writes this step's rows into `cache` [blocks, 64, 1, W]: the latent
+    [c_kv | k_pe] (W = C+R), for V3.2 followed by the indexer key (W = C+R+index_head_dim).
 
     Decode rows (query_len 1) use the absorbed form against the paged cache: q_nope @ W_UK gives
     a 512-wide latent query, scores against [c_kv | k_pe] rows, the softmax-weighted c_kv is
     projected by W_UV. Prefill chunks use the naive form (expand c_kv through kv_b_proj into
-    per-head K/V, causal over the whole context). The number of heads is read from the weight
-    shapes, so a rank of attention tensor parallelism passes its head slice.
+    per-head K/V, causal over the whole context). With a V3.2 indexer each query attends only
+    to its top-k context tokens (the others are masked out; see indexer.py). The number of heads
+    is read from the weight shapes, so a rank of attention tensor parallelism passes its head slice.
     """
     T = x.shape[0]
     D, R, C, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     if w.q_proj is not None:
-        q = F.linear(x, w.q_proj)
+        q_lora, q = None, F.linear(x, w.q_proj)
     else:
-        q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, NORM_EPS_LATENT), w.q_b)
+        q_lora = rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, NORM_EPS_LATENT)
+        q = F.linear(q_lora, w.q_b)
     q = q.view(T, -1, D + R)
     N = q.shape[1]
     cos, sin = cos_sin
@@ -348,8 +357,12 @@ def mla_forward(
     kv = F.linear(x, w.kv_a, w.kv_a_bias)
     c_kv = rms_norm(kv[:, :C], w.kv_a_norm, NORM_EPS_LATENT)
     k_pe = rope.apply(kv[:, C:], cos, sin)
-    flat_cache = cache.view(-1, C + R)
-    flat_cache[batch.slot_mapping] = torch.cat((c_kv, k_pe), dim=-1).to(cache.dtype)
+    rows, index = [c_kv, k_pe], None
+    if w.indexer is not None:  # V3.2: cache the indexer keys too; score the context for our queries
+        rows.append(index_keys(x, w.indexer, cos_sin))
+        index = IndexQueries.build(x, q_lora, w.indexer, cfg, cos_sin)
+    W = cache.shape[-1]
+    cache.view(-1, W)[batch.slot_mapping] = torch.cat(rows, dim=-1).to(cache.dtype)
 
     kv_b = w.kv_b.view(N, D + V, C)
     out = torch.empty(T, N, V, dtype=x.dtype, device=x.device)
@@ -358,11 +371,14 @@ def mla_forward(
     dec = batch.decode
     if dec is not None:
         Bd = dec.rows.shape[0]
-        ctx = cache[dec.table].view(Bd, -1, C + R)  # [Bd, Lmax, C+R]
+        ctx = cache[dec.table].view(Bd, -1, W)  # [Bd, Lmax, W]
         q_lat = torch.bmm(q_nope[dec.rows].transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
         q_full = torch.cat((q_lat, q_pe[dec.rows]), dim=-1)  # [Bd, N, C+R]
-        scores = torch.bmm(q_full, ctx.transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
-        scores.masked_fill_(dec.pad, float("-inf"))
+        scores = torch.bmm(q_full, ctx[..., : C + R].transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
+        masked = dec.pad  # [Bd, 1, Lmax]
+        if index is not None:  # V3.2: also every token outside the query's top-k
+            masked = ~index.keep(dec.rows, ctx[..., C + R :], ~dec.pad[:, 0])[:, None]
+        scores.masked_fill_(masked, float("-inf"))
         probs = scores.softmax(dim=-1).to(x.dtype)
         o_lat = torch.bmm(probs, ctx[..., :C])  # [Bd, N, C]
         out[dec.rows] = torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)  # W_UV
@@ -373,16 +389,18 @@ def mla_forward(
             continue
         L = batch.context_lens[b]
         blocks = batch.block_table[b, : (L + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
-        ctx = cache[blocks].view(-1, C + R)[:L]  # [L, C+R]
+        ctx = cache[blocks].view(-1, W)[:L]  # [L, W]
         kv_full = F.linear(ctx[:, :C], w.kv_b).view(L, N, D + V)
-        k = torch.cat((kv_full[..., :D], ctx[:, None, C:].expand(L, N, R)), dim=-1)  # [L, N, D+R]
+        k = torch.cat((kv_full[..., :D], ctx[:, None, C : C + R].expand(L, N, R)), dim=-1)  # [L, N, D+R]
         v = kv_full[..., D:]  # [L, N, V]
         s0 = starts[b]
         qb = torch.cat((q_nope[s0 : s0 + n], q_pe[s0 : s0 + n]), dim=-1)  # [n, N, D+R]
         scores = torch.einsum("qnd,knd->nqk", qb, k).float() * scale
         qpos = torch.arange(L - n, L, device=x.device)
-        causal = torch.arange(L, device=x.device)[None, :] > qpos[:, None]
-        scores.masked_fill_(causal[None], float("-inf"))
+        masked = torch.arange(L, device=x.device)[None, :] > qpos[:, None]  # [n, L] causal
+        if index is not None:  # V3.2: also every token outside the query's top-k
+            masked = ~index.keep(slice(s0, s0 + n), ctx[:, C + R :], ~masked)
+        scores.masked_fill_(masked[None], float("-inf"))
         probs = scores.softmax(dim=-1).to(x.dtype)
         out[s0 : s0 + n] = torch.einsum("nqk,knv->qnv", probs, v)
 
@@ -455,13 +473,15 @@ class DeepseekV3:
         for layer in self.layers:
             move_fields(layer)
             move_fields(layer.attn)
+            if layer.attn.indexer is not None:
+                move_fields(layer.attn.indexer)
         self.embed, self.norm, self.lm_head = move(self.embed), move(self.norm), move(self.lm_head)
         self.device = device
         self.rope = Rope(self.cfg, device)
         return self
 
     def forward(self, batch: StepBatch, latent_cache: torch.Tensor) -> StepGen:
-        """One step. latent_cache [layers, blocks, 64, 1, C+R]. Yields expert messages at every
+        """One step. latent_cache [layers, blocks, 64, 1, cfg.cache_dim]. Yields expert messages at every
         MoE layer; returns fp32 logits [len(batch.logits_index), vocab]."""
         cfg = self.cfg
         h = F.embedding(batch.input_ids, self.embed)

@@ -22,6 +22,7 @@ class PackedExperts:
     w13: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder layer -> [S, 2I, H]
     w2: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder layer -> [S, H, I]
     logical: dict[int, list[int]] = field(default_factory=dict)  # decoder layer -> logical expert per slot
+    swiglu_limit: float | None = None  # DeepSeek-V4: clamped SwiGLU (ModelConfig.swiglu_limit)
 
     @classmethod
     def load(
@@ -50,7 +51,7 @@ class PackedExperts:
     ) -> torch.Tensor:
         """x [T, H], slot [T, K] local slot ids (-1 = none), weight [T, K] -> [T, H] (into `out`
         when given)."""
-        return grouped_expert_ffn(x, slot, weight, self.w13[layer], self.w2[layer], out)
+        return grouped_expert_ffn(x, slot, weight, self.w13[layer], self.w2[layer], out, self.swiglu_limit)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.w13, self.w2) for t in d.values())
@@ -65,7 +66,9 @@ class LocalExperts:
     @classmethod
     def load_all(cls, reader: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype, progress=None):
         everything = {layer: list(range(cfg.n_routed_experts)) for layer in cfg.moe_layers}
-        return cls(cfg, PackedExperts.load(reader, everything, dtype, progress))
+        packed = PackedExperts.load(reader, everything, dtype, progress)
+        packed.swiglu_limit = cfg.swiglu_limit
+        return cls(cfg, packed)
 
     def to(self, device) -> LocalExperts:
         for d in (self.packed.w13, self.packed.w2):

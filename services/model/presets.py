@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint import quantize_fp8_blocks
-from .tokenizer import DEFAULT_CHAT_TEMPLATE
+from .tokenizer import DEFAULT_CHAT_TEMPLATE, MARKER_TOKENS
 
 _YARN = {
     "type": "yarn",
@@ -48,6 +48,15 @@ _COMMON = {
     "attention_bias": False,
     "num_nextn_predict_layers": 0,
     "initializer_range": 0.02,
+}
+
+_TINY_V32 = {  # DeepSeek-V3.2 on the tiny dims: the lightning indexer keeps 16 tokens per query
+    # (32 heads: exact zero-score ties, broken arbitrarily by top-k, are all but impossible)
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_n_heads": 32,
+    "index_head_dim": 16,
+    "index_topk": 16,
 }
 
 PRESETS: dict[str, dict] = {
@@ -97,11 +106,14 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+PRESETS["tiny-v32"] = {**PRESETS["tiny"], **_TINY_V32}  # the V3.2 oracle and cluster tests
+
 SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
 
 
 def random_weights(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random fp32 tensors under the original DeepSeek-V3 names for HF config dict `hf`.
+    """Random fp32 tensors under the original DeepSeek-V3 names for HF config dict `hf` (with
+    the V3.2 indexer's `self_attn.indexer.*` when the config has `index_topk`).
 
     Linear weights ~ N(0, 1/fan_in) so activations keep their scale through depth; the LM head
     is scaled so logits spread over a few units (well separated greedy choices).
@@ -138,6 +150,13 @@ def random_weights(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         w[a + "kv_a_layernorm.weight"] = norm(C)
         w[a + "kv_b_proj.weight"] = linear(N * (D + V), C)
         w[a + "o_proj.weight"] = linear(H, N * V)
+        if hf.get("index_topk"):  # DeepSeek-V3.2's lightning indexer
+            x, Hi, Di = a + "indexer.", hf["index_n_heads"], hf["index_head_dim"]
+            w[x + "wq_b.weight"] = linear(Hi * Di, Q)
+            w[x + "wk.weight"] = linear(Di, H)
+            w[x + "k_norm.weight"] = norm(Di)
+            w[x + "k_norm.bias"] = 0.1 * torch.randn(Di, generator=g)
+            w[x + "weights_proj.weight"] = linear(Hi, H)
         if hf.get("attention_bias"):
             if Q:
                 w[a + "q_a_proj.bias"] = 0.1 * torch.randn(Q, generator=g)
@@ -182,15 +201,18 @@ def quantize_checkpoint_fp8(
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
-    """A byte-level tokenizer: ids 0-3 special, then 256 byte tokens, then reserved specials."""
+    """A byte-level tokenizer: ids 0-3 special, then 256 byte tokens, DeepSeek's reasoning and
+    tool-call markers (ordinary tokens, as in DeepSeek's vocabulary), then reserved specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
-    if vocab_size < len(SPECIAL_TOKENS) + 256:
+    if vocab_size < len(SPECIAL_TOKENS) + 256 + len(MARKER_TOKENS):
         raise ValueError("vocab_size too small for a byte-level tokenizer")
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     for ch in sorted(ByteLevel.alphabet(), key=lambda c: ord(c)):
         vocab[ch] = len(vocab)
+    for t in MARKER_TOKENS:
+        vocab[t] = len(vocab)
     reserved = [f"<｜reserved_{i}｜>" for i in range(vocab_size - len(vocab))]
     for t in reserved:
         vocab[t] = len(vocab)
@@ -198,6 +220,7 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS + reserved)
+    tok.add_tokens(MARKER_TOKENS)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(

@@ -1,5 +1,5 @@
 """Sampling parameters and the sampler: logits processing (repetition, frequency and presence
-penalties, logit bias, min_tokens), then greedy or temperature / top-k / top-p / min-p sampling,
+penalties, logit bias, min_tokens, grammar masks), then greedy or temperature / top-k / top-p / min-p sampling,
 with seeds and logprobs.
 
 Each request owns a `torch.Generator`, advanced only by its own samples, so a seeded request
@@ -13,6 +13,10 @@ import secrets
 from dataclasses import dataclass, field
 
 import torch
+
+from .grammar import GrammarError, check_json_schema
+
+GRAMMAR_BLOCKED = -1e30  # the logit of a token a grammar forbids: never sampled, finite so adds stay cheap
 
 
 @dataclass
@@ -32,6 +36,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     min_tokens: int = 0  # no EOS / stop token before this many tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    json_schema: dict | None = None  # the output must be JSON valid against it (grammar-constrained)
 
     def validate(self) -> None:
         """Raise ValueError(param, message) for the first invalid field."""
@@ -68,6 +73,11 @@ class SamplingParams:
             not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()
         ):
             bad("logit_bias", "logit_bias maps up to 1024 token ids to biases in [-100, 100]")
+        if self.json_schema is not None:
+            try:
+                check_json_schema(self.json_schema)
+            except GrammarError as e:
+                bad("json_schema", str(e))
 
     @property
     def processes_logits(self) -> bool:
@@ -142,17 +152,29 @@ def sample(
     generators: list[torch.Generator],
     history: list[tuple[list[int], list[int]]] | None = None,
     held_back: list[set[int]] | None = None,
+    allowed: tuple[list[int], torch.Tensor] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [B, V] fp32 -> one token per row, and logprobs where requested.
 
     history / held_back: see `process_logits` (needed when a row uses penalties, bias or
-    min_tokens). Logprobs are those of the model's distribution (log_softmax of the raw
+    min_tokens). allowed: (rows, mask [len(rows), V] bool), the tokens a grammar allows in
+    those rows; every other token of theirs is masked out, in one batched op. Logprobs are those of the model's distribution (log_softmax of the raw
     logits), as vLLM reports by default; the sampled token comes from the processed one.
     """
     raw = logits.float().cpu()  # per-request generators live on the CPU
     if history is None:
         history = [([], [])] * len(params)
     logits = process_logits(raw, params, history, held_back or [set()] * len(params))
+    if allowed is not None and allowed[0]:
+        rows, mask = allowed
+        blocked = (
+            mask.float().sub_(1.0).mul_(-GRAMMAR_BLOCKED)
+        )  # 0 where allowed (an add beats masked_fill on CPU)
+        if len(rows) == logits.shape[0]:
+            logits = logits + blocked
+        else:
+            logits = logits.clone() if logits is raw else logits
+            logits[rows] += blocked
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.greedy:

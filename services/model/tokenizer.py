@@ -11,16 +11,58 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-# Used when the checkpoint's tokenizer_config.json has no chat_template: DeepSeek-V3's turn markers.
-DEFAULT_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
-)
+# Used when the checkpoint's tokenizer_config.json has no chat_template: DeepSeek-V3's format
+# (turn markers, tool calls and tool outputs as DeepSeek-V3-0324 writes them), with the tools
+# described after the system prompt.
+DEFAULT_CHAT_TEMPLATE = """{{ bos_token }}
+{%- set ns = namespace(in_tool=false, first_output=true) %}
+{%- for m in messages if m['role'] == 'system' %}{{ m['content'] }}
+
+{% endfor %}
+{%- if tools %}## Tools
+You have access to the following tools:
+{% for t in tools %}
+### {{ t['function']['name'] }}
+Description: {{ t['function']['description'] }}
+
+Parameters: {{ t['function']['parameters'] | tojson }}
+{% endfor %}
+
+IMPORTANT: ALWAYS adhere to this exact format for tool use:
+<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_name
+```json
+arguments
+```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+{% endif %}
+{%- for m in messages if m['role'] != 'system' %}
+{%- if m['role'] != 'tool' and ns.in_tool %}<｜tool▁outputs▁end｜>{% set ns.in_tool = false %}{% endif %}
+{%- if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}
+{%- elif m['role'] == 'assistant' %}
+{%- set content = (m['content'] or '').split('</think>')[-1] %}
+{%- if not ns.first_output %}{{ content }}{% else %}<｜Assistant｜>{{ content }}{% endif %}
+{%- if m['tool_calls'] %}<｜tool▁calls▁begin｜>
+{%- for c in m['tool_calls'] %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ c['function']['name'] }}
+```json
+{{ c['function']['arguments'] }}
+```<｜tool▁call▁end｜>{% if not loop.last %}{{ '\n' }}{% endif %}{% endfor %}<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>
+{%- set ns.first_output = true %}
+{%- elif m['role'] == 'tool' %}
+{%- if not ns.in_tool %}<｜tool▁outputs▁begin｜>{% else %}{{ '\n' }}{% endif %}<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>
+{%- set ns.in_tool = true %}{% set ns.first_output = false %}
+{%- endif %}
+{%- endfor %}
+{%- if ns.in_tool %}<｜tool▁outputs▁end｜>{% endif %}
+{%- if add_generation_prompt and ns.first_output %}<｜Assistant｜>{% endif %}"""
+
+# DeepSeek's reasoning and tool-call markers (in its vocabulary as ordinary, not special, tokens:
+# they stay in decoded text, where the router parses them).
+MARKER_TOKENS = [
+    "<think>", "</think>",
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+]  # fmt: skip
 
 
 class Tokenizer:
@@ -54,6 +96,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def to_json(self) -> str:
+        """The tokenizer as Hugging Face `tokenizers` JSON (what grammar engines read)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
@@ -67,7 +113,10 @@ class Tokenizer:
         text = self._tok.decode([token], skip_special_tokens=False)
         return text if text and "\ufffd" not in text else (self._tok.id_to_token(token) or f"<{token}>")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The prompt text of a conversation; `tools`: OpenAI tool definitions the model may call."""
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -76,6 +125,7 @@ class Tokenizer:
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )

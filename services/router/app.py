@@ -21,6 +21,7 @@ from services import __version__
 from services.model.engine import RequestOutput
 
 from . import protocol as proto
+from .chat_format import THINK_BEGIN, ChatParser
 from .core import RouterConfig, RouterCore, Sub
 from .protocol import (
     APIError,
@@ -199,8 +200,7 @@ class Router:
         opts = {"logprobs": req.logprobs is not None, "token_ids": self._token_ids(req)}
         core.metrics.request_started("completions")
         if req.stream:
-            return await self._stream(subs, head, chat=False, opts=opts, usage=req.include_usage_in_stream,
-                                      echo=echo)  # fmt: skip
+            return await self._stream(subs, head, opts=opts, usage=req.include_usage_in_stream, echo=echo)
         outs = await self._collect(request, subs)
         choices = [proto.completion_choice(sub.index, seq, sub.prompt_ids, core.token_str,
                                            prefix=echo.get(sub.prompt_index, ""), **opts)
@@ -216,9 +216,10 @@ class Router:
         core.check_model(req.model)
         if core.tokenizer is None:
             raise APIError(400, "chat needs a tokenizer; this model runs in token-id mode", param="messages")
-        prompt_ids = core.tokenizer.encode(
-            core.tokenizer.apply_chat_template(req.chat_messages(), req.add_generation_prompt), add_bos=False
-        )
+        tools = req.tool_choice_spec()
+        prompt = core.tokenizer.apply_chat_template(req.chat_messages(), req.add_generation_prompt,
+                                                    tools.template_tools())  # fmt: skip
+        prompt_ids = core.tokenizer.encode(prompt, add_bos=False)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         default_max = max(1, core.cfg.max_model_len - len(prompt_ids))
@@ -226,14 +227,18 @@ class Router:
         rid = proto.new_id("chatcmpl")
         subs = core.subrequests([prompt_ids], params, req.n, rid)
         opts = {"logprobs": req.logprobs, "token_ids": self._token_ids(req)}
+        thinking = prompt.rstrip().endswith(THINK_BEGIN)  # the template opened the reasoning block
+        parsers = [ChatParser(tools, thinking) for _ in subs]
         core.metrics.request_started("chat")
         if req.stream:
             head = proto.response_head(rid, "chat.completion.chunk", req.model)
-            return await self._stream(subs, head, chat=True, opts=opts, usage=req.include_usage_in_stream)
+            return await self._stream(
+                subs, head, parsers=parsers, opts=opts, usage=req.include_usage_in_stream
+            )
         head = proto.response_head(rid, "chat.completion", req.model)
         outs = await self._collect(request, subs)
         choices = [
-            proto.chat_choice(sub.index, seq, core.token_str, **opts)
+            proto.chat_choice(sub.index, seq, core.token_str, parsers[sub.index], **opts)
             for sub, seq in zip(subs, outs, strict=True)
         ]
         return proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs), outs))
@@ -289,17 +294,18 @@ class Router:
         self,
         subs: list[Sub],
         head: dict,
-        chat: bool,
         opts: dict,
         usage: bool,
         echo: dict[int, str] | None = None,
+        parsers: list[ChatParser] | None = None,
     ) -> StreamingResponse:
         """Stream the sub-requests' outputs as SSE chunks (`usage`: end with a usage chunk; `echo`:
-        prompt index -> text to put before each choice's first chunk). An error before the first
+        prompt index -> text to put before each choice's first chunk; `parsers`: a chat stream's,
+        one per choice). An error before the first
         output (a refused request, a full queue) is answered with its HTTP status; after it, it
         becomes an SSE error event. A client that disconnects cancels the generator, which aborts
         the sub-requests."""
-        core = self.core
+        core, chat = self.core, parsers is not None
         started = time.monotonic()
         outputs = core.merged(subs)
         try:
@@ -332,7 +338,7 @@ class Router:
                         firsts[index].append(out)
                         prefix = (echo or {}).get(subs[index].prompt_index, "")
                     if chat:
-                        chunk = proto.chat_chunk(head, index, out, core.token_str, **opts)
+                        chunk = proto.chat_chunk(head, index, out, core.token_str, parsers[index], **opts)
                     else:
                         chunk = proto.completion_chunk(
                             head, index, out, core.token_str, offset=offsets[index], prefix=prefix, **opts

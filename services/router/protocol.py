@@ -1,7 +1,7 @@
 """OpenAI-compatible request/response shapes and their validation (pure: no Ray, no HTTP).
 
-Requests are pydantic models; unknown fields are accepted and ignored (as OpenAI and vLLM do),
-wrong types and out-of-range values become `APIError`s with OpenAI's error JSON. vLLM-compatible
+Requests are pydantic models; a field this server does not implement is refused by name, wrong
+types and out-of-range values become `APIError`s with OpenAI's error JSON. vLLM-compatible
 extensions: `top_k`, `return_token_ids`, `ignore_eos`, `stop_token_ids`, prompts as token ids.
 
 Responses (whole, or streamed chunk by chunk) are built from the engine's `RequestOutput`s by
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.model.sampling import SamplingParamError, SamplingParams
+from services.router.chat_format import ChatParser, ToolChoice, ToolsError, output_schema, response_schema
 
 if TYPE_CHECKING:
     from services.model.engine import RequestOutput
@@ -70,18 +71,13 @@ class _Request(BaseModel):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
 
-    def check_not_yet_supported(self) -> None:
-        """Fields of the OpenAI API this server does not implement yet: refused by name."""
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(400, "response_format json_object / json_schema (structured outputs) is not supported yet",
-                           param="response_format")  # fmt: skip
-        if self.tools:
-            raise APIError(400, "tool calling is not supported yet", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice needs tools, which are not supported yet", param="tool_choice")
+    def output_schema(self) -> dict | None:
+        """The JSON schema the output is constrained to (None: free text)."""
+        try:
+            return response_schema(self.response_format)
+        except ToolsError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     def bias(self) -> dict[int, float]:
         try:
@@ -107,15 +103,21 @@ class _Request(BaseModel):
             min_p=self.min_p,
             min_tokens=self.min_tokens,
             logit_bias=self.bias(),
+            json_schema=self.output_schema(),
         )
-        self.check_not_yet_supported()
         try:
             params.validate()
         except SamplingParamError as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise APIError(
+                400, str(e), param=self._schema_field() if e.param == "json_schema" else e.param
+            ) from None
         if not 1 <= self.n <= 16:
             raise APIError(400, f"n must be in [1, 16], got {self.n}", param="n")
         return params
+
+    def _schema_field(self) -> str:
+        """The request field a bad output schema came from."""
+        return "response_format"
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -158,6 +160,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning (not shown to the model again)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -170,9 +176,34 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (text content; "developer" is "system")."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them (text content; "developer" is "system"; an assistant
+    turn's tool calls with their arguments as JSON text; a tool turn's call id)."""
+    out = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise APIError(
+                    400, f"messages[{i}]: only assistant messages carry tool_calls", param="messages"
+                )
+            msg["tool_calls"] = [_tool_call(c, i) for c in m.tool_calls]
+            msg["content"] = m.content and m.text()  # None when the turn is only calls
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _tool_call(call: dict[str, Any], i: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, f"messages[{i}].tool_calls: each call needs function.name", param="messages")
+    args = fn.get("arguments", "{}")
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}  # fmt: skip
 
 
 class ChatCompletionRequest(_Request):
@@ -181,9 +212,27 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True  # accepted; `required` allows several calls, as OpenAI's default
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.messages)
+
+    def tool_choice_spec(self) -> ToolChoice:
+        try:
+            return ToolChoice.parse(self.tools, self.tool_choice)
+        except ToolsError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def output_schema(self) -> dict | None:
+        try:
+            return output_schema(self.response_format, self.tool_choice_spec())
+        except ToolsError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def _schema_field(self) -> str:
+        return "tools" if self.tool_choice_spec().forced else "response_format"
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -290,11 +339,12 @@ def chat_logprobs(outs: Sequence[RequestOutput], token_str: TokenStr) -> dict:
                         if lp is not None]}  # fmt: skip
 
 
-def _choice(
-    index: int, body: dict, logprobs: dict | None, outs: Sequence[RequestOutput], token_ids: bool
-) -> dict:
-    """{"index", <body's keys>, "logprobs", "finish_reason"[, "token_ids"]}: a choice of `outs`."""
-    choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": outs[-1].finish_reason}
+def _choice(index: int, body: dict, logprobs: dict | None, outs: Sequence[RequestOutput], token_ids: bool,
+            finish_reason: str | None = None) -> dict:  # fmt: skip
+    """{"index", <body's keys>, "logprobs", "finish_reason"[, "token_ids"]}: a choice of `outs`
+    (finish_reason: `outs`' own unless given)."""
+    choice = {"index": index, **body, "logprobs": logprobs,
+              "finish_reason": finish_reason or outs[-1].finish_reason}  # fmt: skip
     if token_ids:
         choice["token_ids"] = [t for o in outs for t in o.token_ids]
     return choice
@@ -316,11 +366,13 @@ def completion_choice(index: int, outs: Sequence[RequestOutput], prompt_ids: Seq
     return choice
 
 
-def chat_choice(index: int, outs: Sequence[RequestOutput], token_str: TokenStr, *, logprobs: bool = False,
-                token_ids: bool = False) -> dict:  # fmt: skip
-    """One choice of a whole chat completion from all its outputs."""
+def chat_choice(index: int, outs: Sequence[RequestOutput], token_str: TokenStr, parser: ChatParser, *,
+                logprobs: bool = False, token_ids: bool = False) -> dict:  # fmt: skip
+    """One choice of a whole chat completion from all its outputs; `parser` splits the text into
+    content, reasoning and tool calls."""
     lps = chat_logprobs(outs, token_str) if logprobs else None
-    return _choice(index, {"message": {"role": "assistant", "content": _text(outs)}}, lps, outs, token_ids)
+    message, reason = parser.message(_text(outs), outs[-1].finish_reason)
+    return _choice(index, {"message": message}, lps, outs, token_ids, reason)
 
 
 def completion_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, *, offset: int = 0,
@@ -331,14 +383,21 @@ def completion_chunk(head: dict, index: int, out: RequestOutput, token_str: Toke
     return {**head, "choices": [_choice(index, {"text": prefix + out.text}, lps, [out], token_ids)]}
 
 
-def chat_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, *, logprobs: bool = False,
-               token_ids: bool = False) -> dict:  # fmt: skip
-    """A streamed chat chunk of one output. Mid-stream its content is "" (as vLLM sends) when the
-    output's text is empty (bytes held back in the middle of a UTF-8 character); the final chunk
-    with no text has an empty delta, as OpenAI sends."""
-    delta = {} if out.finished and not out.text else {"content": out.text}
+def chat_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, parser: ChatParser, *,
+               logprobs: bool = False, token_ids: bool = False) -> dict:  # fmt: skip
+    """A streamed chat chunk of one output, its text split by the choice's `parser` into content,
+    reasoning and (on the last chunk) tool calls. Mid-stream a chunk with nothing to show has
+    content "" (as vLLM sends: bytes held back in the middle of a UTF-8 character or a marker);
+    the final chunk with no text has an empty delta, as OpenAI sends."""
+    delta, reason = parser.feed(out.text), None
+    if out.finished:
+        last, reason = parser.finish(out.finish_reason)
+        for key, value in last.items():
+            delta[key] = delta.get(key, "") + value if key != "tool_calls" else value
+    elif not delta:
+        delta = {"content": ""}
     lps = chat_logprobs([out], token_str) if logprobs else None
-    return {**head, "choices": [_choice(index, {"delta": delta}, lps, [out], token_ids)]}
+    return {**head, "choices": [_choice(index, {"delta": delta}, lps, [out], token_ids, reason)]}
 
 
 def chat_role_chunk(head: dict, index: int) -> dict:

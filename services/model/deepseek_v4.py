@@ -1,0 +1,225 @@
+"""The attention side of DeepSeek-V4 (`model_type: deepseek_v4`): embeddings, manifold-constrained
+hyper-connections (mHC), the V4 attention layers (v4_attention.py), the MoE gates (hash-routed or
+sqrtsoftplus top-k), the shared expert, and the head. Routed experts stay with the expert backend:
+`forward` is a generator with DeepseekV3's contract (an `ExpertDispatch.routed` / `ExpertCombine`
+pair per MoE layer; every V4 layer is one), so `Engine`, `LocalExperts` and the gRPC expert
+workers run it unchanged. The math is transformers' `DeepseekV4ForCausalLM`.
+
+Shapes: T tokens, H hidden, M = hc_mult residual streams, E routed experts, K experts per token.
+
+The residual stream is M copies of the hidden state, h [T, M, H]. Around each sub-block (attention,
+then MoE) a hyper-connection computes, from RMS-normalised h flattened to [T, M*H],
+    pre [T, M]  = sigmoid(fn_pre  . h * scale[0] + base) + eps      (collapse: x = sum_m pre_m h_m)
+    post [T, M] = 2 * sigmoid(fn_post . h * scale[1] + base)          (expand the block's output)
+    comb [T, M, M] = Sinkhorn(softmax(fn_comb . h * scale[2] + base) + eps)   (doubly stochastic)
+and h <- post * block(norm(x)) + comb^T h. At the end `hc_head` collapses the streams (sigmoid
+weights), then the final norm and `head.weight`.
+
+MoE gate: scores = sqrt(softplus(x . gate^T)) (or sigmoid); "moe" layers pick the top-K of
+scores + bias, "hash_moe" layers take the experts `tid2eid[token id]`; the weights are the picked
+scores normalised, times routed_scaling_factor. The shared expert and the routed experts are
+SwiGLUs with gate clamped to <= swiglu_limit and up to [-limit, limit].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import CheckpointReader
+from .config import ModelConfig
+from .layers import swiglu_act
+from .model import ExpertCombine, ExpertDispatch, StepBatch, StepGen
+from .v4_attention import V4AttentionWeights, V4Rope, rms_norm_f32, v4_attention
+
+
+@dataclass
+class HyperConnection:
+    fn: torch.Tensor  # [(2+M)*M, M*H] fp32 (one head: [M, M*H])
+    base: torch.Tensor  # [(2+M)*M] fp32
+    scale: torch.Tensor  # [3] fp32 (head: [1])
+
+
+@dataclass
+class V4LayerWeights:
+    attn_norm: torch.Tensor  # [H] fp32
+    ffn_norm: torch.Tensor  # [H] fp32
+    hc_attn: HyperConnection
+    hc_ffn: HyperConnection
+    attn: V4AttentionWeights
+    gate: torch.Tensor  # [E, H]
+    gate_bias: torch.Tensor | None  # [E] fp32 ("moe" layers)
+    tid2eid: torch.Tensor | None  # [vocab, K] int64 ("hash_moe" layers)
+    w1: torch.Tensor  # shared expert gate [I, H]
+    w2: torch.Tensor  # shared expert down [H, I]
+    w3: torch.Tensor  # shared expert up [I, H]
+
+
+def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch.dtype) -> V4LayerWeights:
+    p, f32 = f"model.layers.{i}.", torch.float32
+    get = reader.get
+
+    def hc(name: str) -> HyperConnection:
+        return HyperConnection(
+            get(p + name + "_fn", f32), get(p + name + "_base", f32), get(p + name + "_scale", f32)
+        )
+
+    tid2eid = get(p + "ffn.gate.tid2eid").long() if cfg.is_hash_layer(i) else None
+    return V4LayerWeights(
+        attn_norm=get(p + "attn_norm.weight", f32),
+        ffn_norm=get(p + "ffn_norm.weight", f32),
+        hc_attn=hc("hc_attn"),
+        hc_ffn=hc("hc_ffn"),
+        attn=V4AttentionWeights.load(get, cfg, i, dtype),
+        gate=get(p + "ffn.gate.weight", dtype),
+        gate_bias=None if tid2eid is not None else reader.get_optional(p + "ffn.gate.bias", f32),
+        tid2eid=tid2eid,
+        w1=get(p + "ffn.shared_experts.w1.weight", dtype),
+        w2=get(p + "ffn.shared_experts.w2.weight", dtype),
+        w3=get(p + "ffn.shared_experts.w3.weight", dtype),
+    )
+
+
+def _move(obj, device: torch.device) -> None:
+    """Move every tensor field of a weights dataclass (and the ones nested in it) to `device`."""
+    for k, v in vars(obj).items():
+        if isinstance(v, torch.Tensor):
+            setattr(obj, k, v.to(device))
+        elif hasattr(v, "__dataclass_fields__"):
+            _move(v, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyper-connections
+# ---------------------------------------------------------------------------------------------
+def hc_pre(h: torch.Tensor, w: HyperConnection, cfg: ModelConfig):
+    """h [T, M, H] -> (post [T, M] fp32, comb [T, M, M] fp32, collapsed x [T, H] in h's dtype)."""
+    T, M, _ = h.shape
+    eps = cfg.hc_eps
+    mix = F.linear(rms_norm_f32(h.reshape(T, -1).float(), None, cfg.rms_norm_eps), w.fn)
+    pre_w, post_w, comb_w = mix.split([M, M, M * M], dim=-1)
+    pre_b, post_b, comb_b = w.base.split([M, M, M * M])
+    pre = torch.sigmoid(pre_w * w.scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * w.scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(T, M, M) * w.scale[2] + comb_b.view(M, M), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # Sinkhorn-Knopp: columns, then rows/columns
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return post, comb, (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+
+
+def hc_post(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The streams after a block: post * out + comb^T h; h [T, M, H], out [T, H] -> [T, M, H]."""
+    dtype = h.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+
+
+def hc_head(h: torch.Tensor, w: HyperConnection, cfg: ModelConfig) -> torch.Tensor:
+    """The final collapse of the streams: h [T, M, H] -> [T, H]."""
+    flat = rms_norm_f32(h.flatten(1).float(), None, cfg.rms_norm_eps)
+    pre = torch.sigmoid(F.linear(flat, w.fn) * w.scale + w.base) + cfg.hc_eps
+    return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE gate
+# ---------------------------------------------------------------------------------------------
+def route_v4(
+    x: torch.Tensor, input_ids: torch.Tensor, layer: V4LayerWeights, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], input_ids [T] -> (topk_idx [T, K] int64, topk_weight [T, K] fp32)."""
+    logits = F.linear(x.float(), layer.gate.float())
+    scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else logits.sigmoid()
+    if layer.tid2eid is not None:  # hash routing: the experts are a function of the token id
+        idx = layer.tid2eid[input_ids]
+    else:
+        choice = scores if layer.gate_bias is None else scores + layer.gate_bias
+        idx = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+    weight = scores.gather(1, idx)
+    weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+    return idx, weight * cfg.routed_scaling_factor
+
+
+# ---------------------------------------------------------------------------------------------
+# The model (attention side)
+# ---------------------------------------------------------------------------------------------
+class DeepseekV4:
+    """Everything but the routed experts, with weights as plain tensors."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[V4LayerWeights],
+        hc_head: HyperConnection,
+        norm: torch.Tensor,
+        head: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.cfg, self.embed, self.layers, self.hc_head = cfg, embed, layers, hc_head
+        self.norm, self.head, self.dtype, self.device = norm, head, dtype, torch.device(device)
+        self.ropes = {"main": V4Rope(cfg, False, self.device), "compress": V4Rope(cfg, True, self.device)}
+
+    def shard_attention(self, rank: int, tp: int, reduce) -> None:
+        raise NotImplementedError("attention tensor parallelism is not implemented for deepseek_v4")
+
+    @classmethod
+    def load(
+        cls,
+        reader: CheckpointReader,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        progress=None,
+    ) -> DeepseekV4:
+        """Read the attention-side weights; no routed-expert tensor is touched."""
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            layers.append(_load_layer(reader, cfg, i, dtype))
+            if progress is not None:
+                progress(i + 1, cfg.num_hidden_layers)
+        f32 = torch.float32
+        head = HyperConnection(*(reader.get(f"model.hc_head.hc_{k}", f32) for k in ("fn", "base", "scale")))
+        model = cls(cfg, reader.get("model.embed_tokens.weight", dtype), layers, head,
+                    reader.get("model.norm.weight", f32), reader.get("head.weight", dtype), dtype)  # fmt: skip
+        return model.to(device)
+
+    def to(self, device: torch.device | str) -> DeepseekV4:
+        device = torch.device(device)
+        if device != self.device:
+            for obj in (*self.layers, self.hc_head):
+                _move(obj, device)
+            self.embed, self.norm, self.head = (t.to(device) for t in (self.embed, self.norm, self.head))
+            self.device = device
+            self.ropes = {"main": V4Rope(self.cfg, False, device), "compress": V4Rope(self.cfg, True, device)}
+        return self
+
+    def forward(self, batch: StepBatch, cache: torch.Tensor) -> StepGen:
+        """One step. cache [layers, blocks, 64, 1, cfg.cache_dim] (rows: v4_attention.py). Yields
+        expert messages at every layer; returns fp32 logits [len(batch.logits_index), vocab]."""
+        cfg = self.cfg
+        ids = batch.input_ids
+        x = F.embedding(ids, self.embed)
+        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, M, H]
+        cos_sin = {k: rope.cos_sin(batch.positions) for k, rope in self.ropes.items()}
+        for i, layer in enumerate(self.layers):
+            post, comb, x = hc_pre(h, layer.hc_attn, cfg)
+            x = rms_norm_f32(x, layer.attn_norm, cfg.rms_norm_eps)
+            attn = v4_attention(x, layer.attn, cfg, self.ropes, cos_sin, cache[i], batch)
+            h = hc_post(h, attn, post, comb)
+
+            post, comb, x = hc_pre(h, layer.hc_ffn, cfg)
+            x = rms_norm_f32(x, layer.ffn_norm, cfg.rms_norm_eps)
+            topk_idx, topk_weight = route_v4(x, ids, layer, cfg)
+            handle = yield ExpertDispatch.routed(i, i, x, topk_idx, topk_weight, cfg.n_routed_experts)
+            shared = F.linear(
+                swiglu_act(F.linear(x, layer.w1), F.linear(x, layer.w3), cfg.swiglu_limit), layer.w2
+            )
+            routed = yield ExpertCombine(handle)
+            h = hc_post(h, routed + shared, post, comb)
+        last = hc_head(h[batch.logits_index], self.hc_head, cfg)
+        return F.linear(rms_norm_f32(last, self.norm, cfg.rms_norm_eps), self.head).float()

@@ -1,0 +1,122 @@
+"""DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): which context tokens each
+query attends to.
+
+Per layer, beside MLA, the indexer projects
+    q_idx = wq_b(q_lora)                      [T, Hi, Di]   (q_lora: MLA's q_a_layernorm output)
+    k_idx = LayerNorm(wk(x))                  [T, Di]       (weight and bias, eps 1e-6)
+and ropes the *first* R = qk_rope_head_dim dims of both with the model's cos/sin in the
+rotate-half (neox) layout, unlike MLA's interleaved pairs. A query s scores context token t as
+
+    score[s, t] = sum_h  w[s, h] * relu(q_idx[s, h] . k_idx[t] * Di^-0.5),
+    w = weights_proj(x) * Hi^-0.5                                            [T, Hi]
+
+and MLA then attends only to the `index_topk` best-scoring tokens among the causal ones (all of
+them while the query sees <= index_topk tokens). This is transformers' `DeepseekV32Indexer`
+(which skips DeepSeek's Hadamard rotation and FP8 scoring: both leave q.k unchanged up to
+rounding). Tokens with exactly equal scores (relu makes every head 0 for a token whose q.k are
+all negative) are broken by `topk`, which is implementation-defined: transformers' own prefill
+and decode break such ties differently, so a tie at the top-k boundary has no single answer.
+
+The rope'd, normed key of every token is cached in the last Di columns of the paged cache row
+([c_kv | k_pe | k_idx], see `ModelConfig.cache_dim`), so prefix caching, chunked prefill and
+failover resume handle it like the latent row.
+
+Shapes: T tokens in the step, H hidden, Hi = index_n_heads, Di = index_head_dim, L context,
+q_lora = q_lora_rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+INDEXER_NORM_EPS = 1e-6  # the k_norm LayerNorm's eps in transformers and DeepSeek's code
+
+
+@dataclass
+class IndexerWeights:
+    """One layer's indexer (replicated on every attention tensor-parallel rank)."""
+
+    wq_b: torch.Tensor  # [Hi*Di, q_lora]
+    wk: torch.Tensor  # [Di, H]
+    k_norm: torch.Tensor  # [Di] LayerNorm weight
+    k_norm_bias: torch.Tensor  # [Di] LayerNorm bias
+    weights_proj: torch.Tensor  # [Hi, H]
+
+    @classmethod
+    def load(cls, get, prefix: str, dtype: torch.dtype) -> IndexerWeights:
+        """get(name, dtype) reads a checkpoint tensor; prefix ends with 'self_attn.indexer.'."""
+        return cls(
+            wq_b=get(prefix + "wq_b.weight", dtype),
+            wk=get(prefix + "wk.weight", dtype),
+            k_norm=get(prefix + "k_norm.weight", dtype),
+            k_norm_bias=get(prefix + "k_norm.bias", dtype),
+            weights_proj=get(prefix + "weights_proj.weight", dtype),
+        )
+
+
+def _rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope on the first R dims of x [T, ..., Di]; cos/sin [T, R/2]."""
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def index_keys(
+    x: torch.Tensor, w: IndexerWeights, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """The indexer keys of this step's tokens: x [T, H] -> [T, Di] (normed, rope'd), to cache."""
+    k = F.layer_norm(F.linear(x, w.wk), (w.wk.shape[0],), w.k_norm, w.k_norm_bias, INDEXER_NORM_EPS)
+    return _rope_neox(k, *cos_sin)
+
+
+@dataclass
+class IndexQueries:
+    """What a step's queries need to score context tokens: q [T, Hi, Di] (rope'd) and the
+    per-head weights w [T, Hi] (fp32, Hi^-0.5 and Di^-0.5 folded in as transformers does)."""
+
+    q: torch.Tensor
+    weights: torch.Tensor
+    topk: int
+
+    @classmethod
+    def build(
+        cls,
+        x: torch.Tensor,
+        q_lora: torch.Tensor,
+        w: IndexerWeights,
+        cfg: ModelConfig,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> IndexQueries:
+        """x [T, H] (post input-norm), q_lora [T, q_lora] (MLA's q_a_layernorm output)."""
+        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+        q = _rope_neox(F.linear(q_lora, w.wq_b).view(x.shape[0], Hi, Di), *cos_sin)
+        weights = F.linear(x, w.weights_proj).float() * Hi**-0.5
+        return cls(q, weights, cfg.index_topk)
+
+    def keep(self, rows: torch.Tensor | slice, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Which context tokens the queries `rows` attend to.
+
+        rows: which of the step's queries ([Q] indices or a slice); keys [Q, L, Di] or [L, Di]
+        (shared by all Q queries: one prefill sequence) cached indexer keys; visible [Q, L] bool
+        (causal and within the sequence). Returns [Q, L] bool: the `topk` best-scoring visible
+        tokens of each query (all visible ones when a query sees <= topk tokens).
+        """
+        if keys.shape[-2] <= self.topk:  # nothing to drop: every visible token is among the top-k
+            return visible
+        q = self.q[rows].float()  # [Q, Hi, Di]
+        if keys.dim() == 2:
+            dots = torch.einsum("qhd,ld->qhl", q, keys.float())
+        else:
+            dots = torch.einsum("qhd,qld->qhl", q, keys.float())
+        scale = q.shape[-1] ** -0.5
+        scores = torch.einsum("qh,qhl->ql", self.weights[rows], F.relu(dots * scale))
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(self.topk, dim=-1).indices
+        return torch.zeros_like(visible).scatter_(-1, top, True) & visible

@@ -1,0 +1,283 @@
+"""DeepSeek-V4 attention over the paged cache: one shared K=V head, a sliding window, compressed
+KV entries (CSA: every `compress_ratio_csa` tokens, picked per query by a lightning indexer; HCA:
+every `compress_ratio_hca` tokens, all of them), attention sinks and the grouped output
+projection. The math is transformers' `DeepseekV4Attention` (modeling_deepseek_v4.py).
+
+Shapes: T tokens in the step, H hidden, N heads, D = head_dim (the one K=V head: D - R no-rope
+dims, then R rope dims), r a compress ratio, Hi / Di the indexer's heads / head size, G o_groups.
+
+Per token t of a layer (x = the layer's attention input):
+    kv[t]   = rope(RMSNorm(wkv x))                                       [D]   (K and V)
+    q[t]    = rope(unit-RMS per head(wq_b RMSNorm(wq_a x)))                [N, D]
+rope acts on the *last* R dims, interleaved pairs; sliding layers use the main rope (rope_theta),
+CSA/HCA layers the compress rope (compress_rope_theta, YaRN) for everything.
+
+A compressor emits entry w from the source tokens of window w (HCA: positions [w*r, (w+1)*r)) or,
+for CSA, of windows w-1 and w (two series: token t contributes its first half Ca to the entry of
+its window's successor and its second half Cb to its own window's):
+    entry[w] = rope_at(w*r)(RMSNorm(sum_j softmax_j(gate_j + ape[j % r]) * kv_j))     [d]
+(softmax per feature over the window's r or 2r slots; kv = wkv x, gate = wgate x per token).
+Query t sees entry w once its window is complete: w < (t+1) // r. The CSA indexer compresses
+the same way at Di and keeps, per query, the `index_topk` entries with the best
+    score[t, w] = sum_h (weights_proj x)[t, h] / sqrt(Hi) * relu(q_idx[t, h] . k_idx[w]) / sqrt(Di),
+q_idx = rope(wq_b of the q_lora query). Each query attends, in one softmax with a per-head sink
+logit, to its last `sliding_window` tokens' kv and its visible (CSA: selected) entries; the
+output's rope dims are rotated back by the query's position, then `wo_b(wo_a per group)`.
+
+Cache rows (one per token per layer, `ModelConfig.v4_row_dim`) hold everything that is needed
+later, so prefix caching, chunked prefill, preemption and failover resume work unchanged:
+    [kv (D) | compressor kv (S*d) | compressor gate (S*d) | entry (d) | same for the indexer]
+(S = 2 for CSA's two series, 1 for HCA). A token's compressor kv / gate are raw projections; the
+entry columns are filled on the row of each window's last token, when that token is computed
+(an entry depends only on its window's tokens, so a cached block carries exact entries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig, rope_inv_freq
+from .kv_cache import BLOCK_SIZE
+from .model import StepBatch
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm as V4's: in fp32, times the fp32 `weight` (None: unweighted), cast back once."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (xf if weight is None else weight * xf).to(x.dtype)
+
+
+class V4Rope:
+    """cos / sin [T, R/2] (fp32) of the main (sliding layers) or compress (CSA/HCA) rope."""
+
+    def __init__(self, cfg: ModelConfig, compress: bool, device: torch.device | str = "cpu"):
+        inv_freq, self.factor = rope_inv_freq(cfg, compress=compress)
+        self.inv_freq = inv_freq.to(device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.factor, freqs.sin() * self.factor
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair rope of the last R = 2 * cos.shape[-1] dims of x [T, ..., d] (in fp32,
+    cast back); cos/sin [T, R/2]. (cos, -sin) undoes it."""
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.view(shape), sin.view(shape)
+    rope = x[..., -2 * half :].float()
+    x1, x2 = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    return torch.cat((x[..., : -2 * half], rotated.to(x.dtype)), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CompressorWeights:
+    """One compressor (CSA/HCA main, or the CSA indexer's): S = 2 overlapping series (CSA) or 1."""
+
+    wkv: torch.Tensor  # [S*d, H]
+    wgate: torch.Tensor  # [S*d, H]
+    ape: torch.Tensor  # [r, S*d] fp32 position bias of the gate
+    norm: torch.Tensor  # [d] fp32
+    ratio: int  # r
+    offset: int  # first cache-row column of [kv (S*d) | gate (S*d) | entry (d)]
+
+    @property
+    def dim(self) -> int:
+        return self.norm.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.wkv.shape[0]
+
+    @property
+    def overlap(self) -> bool:
+        return self.width == 2 * self.dim
+
+    @property
+    def entry_cols(self) -> slice:
+        start = self.offset + 2 * self.width
+        return slice(start, start + self.dim)
+
+    @property
+    def end(self) -> int:
+        return self.offset + 2 * self.width + self.dim
+
+    @classmethod
+    def load(cls, get, prefix: str, ratio: int, offset: int, dtype: torch.dtype) -> CompressorWeights:
+        """prefix ends with 'compressor.'; get(name, dtype) reads a checkpoint tensor."""
+        return cls(get(prefix + "wkv.weight", dtype), get(prefix + "wgate.weight", dtype),
+                   get(prefix + "ape", torch.float32), get(prefix + "norm.weight", torch.float32),
+                   ratio, offset)  # fmt: skip
+
+
+@dataclass
+class V4IndexerWeights:
+    wq_b: torch.Tensor  # [Hi*Di, q_lora]
+    weights_proj: torch.Tensor  # [Hi, H]
+    compressor: CompressorWeights  # at Di, two series
+
+
+@dataclass
+class V4AttentionWeights:
+    kind: str  # SLIDING, CSA or HCA
+    wq_a: torch.Tensor  # [q_lora, H]
+    q_norm: torch.Tensor  # [q_lora] fp32
+    wq_b: torch.Tensor  # [N*D, q_lora]
+    wkv: torch.Tensor  # [D, H]
+    kv_norm: torch.Tensor  # [D] fp32
+    wo_a: torch.Tensor  # [G*o_lora, N*D/G]
+    wo_b: torch.Tensor  # [H, G*o_lora]
+    sinks: torch.Tensor  # [N] fp32
+    compressor: CompressorWeights | None = None  # CSA / HCA
+    indexer: V4IndexerWeights | None = None  # CSA
+
+    @classmethod
+    def load(cls, get, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> V4AttentionWeights:
+        a, kind, D = f"model.layers.{layer}.attn.", cfg.layer_types[layer], cfg.head_dim
+        f32 = torch.float32
+        w = cls(kind, get(a + "wq_a.weight", dtype), get(a + "q_norm.weight", f32), get(a + "wq_b.weight", dtype),
+                get(a + "wkv.weight", dtype), get(a + "norm.weight", f32), get(a + "wo_a.weight", dtype),
+                get(a + "wo_b.weight", dtype), get(a + "attn_sink", f32))  # fmt: skip
+        if kind != SLIDING:
+            w.compressor = CompressorWeights.load(get, a + "compressor.", cfg.compress_ratio(layer), D, dtype)
+        if kind == CSA:
+            comp = CompressorWeights.load(
+                get, a + "indexer.compressor.", cfg.compress_ratio_csa, w.compressor.end, dtype
+            )
+            w.indexer = V4IndexerWeights(get(a + "indexer.wq_b.weight", dtype),
+                                         get(a + "indexer.weights_proj.weight", dtype), comp)  # fmt: skip
+        return w
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressed entries
+# ---------------------------------------------------------------------------------------------
+def _slots(batch: StepBatch, b: int, positions: torch.Tensor) -> torch.Tensor:
+    """Flat cache rows (block * 64 + offset) of sequence b's tokens at `positions` (any shape)."""
+    table = batch.block_table[b].long()
+    return table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+
+
+def emit_entries(
+    c: CompressorWeights, rows: torch.Tensor, batch: StepBatch, rope: V4Rope, eps: float
+) -> None:
+    """Compute the entries of the windows this step's tokens complete, from the compressor
+    states in `rows` [blocks*64, W] (this step's included), into their last tokens' rows."""
+    r, d, device = c.ratio, c.dim, rows.device
+    for b, n in enumerate(batch.query_lens):
+        end = batch.context_lens[b]
+        first, last = (end - n) // r, end // r  # windows first .. last-1 close in this step
+        if last <= first:
+            continue
+        w = torch.arange(first, last, device=device)  # [nw]
+        span = 2 * r if c.overlap else r
+        pos = (w[:, None] - (1 if c.overlap else 0)) * r + torch.arange(span, device=device)  # [nw, span]
+        src = rows[:, c.offset : c.offset + 2 * c.width][
+            _slots(batch, b, pos.clamp(min=0))
+        ]  # [nw, span, 2Sd]
+        kv, gate = src[..., : c.width], src[..., c.width :].float()
+        if c.overlap:  # slots 0..r-1: window w-1's Ca series; r..2r-1: window w's Cb series
+            kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)  # [nw, 2r, d]
+            gate = torch.cat((gate[:, :r, :d] + c.ape[:, :d], gate[:, r:, d:] + c.ape[:, d:]), dim=1)
+            before = (pos < 0)[..., None]  # window -1 does not exist: weight 0
+            kv, gate = kv.masked_fill(before, 0.0), gate.masked_fill(before, float("-inf"))
+        else:
+            gate = gate + c.ape
+        pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [nw, d]
+        entry = rope_tail(rms_norm_f32(pooled, c.norm, eps), *rope.cos_sin(w * r))
+        rows[_slots(batch, b, w * r + r - 1), c.entry_cols] = entry.to(rows.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+def _compressor_states(c: CompressorWeights, x: torch.Tensor) -> list[torch.Tensor]:
+    """This step's row columns of one compressor: [kv | gate | entry (zeros until emitted)]."""
+    return [F.linear(x, c.wkv), F.linear(x, c.wgate), x.new_zeros(x.shape[0], c.dim)]
+
+
+def _indexer_keep(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """Which visible entries the queries keep: q [n, Hi, Di], weights [n, Hi] (fp32, Hi^-0.5 in),
+    keys [E, Di] indexer entries, visible [n, E] -> [n, E] bool (the `topk` best-scoring)."""
+    if keys.shape[0] <= topk:
+        return visible
+    dots = torch.einsum("qhd,ed->qhe", q.float(), keys.float())
+    scores = torch.einsum("qh,qhe->qe", weights, F.relu(dots) * q.shape[-1] ** -0.5)
+    top = scores.masked_fill(~visible, float("-inf")).topk(topk, dim=-1).indices
+    return torch.zeros_like(visible).scatter_(-1, top, True) & visible
+
+
+def v4_attention(
+    x: torch.Tensor,
+    w: V4AttentionWeights,
+    cfg: ModelConfig,
+    ropes: dict[str, V4Rope],
+    cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    cache: torch.Tensor,
+    batch: StepBatch,
+) -> torch.Tensor:
+    """x [T, H] (the layer's normed attention input) -> [T, H]. Writes this step's rows into
+    `cache` [blocks, 64, 1, W] (and the entries of the windows the step completes), then each
+    sequence's queries attend to their window rows and compressed entries."""
+    T, D, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
+    rope_kind = "main" if w.kind == SLIDING else "compress"
+    cos, sin = cos_sin[rope_kind]
+    q_lora = rms_norm_f32(F.linear(x, w.wq_a), w.q_norm, eps)
+    q = rope_tail(rms_norm_f32(F.linear(q_lora, w.wq_b).view(T, -1, D), None, eps), cos, sin)  # [T, N, D]
+    N = q.shape[1]
+    kv = rope_tail(rms_norm_f32(F.linear(x, w.wkv), w.kv_norm, eps), cos, sin)  # [T, D]
+
+    compressors = [c for c in (w.compressor, w.indexer and w.indexer.compressor) if c is not None]
+    new = torch.cat([kv] + [col for c in compressors for col in _compressor_states(c, x)], dim=-1)
+    rows = cache.view(-1, cache.shape[-1])  # [blocks*64, W]
+    rows[batch.slot_mapping, : new.shape[1]] = new.to(rows.dtype)
+    for c in compressors:
+        emit_entries(c, rows, batch, ropes["compress"], eps)
+    if w.indexer is not None:
+        Hi = w.indexer.weights_proj.shape[0]
+        q_idx = rope_tail(F.linear(q_lora, w.indexer.wq_b).view(T, Hi, -1), *cos_sin["compress"])
+        idx_weights = F.linear(x, w.indexer.weights_proj).float() * Hi**-0.5
+
+    out = torch.empty(T, N, D, dtype=x.dtype, device=x.device)
+    window, device = cfg.sliding_window, x.device
+    for b, n in enumerate(batch.query_lens):
+        end, s0 = batch.context_lens[b], batch.query_starts[b]
+        qpos = torch.arange(end - n, end, device=device)  # [n]
+        kpos = torch.arange(max(0, end - n - window + 1), end, device=device)  # the queries' windows
+        keys = rows[:, :D][_slots(batch, b, kpos)]  # [Lw, D]
+        visible = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - window)  # [n, Lw]
+        c = w.compressor
+        if c is not None and end >= c.ratio:
+            e = torch.arange(end // c.ratio, device=device)  # the entries so far ...
+            at = _slots(batch, b, e * c.ratio + c.ratio - 1)  # ... on their windows' last rows
+            seen = e[None] < ((qpos + 1) // c.ratio)[:, None]  # [n, E] complete windows only
+            if w.indexer is not None:
+                index_keys = rows[:, w.indexer.compressor.entry_cols][at]  # [E, Di]
+                seen = _indexer_keep(
+                    q_idx[s0 : s0 + n], idx_weights[s0 : s0 + n], index_keys, seen, cfg.index_topk
+                )
+            keys = torch.cat((keys, rows[:, c.entry_cols][at]), dim=0)
+            visible = torch.cat((visible, seen), dim=1)
+        logits = torch.einsum("qnd,kd->nqk", q[s0 : s0 + n], keys).float() * D**-0.5  # [N, n, K]
+        logits = logits.masked_fill(~visible[None], float("-inf"))
+        sinks = w.sinks.view(N, 1, 1).expand(N, n, 1)
+        probs = torch.cat((logits, sinks), dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)
+        out[s0 : s0 + n] = torch.einsum("nqk,kd->qnd", probs, keys)
+
+    out = rope_tail(out, cos, -sin)  # undo the rope the values (= keys) carried
+    G = cfg.o_groups
+    grouped = out.reshape(T, G, -1)
+    wo_a = w.wo_a.view(G, -1, grouped.shape[-1])  # [G, o_lora, N*D/G]
+    return F.linear(torch.einsum("tgi,goi->tgo", grouped, wo_a).reshape(T, -1), w.wo_b)

@@ -1,0 +1,262 @@
+"""DeepSeek's chat output format: `<think>` reasoning, tool calls, and what tools constrain.
+
+Pure: no Ray, no HTTP. The router turns a chat request's `tools` / `tool_choice` /
+`response_format` into one JSON schema for the engine's grammar (`output_schema`), then splits
+each choice's generated text into `reasoning_content`, `content` and `tool_calls`, whole or delta
+by delta as it streams (`ChatParser`).
+
+Tool calls, as vLLM does:
+- `auto`: the model writes DeepSeek's own markup, parsed afterwards. Both variants are read:
+  V3's `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>`
+  and V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`, inside
+  `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`.
+- `required`: the output is constrained to a JSON array of {"name", "parameters"} objects, one
+  of the tools each (at least one call).
+- a named function: the output is constrained to that function's parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+THINK_BEGIN, THINK_END = "<think>", "</think>"
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_CALL = re.compile(
+    re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(CALL_SEP) + r"(.*?)" + re.escape(CALL_END), re.S
+)
+_V3_ARGS = re.compile(r"([^\n]+)\n```(?:json)?\n(.*)\n```\s*", re.S)
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+class ToolsError(ValueError):
+    """An invalid tools / tool_choice / response_format combination (message, request field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a request's tools allow: mode none / auto / required / named (`name` set)."""
+
+    mode: str = "none"
+    tools: tuple[dict, ...] = ()  # each {"name", "description"?, "parameters"?}
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    @classmethod
+    def parse(cls, tools: list[Any] | None, tool_choice: Any) -> ToolChoice:
+        """OpenAI's `tools` and `tool_choice` -> ToolChoice; raises ToolsError."""
+        functions = []
+        for i, tool in enumerate(tools or []):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+                raise ToolsError("tools", f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+            name, params = fn.get("name"), fn.get("parameters", {"type": "object"})
+            if not isinstance(name, str) or not _NAME.fullmatch(name):
+                raise ToolsError("tools", f"tools[{i}].function.name must be 1-64 of a-z, A-Z, 0-9, _ . -")
+            if not isinstance(params, dict):
+                raise ToolsError("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+            functions.append({"name": name, "description": fn.get("description") or "", "parameters": params})
+        names = [f["name"] for f in functions]
+        if len(set(names)) != len(names):
+            raise ToolsError("tools", "tool function names must be unique")
+        if tool_choice is None:
+            return cls("auto" if functions else "none", tuple(functions))
+        if tool_choice in ("none", "auto", "required"):
+            if tool_choice != "none" and not functions:
+                raise ToolsError("tool_choice", f"tool_choice {tool_choice!r} needs tools")
+            return cls(tool_choice, tuple(functions))
+        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+        if (
+            not isinstance(tool_choice, dict)
+            or tool_choice.get("type") != "function"
+            or not isinstance(name, str)
+        ):
+            raise ToolsError(
+                "tool_choice",
+                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            )
+        if name not in names:
+            raise ToolsError("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+        return cls("named", tuple(functions), name)
+
+    def schema(self) -> dict | None:
+        """The JSON schema a forced tool call decodes under (None unless forced)."""
+        if self.mode == "named":
+            return next(f["parameters"] for f in self.tools if f["name"] == self.name)
+        if self.mode == "required":
+            call = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
+                     "required": ["name", "parameters"], "additionalProperties": False} for f in self.tools]  # fmt: skip
+            return {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+        return None
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them (None when the model is not to see them)."""
+        if self.mode == "none":
+            return None
+        return [{"type": "function", "function": f} for f in self.tools]
+
+
+def response_schema(response_format: dict[str, Any] | None) -> dict | None:
+    """OpenAI's `response_format` -> the JSON schema the output must follow (None for text)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ToolsError(
+                "response_format", "response_format json_schema needs json_schema.schema (an object)"
+            )
+        return schema
+    raise ToolsError("response_format", "response_format.type must be 'text', 'json_object' or 'json_schema'")
+
+
+def output_schema(response_format: dict[str, Any] | None, tools: ToolChoice) -> dict | None:
+    """The one schema a chat request decodes under: a forced tool call's or response_format's."""
+    schema = response_schema(response_format)
+    if schema is not None and tools.forced:
+        raise ToolsError("response_format", "response_format cannot be combined with a forced tool_choice")
+    return tools.schema() if tools.forced else schema
+
+
+def _call(name: str, arguments: str, index: int) -> dict:
+    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def parse_deepseek_calls(text: str) -> list[dict]:
+    """DeepSeek's tool-call markup (V3 or V3.1 variant) -> OpenAI tool calls (with `index`)."""
+    calls = []
+    for kind, rest in _CALL.findall(text):
+        v3 = _V3_ARGS.fullmatch(rest)
+        name, args = (v3.group(1), v3.group(2)) if v3 and kind.strip() == "function" else (kind, rest)
+        calls.append(_call(name.strip(), args.strip(), len(calls)))
+    return calls
+
+
+def _held(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could begin `marker` (held back while streaming)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class ChatParser:
+    """Splits one choice's text into reasoning, content and tool calls as it arrives.
+
+    `in_reasoning`: the prompt opened a `<think>` block (R1 / V3.1 thinking templates); the
+    output also enters one when it starts with `<think>`. Text up to `</think>` is reasoning.
+    Then: content, except that a forced tool call holds back everything for `finish`, and with
+    `auto` tools the text from `<｜tool▁calls▁begin｜>` on is held back and parsed at the end.
+    """
+
+    tools: ToolChoice = field(default_factory=ToolChoice)
+    in_reasoning: bool = False
+    _pending: str = ""  # text not yet classified (a possible marker prefix, or held-back calls)
+    _started: bool = False
+    _in_calls: bool = False
+
+    def feed(self, text: str) -> dict:
+        """The delta fields ({"reasoning_content", "content"}) to send for the new `text`."""
+        buf, delta = self._pending + text, {}
+        if not self._started:
+            if THINK_BEGIN.startswith(buf) and buf != THINK_BEGIN:
+                self._pending = buf  # maybe the start of <think>
+                return delta
+            self._started = True
+            if buf.startswith(THINK_BEGIN):
+                buf, self.in_reasoning = buf[len(THINK_BEGIN) :], True
+        if self.in_reasoning:
+            end = buf.find(THINK_END)
+            if end < 0:
+                keep = _held(buf, THINK_END)
+                self._pending = buf[len(buf) - keep :]
+                if buf[: len(buf) - keep]:
+                    delta["reasoning_content"] = buf[: len(buf) - keep]
+                return delta
+            if buf[:end]:
+                delta["reasoning_content"] = buf[:end]
+            buf, self.in_reasoning = buf[end + len(THINK_END) :], False
+        if self.tools.forced or self._in_calls:
+            self._pending = buf
+            return delta
+        if self.tools.mode == "auto":
+            begin = buf.find(CALLS_BEGIN)
+            if begin >= 0:
+                self._in_calls, self._pending = True, buf[begin:]
+                buf = buf[:begin]
+            else:
+                keep = _held(buf, CALLS_BEGIN)
+                buf, self._pending = buf[: len(buf) - keep], buf[len(buf) - keep :]
+        else:
+            self._pending = ""
+        if buf:
+            delta["content"] = buf
+        return delta
+
+    def finish(self, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The last delta (held-back text or the tool calls) and the choice's finish reason."""
+        rest, self._pending = self._pending, ""
+        if self.in_reasoning:
+            return ({"reasoning_content": rest} if rest else {}), finish_reason
+        calls = self._calls(rest) if (self.tools.forced or self._in_calls) else None
+        if calls is None:
+            return ({"content": rest} if rest else {}), finish_reason
+        if not calls:  # nothing parseable (a truncated output): the text as it is
+            return ({"content": rest} if rest else {}), finish_reason
+        reason = finish_reason if self.tools.mode == "named" or finish_reason != "stop" else "tool_calls"
+        return {"tool_calls": calls}, reason
+
+    def _calls(self, text: str) -> list[dict]:
+        if self.tools.mode == "named":
+            return [_call(self.tools.name, text, 0)]
+        if self.tools.mode == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                return []
+            return [_call(c["name"], json.dumps(c["parameters"]), i) for i, c in enumerate(items)]
+        return parse_deepseek_calls(text)
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A whole choice's message ({"role", "content", "reasoning_content"?, "tool_calls"?}) and
+        its finish reason."""
+        parts: dict[str, Any] = {}
+        last, reason = self.finish_after(text, finish_reason)
+        for d in last:
+            for k, v in d.items():
+                parts[k] = parts.get(k, "") + v if k != "tool_calls" else v
+        message = {"role": "assistant", "content": parts.get("content") or None}
+        if "reasoning_content" in parts:
+            message["reasoning_content"] = parts["reasoning_content"]
+        if "tool_calls" in parts:
+            message["tool_calls"] = [
+                {k: v for k, v in c.items() if k != "index"} for c in parts["tool_calls"]
+            ]
+        elif message["content"] is None:
+            message["content"] = ""
+        return message, reason
+
+    def finish_after(self, text: str, finish_reason: str | None) -> tuple[list[dict], str | None]:
+        """feed(text) then finish(): the deltas, in order, and the finish reason."""
+        first = self.feed(text)
+        last, reason = self.finish(finish_reason)
+        return [first, last], reason

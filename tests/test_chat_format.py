@@ -1,0 +1,163 @@
+"""DeepSeek's chat output format: tools -> schemas, reasoning / content / tool-call splitting,
+whole and streamed (pure: no cluster)."""
+
+import json
+
+import pytest
+
+from services.router.chat_format import (
+    CALL_BEGIN,
+    CALL_END,
+    CALL_SEP,
+    CALLS_BEGIN,
+    CALLS_END,
+    ChatParser,
+    ToolChoice,
+    ToolsError,
+    output_schema,
+    parse_deepseek_calls,
+    response_schema,
+)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_tool_choice_modes():
+    assert ToolChoice.parse(None, None).mode == "none"
+    assert ToolChoice.parse([WEATHER], None).mode == "auto"
+    assert ToolChoice.parse([WEATHER], "none").template_tools() is None
+    named = ToolChoice.parse([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}})
+    assert named.mode == "named" and named.schema() == {"type": "object"}  # no parameters: any object
+    required = ToolChoice.parse([WEATHER, TIME], "required").schema()
+    assert required["minItems"] == 1 and len(required["items"]["anyOf"]) == 2
+    assert required["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+
+
+@pytest.mark.parametrize(
+    "tools, choice, param",
+    [
+        ([{"type": "function"}], None, "tools"),
+        ([{"type": "retrieval", "function": {"name": "x"}}], None, "tools"),
+        ([{"type": "function", "function": {"name": "bad name!"}}], None, "tools"),
+        ([WEATHER, WEATHER], None, "tools"),
+        ([{"type": "function", "function": {"name": "x", "parameters": []}}], None, "tools"),
+        (None, "required", "tool_choice"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([WEATHER], "sometimes", "tool_choice"),
+    ],
+)
+def test_bad_tools_are_refused_by_field(tools, choice, param):
+    with pytest.raises(ToolsError) as e:
+        ToolChoice.parse(tools, choice)
+    assert e.value.param == param
+
+
+def test_response_format_schemas():
+    assert response_schema(None) is None and response_schema({"type": "text"}) is None
+    assert response_schema({"type": "json_object"}) == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert response_schema({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}) == schema
+    for bad in (
+        {"type": "json_schema"},
+        {"type": "yaml"},
+        {"type": "json_schema", "json_schema": {"schema": 1}},
+    ):
+        with pytest.raises(ToolsError):
+            response_schema(bad)
+    with pytest.raises(ToolsError):  # a forced call and a response format at once
+        output_schema({"type": "json_object"}, ToolChoice.parse([WEATHER], "required"))
+    assert output_schema({"type": "json_object"}, ToolChoice.parse([WEATHER], "auto")) == {"type": "object"}
+
+
+def test_parse_deepseek_calls_both_variants():
+    v3 = (f"{CALLS_BEGIN}{CALL_BEGIN}function{CALL_SEP}get_weather\n```json\n{{\"city\": \"Paris\"}}\n```{CALL_END}\n"
+          f"{CALL_BEGIN}function{CALL_SEP}get_time\n```json\n{{}}\n```{CALL_END}{CALLS_END}")  # fmt: skip
+    calls = parse_deepseek_calls(v3)
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (0, "get_weather", '{"city": "Paris"}'),
+        (1, "get_time", "{}"),
+    ]
+    v31 = f'{CALLS_BEGIN}{CALL_BEGIN}get_weather{CALL_SEP}{{"city": "Oslo"}}{CALL_END}{CALLS_END}'
+    assert parse_deepseek_calls(v31)[0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Oslo"}',
+    }
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
+
+
+def _stream(parser: ChatParser, text: str, cut: int, reason: str = "stop"):
+    """Feed `text` in pieces of `cut` characters; the merged deltas and the finish reason."""
+    merged: dict = {}
+    pieces = [text[i : i + cut] for i in range(0, len(text), cut)] or [""]
+    for i, piece in enumerate(pieces):
+        deltas = [parser.feed(piece)]
+        if i == len(pieces) - 1:
+            last, reason = parser.finish(reason)
+            deltas.append(last)
+        for d in deltas:
+            for k, v in d.items():
+                merged[k] = v if k == "tool_calls" else merged.get(k, "") + v
+    return merged, reason
+
+
+AUTO_TEXT = (f"Let me check.{CALLS_BEGIN}{CALL_BEGIN}function{CALL_SEP}get_weather\n```json\n"
+             f'{{"city": "Rome"}}\n```{CALL_END}{CALLS_END}')  # fmt: skip
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 7, 1000])
+def test_streamed_split_equals_whole(cut):
+    auto = ToolChoice.parse([WEATHER], "auto")
+    cases = [
+        (ChatParser(), "plain <thin text", {"content": "plain <thin text"}, "stop"),
+        (
+            ChatParser(in_reasoning=True),
+            "hmm, think</think>The answer.",
+            {"reasoning_content": "hmm, think", "content": "The answer."},
+            "stop",
+        ),  # fmt: skip
+        (
+            ChatParser(),
+            "<think>why</think>Because.",
+            {"reasoning_content": "why", "content": "Because."},
+            "stop",
+        ),
+        (
+            ChatParser(in_reasoning=True),
+            "still thinking <",
+            {"reasoning_content": "still thinking <"},
+            "stop",
+        ),
+        (ChatParser(auto), "No tools: <｜tool", {"content": "No tools: <｜tool"}, "stop"),
+    ]
+    for parser, text, want, want_reason in cases:
+        assert _stream(parser, text, cut) == (want, want_reason), (text, cut)
+    merged, reason = _stream(ChatParser(auto), AUTO_TEXT, cut)
+    assert reason == "tool_calls" and merged["content"] == "Let me check."
+    assert [c["function"] for c in merged["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    ]
+
+
+def test_forced_calls_become_tool_calls():
+    required = ChatParser(ToolChoice.parse([WEATHER, TIME], "required"))
+    text = json.dumps(
+        [{"name": "get_weather", "parameters": {"city": "Lima"}}, {"name": "get_time", "parameters": {}}]
+    )
+    message, reason = required.message(text, "stop")
+    assert reason == "tool_calls" and message["content"] is None
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
+    ] == [
+        ("get_weather", {"city": "Lima"}),
+        ("get_time", {}),
+    ]
+    assert "index" not in message["tool_calls"][0]  # only streamed deltas carry an index
+    named = ChatParser(ToolChoice.parse([WEATHER], {"type": "function", "function": {"name": "get_weather"}}))
+    message, reason = named.message('{"city": "Kyiv"}', "stop")
+    assert reason == "stop"  # as OpenAI answers a named tool_choice
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Kyiv"}'}
+    truncated = ChatParser(ToolChoice.parse([WEATHER], "required"))
+    message, reason = truncated.message('[{"name": "get_wea', "length")
+    assert reason == "length" and message == {"role": "assistant", "content": '[{"name": "get_wea'}

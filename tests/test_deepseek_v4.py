@@ -1,0 +1,271 @@
+"""DeepSeek-V4 (`model_type: deepseek_v4`) against transformers' DeepseekV4ForCausalLM (fp32,
+eager) on a tiny checkpoint where every layer type shows: sliding window 8, CSA every 4 tokens
+with the indexer keeping 4 entries, HCA every 24 tokens (a window that straddles a 64-token
+cache block), hash-routed and top-k MoE layers, 4 mHC streams, a SwiGLU clamp that bites.
+Prompts cross the window, the compression ratios and index_topk; whole and chunked prefill, a
+prefix-cache hit, the expert worker's store, and configs (published / DeepSeek's own key names)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from services.model.config import ModelConfig, rope_inv_freq
+from services.model.engine import EngineConfig, LocalEngine
+from services.model.sampling import SamplingParams
+
+from .hf_oracle import generate_with_logits, hf_greedy, load_hf, make_hf_checkpoint, run_requests
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+PROMPT_LENGTHS = [3, 23, 50, 97]  # 3: inside the window, no compressed entry before decoding
+RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 24}
+
+
+def _engine(path, **settings) -> LocalEngine:
+    return LocalEngine(EngineConfig(model=str(path), max_num_seqs=8, max_model_len=512, **settings))
+
+
+def _prompts(vocab: int, seed: int, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """A checkpoint written by transformers' DeepseekV4ForCausalLM, its greedy tokens and logits."""
+    path = make_hf_checkpoint(
+        tmp_path_factory.mktemp("v4"), seed=3, model_type="deepseek_v4", compress_rates=RATES, tokenizer=True
+    )
+    hf = load_hf(path)
+    assert type(hf).__name__ == "DeepseekV4ForCausalLM"
+    prompts = _prompts(hf.config.vocab_size, seed=1)
+    return path, hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+def _check(outs, logits, expected, what: str) -> float:
+    worst = 0.0
+    for i, (out, row, (tokens, hf_logits)) in enumerate(zip(outs, logits, expected, strict=True)):
+        assert out.token_ids == tokens, f"{what} prompt {i}: tokens differ from transformers"
+        worst = max(worst, (row - hf_logits).abs().max().item())
+    assert worst <= 1e-4, f"{what}: last-step logits differ by {worst}"
+    return worst
+
+
+@pytest.mark.parametrize("chunk", [2048, 13], ids=["whole-prefill", "chunked-prefill"])
+def test_greedy_tokens_and_logits_match_transformers(oracle, chunk):
+    """A batch of four prompts; 13-token chunks end mid-window, so entries are completed from
+    compressor states cached by an earlier step."""
+    path, _, prompts, expected = oracle
+    engine = _engine(path, max_num_batched_tokens=chunk)
+    cfg = engine.cfg
+    assert cfg.is_v4 and type(engine.model).__name__ == "DeepseekV4"
+    assert engine.cache.kv.shape[-1] == cfg.v4_row_dim("compressed_sparse_attention") == 32 * 6 + 16 * 5
+    outs, logits = generate_with_logits(engine, prompts, GREEDY)
+    _check(outs, logits, expected, f"chunk {chunk}")
+    assert engine.scheduler.num_free_blocks == engine.cache.num_blocks
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"index_topk": 10**6},  # CSA attends to every entry
+        {"compress_rates": {**RATES, "heavily_compressed_attention": 10**6}},  # no HCA entries
+        {"sliding_window": 10**6},
+        {"swiglu_limit": None},
+    ],
+    ids=["indexer", "hca", "window", "swiglu-clamp"],
+)
+def test_each_v4_feature_changes_the_tokens(oracle, tmp_path, change):
+    """The oracle test is not vacuous: the same weights without one of V4's mechanisms give
+    other tokens."""
+    path, _, prompts, expected = oracle
+    other = shutil.copytree(path, tmp_path / "other")
+    hf_cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**hf_cfg, **change}))
+    outs = _engine(other).generate(prompts, GREEDY)
+    assert sum(o.token_ids != tokens for o, (tokens, _) in zip(outs, expected, strict=True)) >= 2
+
+
+def test_prefix_cache_hit_keeps_compressor_state(oracle):
+    """A prompt whose first 64-token block comes from the prefix cache still matches: the HCA
+    window [48, 72) is completed from 16 cached compressor states and 8 new ones."""
+    path, hf, prompts, _ = oracle
+    first = prompts[3]
+    second = first[:80] + _prompts(hf.config.vocab_size, seed=9, lengths=[20])[0]
+    engine = _engine(path, max_num_batched_tokens=32)
+    engine.generate([first], GREEDY)
+    outs, logits = generate_with_logits(engine, [second], GREEDY)
+    _check(outs, logits, [hf_greedy(hf, second, NEW_TOKENS)], "prefix-cached")
+    assert engine.scheduler.prefix_hit_tokens == 64
+
+
+def test_hash_layers_route_by_token_id(oracle):
+    """Hash-routed layers pass the experts `tid2eid[token]` to the backend like any routing, so the
+    per-expert load (EPLB's input) counts them."""
+    path, hf, prompts, _ = oracle
+    engine = _engine(path)
+    _, _, load = run_requests(engine, [prompts[3]], SamplingParams(max_tokens=1, temperature=0.0))
+    for layer in (0, 1):
+        tid2eid = hf.model.layers[layer].mlp.gate.tid2eid
+        want = torch.bincount(tid2eid[torch.tensor(prompts[3])].reshape(-1), minlength=16)
+        assert torch.equal(load[layer], want)
+    assert load[2].sum() == len(prompts[3]) * 4
+
+
+def test_expert_worker_store_runs_the_clamped_swiglu(oracle):
+    """The expert worker's SlotStore reads V4's `ffn.experts.E.w1/w2/w3` and applies the clamp:
+    it agrees with transformers' DeepseekV4Experts."""
+    from services.experts.store import SlotStore
+
+    path, hf, _, _ = oracle
+    cfg = ModelConfig.from_dir(path)
+    store = SlotStore(cfg, path, torch.float32)
+    order = list(range(cfg.n_routed_experts))[::-1]  # slot s holds logical expert 15 - s
+    store.load(1, {layer: order for layer in cfg.moe_layers})
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, cfg.hidden_size, generator=g) * 3
+    logical = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(10)])
+    weight = torch.rand(10, 4, generator=g)
+    for layer in (0, 3):
+        got = store.forward(1, layer, x, (15 - logical).int(), weight)
+        with torch.no_grad():
+            want = hf.model.layers[layer].mlp.experts(x, logical, weight)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4's published dims in DeepSeek's own key names (compress_ratios, num_hash_layers,
+# qk_rope_head_dim, a flat rope_scaling that is the compressed layers' YaRN)
+RATIOS = [0, 0] + [4 if i % 2 else 128 for i in range(41)]
+DEEPSEEK_V4 = {
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 6,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "num_hash_layers": 3,
+    "compress_ratios": RATIOS,
+    "sliding_window": 128,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "swiglu_limit": 10.0,
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },  # fmt: skip
+    "max_position_embeddings": 1048576,
+    "num_nextn_predict_layers": 1,
+}
+
+
+def test_v4_config_is_read_as_transformers_reads_it():
+    """DeepSeek's key names and transformers' (what save_pretrained writes) give one config, and
+    both ropes have transformers' frequencies."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    cfg = ModelConfig.from_hf(DEEPSEEK_V4)
+    hf = DeepseekV4Config(**{k: v for k, v in DEEPSEEK_V4.items() if k != "model_type"})
+    assert ModelConfig.from_hf(json.loads(hf.to_json_string())) == cfg
+    assert cfg.layer_types == tuple(hf.layer_types) and cfg.mlp_layer_types == tuple(hf.mlp_layer_types)
+    assert (cfg.head_dim, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim) == (512, 64, 448)
+    assert (cfg.compress_ratio_csa, cfg.compress_ratio_hca, cfg.sliding_window) == (4, 128, 128)
+    assert cfg.moe_layers == list(range(43)) and [cfg.is_hash_layer(i) for i in range(4)] == [True] * 3 + [
+        False
+    ]
+    assert cfg.intermediate_size == 2048 and cfg.swiglu_limit == 10.0 and cfg.hc_mult == 4
+    rotary = DeepseekV4RotaryEmbedding(hf)
+    for compress, theirs in ((False, rotary.main_inv_freq), (True, rotary.compress_inv_freq)):
+        inv_freq, factor = rope_inv_freq(cfg, compress=compress)
+        torch.testing.assert_close(inv_freq, theirs, rtol=1e-6, atol=0)
+        assert factor == 1.0
+    # cache rows: sliding [kv], HCA [kv | state 2D | entry], CSA [kv | state 4D | entry | indexer 5Di]
+    assert [cfg.v4_row_dim(t) for t in ("sliding_attention", "heavily_compressed_attention")] == [512, 2048]
+    assert cfg.cache_dim == cfg.v4_row_dim("compressed_sparse_attention") == 512 * 6 + 128 * 5
+
+
+def test_transformers_defaults_are_the_published_model():
+    from transformers import DeepseekV4Config
+
+    cfg = ModelConfig.from_hf(json.loads(DeepseekV4Config().to_json_string()))
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.index_topk) == (4096, 43, 512, 512)
+    assert cfg.layer_types.count("compressed_sparse_attention") == 20 and cfg.compress_ratio_hca == 128
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "deepseek_v5"}, "model_type 'deepseek_v5' is not supported"),
+        ({"compress_ratios": [8] * 43}, "compress_ratios entry 8"),
+        ({"compress_ratios": None, "layer_types": ["full_attention"] * 43}, "layer_types"),
+        ({"num_hash_layers": None, "mlp_layer_types": ["dense"] * 43}, "mlp_layer_types"),
+        ({"n_group": 8}, "n_group"),
+        ({"first_k_dense_replace": 1}, "first_k_dense_replace"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"norm_topk_prob": False}, "norm_topk_prob"),
+        ({"n_shared_experts": 2}, "n_shared_experts"),
+        ({"o_groups": 6}, "o_groups"),
+        ({"index_topk": 0}, "index_topk"),
+        ({"q_lora_rank": None}, "q_lora_rank"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_scaling": {"type": "longrope"}}, "rope type"),
+        ({"quantization_config": {"quant_method": "fp8", "expert_dtype": "fp4"}}, "expert_dtype"),
+    ],
+)
+def test_v4_configs_this_engine_cannot_run_are_refused_by_name(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**DEEPSEEK_V4, **change})
+
+
+@pytest.mark.parametrize("key, value", [("hc_mult", 4), ("num_hash_layers", 3), ("sliding_window", 128)])
+def test_v4_options_are_refused_on_other_models(key, value):
+    from .test_deepseek_v32 import DEEPSEEK_V32
+
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf({**DEEPSEEK_V32, "model_type": "deepseek_v3", "index_n_heads": None,
+                             "index_head_dim": None, "index_topk": None, key: value})  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Over the API: router -> attention worker -> gRPC expert workers
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.cluster
+def test_cluster_api_serves_v4_like_the_local_engine(oracle):
+    import openai
+
+    from .clusters import tiny_cluster
+
+    path, _, prompts, _ = oracle
+    want = _engine(path).generate(prompts[2:], GREEDY)
+    with tiny_cluster(path, expert_workers=2, max_num_seqs=8, max_num_batched_tokens=32,
+                      balancer_period_s=0) as cluster:  # fmt: skip
+        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.completions.create(model="tiny", prompt=prompts[2:], max_tokens=NEW_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        got = [c.token_ids for c in sorted(r.choices, key=lambda c: c.index)]
+    assert got == [w.token_ids for w in want]
