@@ -161,3 +161,28 @@ def test_forced_calls_become_tool_calls():
     truncated = ChatParser(ToolChoice.parse([WEATHER], "required"))
     message, reason = truncated.message('[{"name": "get_wea', "length")
     assert reason == "length" and message == {"role": "assistant", "content": '[{"name": "get_wea'}
+
+
+def test_required_calls_keep_each_tools_definitions():
+    """A tool whose parameters use $defs (pydantic / zod schemas) keeps them under `required`."""
+    from services.model.grammar import check_json_schema
+
+    nested = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"who": {"$ref": "#/$defs/Person"}}, "required": ["who"],
+        "$defs": {"Person": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}}}  # fmt: skip
+    schema = ToolChoice.parse([nested, WEATHER], "required").schema()
+    check_json_schema(schema)
+    assert schema["$defs"]["book"]["properties"]["who"] == {"$ref": "#/$defs/book/$defs/Person"}
+    single = ToolChoice.parse([nested, WEATHER], "required", parallel=False).schema()
+    assert single["maxItems"] == 1
+
+
+def test_malformed_tool_choice_and_trailing_text():
+    with pytest.raises(ToolsError):
+        ToolChoice.parse([WEATHER], {"type": "function", "function": "get_weather"})
+    auto = ToolChoice.parse([WEATHER], "auto", parallel=False)
+    two = AUTO_TEXT.replace(
+        CALLS_END, f"{CALL_BEGIN}function{CALL_SEP}get_weather\n```json\n{{}}\n```{CALL_END}{CALLS_END}"
+    )
+    message, reason = ChatParser(auto).message(two + " Done.", "stop")
+    assert len(message["tool_calls"]) == 1 and message["content"] == "Let me check. Done."

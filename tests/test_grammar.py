@@ -133,3 +133,37 @@ def test_structured_output_needs_a_tokenizer_and_a_valid_schema(engine):
     with pytest.raises(SamplingParamError):
         engine.add_request([1, 2], SamplingParams(json_schema={"type": 5}))
     assert not engine.has_unfinished()
+
+
+def test_schemas_that_fail_on_their_first_mask_are_refused(engine):
+    with pytest.raises(RequestError, match="json_schema"):
+        engine.add_request(engine.tokenizer.encode("x"), SamplingParams(json_schema={"$ref": "#"}))
+    assert not engine.has_unfinished()
+
+
+def test_tools_are_described_to_templates_that_do_not_render_them(engine):
+    from services.model.tokenizer import Tokenizer
+
+    tok = engine.tokenizer
+    plain = Tokenizer(
+        tok._tok,
+        tok.bos_token,
+        tok.eos_token,
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}",
+    )
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "get_time", "description": "Now", "parameters": {"type": "object"}},
+        }
+    ]
+    text = plain.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools)
+    assert text.startswith("[system]## Tools") and "### get_time" in text and text.endswith("[user]hi")
+    text = plain.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tools=tools
+    )
+    assert text.startswith("[system]Be brief.\n\n## Tools")
+    turn = [{"role": "user", "content": "t?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "12:00"}, {"role": "user", "content": "thanks"}]  # fmt: skip
+    assert tok.apply_chat_template(turn).endswith("<｜tool▁outputs▁end｜><｜User｜>thanks<｜Assistant｜>")

@@ -363,9 +363,12 @@ class Engine:
         outputs = []
         for seq in self.scheduler.update(chunks, tokens, logprobs):
             matcher = self._matchers.get(seq.request_id)
+            error = None
             if matcher is not None and seq.status is not SeqStatus.FINISHED:
-                matcher.consume(seq.output_ids[-1])
-                if matcher.done:  # the grammar is complete: nothing but EOS could follow
+                if not matcher.consume(seq.output_ids[-1]):
+                    error = f"structured output: {matcher.error or 'the grammar refused the sampled token'}"
+                    self.scheduler.finish(seq, "error")
+                elif matcher.done:  # the grammar is complete: nothing but EOS could follow
                     self.scheduler.finish(seq, "stop")
             out = RequestOutput(
                 seq.request_id,
@@ -373,6 +376,7 @@ class Engine:
                 logprobs=[seq.output_logprobs[-1]],
                 num_prompt_tokens=len(seq.prompt_ids),
                 num_cached_tokens=seq.num_cached_tokens or 0,
+                error=error,
             )
             detok = self._detok.get(seq.request_id)
             if detok is not None:

@@ -14,7 +14,9 @@ JSON is compact (no optional whitespace), so no token is spent on layout.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections import OrderedDict
 from typing import Any
 
 import llguidance as llg
@@ -29,19 +31,34 @@ class GrammarError(ValueError):
     """A schema or grammar that cannot be compiled (the message says why)."""
 
 
-def json_grammar(schema: dict[str, Any]) -> str:
-    """A JSON schema -> llguidance grammar text; raises GrammarError for an invalid schema."""
+def _key(schema: dict[str, Any]) -> str:
+    """A schema's canonical JSON text (the cache key of its grammar)."""
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be a JSON object")
-    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
-        raise GrammarError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError) as e:
+        key = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError) as e:
         raise GrammarError(f"invalid JSON schema: {e}") from None
+    if len(key) > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
+    return key
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(key: str) -> str | GrammarError:
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(key, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        return GrammarError(f"invalid JSON schema: {e}")
     error = llg.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise GrammarError(f"invalid JSON schema: {error}")
+    return GrammarError(f"invalid JSON schema: {error}") if error else grammar
+
+
+def json_grammar(schema: dict[str, Any]) -> str:
+    """A JSON schema -> llguidance grammar text (cached); raises GrammarError for an invalid one."""
+    grammar = _compiled(_key(schema))
+    if isinstance(grammar, GrammarError):
+        raise grammar
     return grammar
 
 
@@ -80,12 +97,23 @@ class GrammarCompiler:
         self._tok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._executor = llg.LLExecutor(num_threads=threads)
         self._words = (vocab_size + 31) // 32
+        self._templates: OrderedDict[str, llg.LLMatcher] = OrderedDict()  # schema key -> fresh matcher
 
     def matcher(self, schema: dict[str, Any]) -> Matcher:
-        m = llg.LLMatcher(self._tok, json_grammar(schema), log_level=0)
-        if m.is_error():
-            raise GrammarError(m.get_error())
-        return Matcher(m)
+        """A fresh matcher at the start of `schema`'s grammar; raises GrammarError when it cannot
+        be built or fails on its first mask (e.g. a schema that only refers to itself). Built
+        matchers are cached per schema and copied (n > 1, repeated schemas)."""
+        key = _key(schema)
+        template = self._templates.pop(key, None)
+        if template is None:
+            template = llg.LLMatcher(self._tok, json_grammar(schema), log_level=0)
+            self.allowed([Matcher(template)])  # the first mask surfaces errors the grammar hides
+            if template.is_error():
+                raise GrammarError(f"invalid JSON schema: {template.get_error()}")
+        self._templates[key] = template
+        while len(self._templates) > 64:
+            self._templates.popitem(last=False)
+        return Matcher(template.deep_copy())
 
     def allowed(self, matchers: list[Matcher]) -> torch.Tensor:
         """[len(matchers), vocab_size] bool: the tokens each matcher allows next."""

@@ -12,32 +12,15 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 # Used when the checkpoint's tokenizer_config.json has no chat_template: DeepSeek-V3's format
-# (turn markers, tool calls and tool outputs as DeepSeek-V3-0324 writes them), with the tools
-# described after the system prompt.
+# (turn markers, tool calls and tool outputs as DeepSeek-V3-0324 writes them).
 DEFAULT_CHAT_TEMPLATE = """{{ bos_token }}
 {%- set ns = namespace(in_tool=false, first_output=true) %}
 {%- for m in messages if m['role'] == 'system' %}{{ m['content'] }}
 
 {% endfor %}
-{%- if tools %}## Tools
-You have access to the following tools:
-{% for t in tools %}
-### {{ t['function']['name'] }}
-Description: {{ t['function']['description'] }}
-
-Parameters: {{ t['function']['parameters'] | tojson }}
-{% endfor %}
-
-IMPORTANT: ALWAYS adhere to this exact format for tool use:
-<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_name
-```json
-arguments
-```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
-
-{% endif %}
 {%- for m in messages if m['role'] != 'system' %}
 {%- if m['role'] != 'tool' and ns.in_tool %}<｜tool▁outputs▁end｜>{% set ns.in_tool = false %}{% endif %}
-{%- if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}
+{%- if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}{% set ns.first_output = true %}
 {%- elif m['role'] == 'assistant' %}
 {%- set content = (m['content'] or '').split('</think>')[-1] %}
 {%- if not ns.first_output %}{{ content }}{% else %}<｜Assistant｜>{{ content }}{% endif %}
@@ -54,6 +37,23 @@ arguments
 {%- endfor %}
 {%- if ns.in_tool %}<｜tool▁outputs▁end｜>{% endif %}
 {%- if add_generation_prompt and ns.first_output %}<｜Assistant｜>{% endif %}"""
+
+# The tools a request offers, described to the model in its system prompt (DeepSeek's official
+# V3/R1 templates render tool calls and outputs but not the tools themselves).
+TOOLS_PROMPT = """## Tools
+You have access to the following tools:
+{% for t in tools %}
+### {{ t['function']['name'] }}
+Description: {{ t['function']['description'] }}
+
+Parameters: {{ t['function']['parameters'] | tojson }}
+{% endfor %}
+
+IMPORTANT: ALWAYS adhere to this exact format for tool use:
+<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_name
+```json
+arguments
+```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"""
 
 # DeepSeek's reasoning and tool-call markers (in its vocabulary as ordinary, not special, tokens:
 # they stay in decoded text, where the router parses them).
@@ -116,12 +116,23 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> str:
-        """The prompt text of a conversation; `tools`: OpenAI tool definitions the model may call."""
+        """The prompt text of a conversation; `tools`: OpenAI tool definitions the model may call
+        (described in the system prompt unless the template renders `tools` itself)."""
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(self.chat_template)
+            self._tools_prompt = env.from_string(TOOLS_PROMPT)
+        if tools and "tools" not in self.chat_template:
+            described = self._tools_prompt.render(tools=tools)
+            if messages and messages[0]["role"] == "system":
+                messages = [
+                    {**messages[0], "content": f"{messages[0]['content']}\n\n{described}"},
+                    *messages[1:],
+                ]
+            else:
+                messages = [{"role": "system", "content": described}, *messages]
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,

@@ -21,7 +21,7 @@ from services import __version__
 from services.model.engine import RequestOutput
 
 from . import protocol as proto
-from .chat_format import THINK_BEGIN, ChatParser
+from .chat_format import THINK_BEGIN, THINK_END, ChatParser
 from .core import RouterConfig, RouterCore, Sub
 from .protocol import (
     APIError,
@@ -219,6 +219,9 @@ class Router:
         tools = req.tool_choice_spec()
         prompt = core.tokenizer.apply_chat_template(req.chat_messages(), req.add_generation_prompt,
                                                     tools.template_tools())  # fmt: skip
+        thinking = prompt.rstrip().endswith(THINK_BEGIN)  # the template opened the reasoning block
+        if thinking and req.output_schema() is not None:  # constrained from the first token: no reasoning
+            prompt, thinking = prompt + THINK_END, False
         prompt_ids = core.tokenizer.encode(prompt, add_bos=False)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
@@ -227,7 +230,6 @@ class Router:
         rid = proto.new_id("chatcmpl")
         subs = core.subrequests([prompt_ids], params, req.n, rid)
         opts = {"logprobs": req.logprobs, "token_ids": self._token_ids(req)}
-        thinking = prompt.rstrip().endswith(THINK_BEGIN)  # the template opened the reasoning block
         parsers = [ChatParser(tools, thinking) for _ in subs]
         core.metrics.request_started("chat")
         if req.stream:

@@ -48,14 +48,15 @@ class ToolChoice:
     mode: str = "none"
     tools: tuple[dict, ...] = ()  # each {"name", "description"?, "parameters"?}
     name: str | None = None
+    parallel: bool = True  # several calls in one turn (OpenAI's parallel_tool_calls)
 
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
 
     @classmethod
-    def parse(cls, tools: list[Any] | None, tool_choice: Any) -> ToolChoice:
-        """OpenAI's `tools` and `tool_choice` -> ToolChoice; raises ToolsError."""
+    def parse(cls, tools: list[Any] | None, tool_choice: Any, parallel: bool = True) -> ToolChoice:
+        """OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` -> ToolChoice; raises ToolsError."""
         functions = []
         for i, tool in enumerate(tools or []):
             fn = tool.get("function") if isinstance(tool, dict) else None
@@ -71,12 +72,13 @@ class ToolChoice:
         if len(set(names)) != len(names):
             raise ToolsError("tools", "tool function names must be unique")
         if tool_choice is None:
-            return cls("auto" if functions else "none", tuple(functions))
+            return cls("auto" if functions else "none", tuple(functions), parallel=parallel)
         if tool_choice in ("none", "auto", "required"):
             if tool_choice != "none" and not functions:
                 raise ToolsError("tool_choice", f"tool_choice {tool_choice!r} needs tools")
-            return cls(tool_choice, tuple(functions))
-        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+            return cls(tool_choice, tuple(functions), parallel=parallel)
+        fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         if (
             not isinstance(tool_choice, dict)
             or tool_choice.get("type") != "function"
@@ -88,16 +90,20 @@ class ToolChoice:
             )
         if name not in names:
             raise ToolsError("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
-        return cls("named", tuple(functions), name)
+        return cls("named", tuple(functions), name, parallel)
 
     def schema(self) -> dict | None:
         """The JSON schema a forced tool call decodes under (None unless forced)."""
         if self.mode == "named":
             return next(f["parameters"] for f in self.tools if f["name"] == self.name)
         if self.mode == "required":
-            call = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
+            # each tool's parameters under $defs/<name>, its own "#..." references re-rooted there
+            call = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                      "parameters": {"$ref": f"#/$defs/{f['name']}"}},
                      "required": ["name", "parameters"], "additionalProperties": False} for f in self.tools]  # fmt: skip
-            return {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+            defs = {f["name"]: _rerooted(f["parameters"], f"#/$defs/{f['name']}") for f in self.tools}
+            calls = {"type": "array", "minItems": 1, "items": {"anyOf": call}, "$defs": defs}
+            return calls if self.parallel else {**calls, "maxItems": 1}
         return None
 
     def template_tools(self) -> list[dict] | None:
@@ -105,6 +111,16 @@ class ToolChoice:
         if self.mode == "none":
             return None
         return [{"type": "function", "function": f} for f in self.tools]
+
+
+def _rerooted(schema: Any, root: str) -> Any:
+    """A copy of `schema` with its local `$ref`s ("#", "#/...") pointing below `root`."""
+    if isinstance(schema, dict):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rerooted(v, root))
+                for k, v in schema.items()}  # fmt: skip
+    if isinstance(schema, list):
+        return [_rerooted(v, root) for v in schema]
+    return schema
 
 
 def response_schema(response_format: dict[str, Any] | None) -> dict | None:
@@ -223,7 +239,8 @@ class ChatParser:
         if not calls:  # nothing parseable (a truncated output): the text as it is
             return ({"content": rest} if rest else {}), finish_reason
         reason = finish_reason if self.tools.mode == "named" or finish_reason != "stop" else "tool_calls"
-        return {"tool_calls": calls}, reason
+        after = rest.split(CALLS_END, 1)[1] if self._in_calls and CALLS_END in rest else ""
+        return ({"tool_calls": calls, "content": after} if after else {"tool_calls": calls}), reason
 
     def _calls(self, text: str) -> list[dict]:
         if self.tools.mode == "named":
@@ -234,7 +251,8 @@ class ChatParser:
             except json.JSONDecodeError:
                 return []
             return [_call(c["name"], json.dumps(c["parameters"]), i) for i, c in enumerate(items)]
-        return parse_deepseek_calls(text)
+        calls = parse_deepseek_calls(text)
+        return calls if self.tools.parallel else calls[:1]
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A whole choice's message ({"role", "content", "reasoning_content"?, "tool_calls"?}) and

@@ -188,7 +188,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     400, f"messages[{i}]: only assistant messages carry tool_calls", param="messages"
                 )
             msg["tool_calls"] = [_tool_call(c, i) for c in m.tool_calls]
-            msg["content"] = m.content and m.text()  # None when the turn is only calls
+            msg["content"] = m.text() if m.content else None  # None when the turn is only calls
         if m.role == "tool":
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None:
@@ -214,14 +214,14 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool = True  # accepted; `required` allows several calls, as OpenAI's default
+    parallel_tool_calls: bool = True  # false: at most one tool call per turn
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.messages)
 
     def tool_choice_spec(self) -> ToolChoice:
         try:
-            return ToolChoice.parse(self.tools, self.tool_choice)
+            return ToolChoice.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
         except ToolsError as e:
             raise APIError(400, str(e), param=e.param) from None
 
