@@ -175,7 +175,7 @@ def cmd_bench(args) -> int:
     names = {"local-engine": "benchmarks.bench_local_engine", "eplb": "benchmarks.bench_eplb",
              "dispatch": "benchmarks.bench_dispatch", "attention": "benchmarks.bench_attention",
              "balancer": "benchmarks.bench_balancer", "faults": "benchmarks.bench_faults",
-             "prefix": "benchmarks.bench_prefix"}  # fmt: skip
+             "prefix": "benchmarks.bench_prefix", "grammar": "benchmarks.bench_grammar"}  # fmt: skip
     chosen = list(names) if args.which == "all" else [args.which]
     for name in chosen:
         print(f"== {name}", flush=True)
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="run benchmarks (JSON results under benchmarks/results/)")
     s.add_argument("which", choices=["all", "local-engine", "eplb", "dispatch", "attention", "balancer", "faults",
-                                     "prefix"])  # fmt: skip
+                                     "prefix", "grammar"])  # fmt: skip
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
     return p

@@ -214,3 +214,20 @@ def generate_with_logits(engine, prompts, params):
     """engine.generate, also returning each request's logits at its final step."""
     outs, logits, _ = run_requests(engine, prompts, params)
     return outs, logits
+
+
+def random_prompts(vocab: int, seed: int, lengths: list[int]) -> list[list[int]]:
+    """Prompts of the given lengths with random ids (above BOS/EOS)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def check_against_transformers(outs, logits, expected, what: str, atol: float = 1e-4) -> float:
+    """Our completions and last-step logits vs transformers' (tokens, logits) per prompt: tokens
+    identical, logits within `atol`; returns the worst logit difference."""
+    worst = 0.0
+    for i, (out, row, (tokens, hf_logits)) in enumerate(zip(outs, logits, expected, strict=True)):
+        assert out.token_ids == tokens, f"{what} prompt {i}: tokens differ from transformers"
+        worst = max(worst, (row - hf_logits).abs().max().item())
+    assert worst <= atol, f"{what}: last-step logits differ by {worst}"
+    return worst

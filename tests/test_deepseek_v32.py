@@ -15,7 +15,16 @@ from services.model.engine import EngineConfig, LocalEngine
 from services.model.presets import init_model
 from services.model.sampling import SamplingParams
 
-from .hf_oracle import V3_YARN, V32_INDEXER, generate_with_logits, hf_greedy, load_hf, make_hf_checkpoint
+from .hf_oracle import (
+    V3_YARN,
+    V32_INDEXER,
+    check_against_transformers,
+    generate_with_logits,
+    hf_greedy,
+    load_hf,
+    make_hf_checkpoint,
+    random_prompts,
+)
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -23,8 +32,7 @@ PROMPT_LENGTHS = [5, 40, 70, 100]  # 5: below index_topk (16) until it has gener
 
 
 def _prompts(vocab: int, seed: int, lengths=PROMPT_LENGTHS) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(vocab, seed, lengths)
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +47,7 @@ def oracle(tmp_path_factory):
     return path, hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-def _check(outs, logits, expected, what: str) -> float:
-    worst = 0.0
-    for i, (out, row, (tokens, hf_logits)) in enumerate(zip(outs, logits, expected, strict=True)):
-        assert out.token_ids == tokens, f"{what} prompt {i}: tokens differ from transformers"
-        worst = max(worst, (row - hf_logits).abs().max().item())
-    assert worst <= 1e-4, f"{what}: last-step logits differ by {worst}"
-    return worst
+_check = check_against_transformers
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])

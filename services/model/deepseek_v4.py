@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .layers import swiglu_act
-from .model import ExpertCombine, ExpertDispatch, StepBatch, StepGen
+from .model import ExpertCombine, ExpertDispatch, StepBatch, StepGen, load_layers
 from .v4_attention import V4AttentionWeights, V4Rope, rms_norm_f32, v4_attention
 
 
@@ -177,11 +177,7 @@ class DeepseekV4:
         progress=None,
     ) -> DeepseekV4:
         """Read the attention-side weights; no routed-expert tensor is touched."""
-        layers = []
-        for i in range(cfg.num_hidden_layers):
-            layers.append(_load_layer(reader, cfg, i, dtype))
-            if progress is not None:
-                progress(i + 1, cfg.num_hidden_layers)
+        layers = load_layers(_load_layer, reader, cfg, dtype, progress)
         f32 = torch.float32
         head = HyperConnection(*(reader.get(f"model.hc_head.hc_{k}", f32) for k in ("fn", "base", "scale")))
         model = cls(cfg, reader.get("model.embed_tokens.weight", dtype), layers, head,

@@ -290,6 +290,18 @@ def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch
     return layer
 
 
+def load_layers(
+    load_layer, reader: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype, progress=None
+) -> list:
+    """load_layer(reader, cfg, i, dtype) for every decoder layer, reporting progress(done, total)."""
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        layers.append(load_layer(reader, cfg, i, dtype))
+        if progress is not None:
+            progress(i + 1, cfg.num_hidden_layers)
+    return layers
+
+
 def shard_heads(w: MLAWeights, cfg: ModelConfig, rank: int, tp: int) -> MLAWeights:
     """The MLA weights of attention tensor-parallel rank `rank` of `tp`: a contiguous slice of
     the heads in q_b/q_proj, kv_b and o (columns); the latent projections and the V3.2 indexer
@@ -447,11 +459,7 @@ class DeepseekV3:
         progress=None,
     ) -> DeepseekV3:
         """Read the attention-side weights; no routed-expert tensor is touched."""
-        layers = []
-        for i in range(cfg.num_hidden_layers):
-            layers.append(_load_layer(reader, cfg, i, dtype))
-            if progress is not None:
-                progress(i + 1, cfg.num_hidden_layers)
+        layers = load_layers(_load_layer, reader, cfg, dtype, progress)
         embed = reader.get("model.embed_tokens.weight", dtype)
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         model = cls(

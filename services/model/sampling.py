@@ -146,6 +146,54 @@ def process_logits(
     return logits
 
 
+TOP_P_CANDIDATES = 1024  # top-p looks at this many best tokens first; a full sort only if they fall short
+
+
+def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """logits [R, V]; every token below row r's ks[r]-th best masked (k <= 0 or >= V: off)."""
+    V = logits.shape[1]
+    active = [r for r, k in enumerate(ks) if 0 < k < V]
+    if not active:
+        return logits
+    sub = logits[active]
+    kth = sub.topk(max(ks[r] for r in active), dim=-1).values
+    kth = kth.gather(1, torch.tensor([ks[r] - 1 for r in active]).unsqueeze(1))
+    logits = logits.clone()
+    logits[active] = sub.masked_fill(sub < kth, float("-inf"))
+    return logits
+
+
+def _nucleus(
+    vals: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, p: torch.Tensor, V: int
+) -> torch.Tensor:
+    """[R, V] logits keeping, of the candidates `vals` / `order` [R, k] (best first, with their
+    probabilities `probs`), the smallest prefix whose probability reaches p [R, 1]; -inf elsewhere."""
+    drop = probs.cumsum(-1) - probs > p
+    kept = vals.masked_fill(drop, float("-inf"))
+    return torch.full((vals.shape[0], V), float("-inf"), dtype=vals.dtype).scatter(1, order, kept)
+
+
+def _top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """logits [R, V]; row r keeps the smallest set of best tokens whose probability reaches
+    ps[r] (1.0: off). Exact without sorting the vocabulary when the best TOP_P_CANDIDATES tokens
+    already reach it (the usual case): only rows that fall short are fully sorted."""
+    active = [r for r, p in enumerate(ps) if p < 1.0]
+    if not active:
+        return logits
+    sub, p = logits[active], torch.tensor([ps[r] for r in active]).unsqueeze(1)
+    V = sub.shape[1]
+    vals, order = sub.topk(min(TOP_P_CANDIDATES, V), dim=-1)  # best first
+    probs = (vals - sub.logsumexp(-1, keepdim=True)).exp()
+    kept = _nucleus(vals, order, probs, p, V)
+    short = probs.sum(-1) <= p.squeeze(1)  # the candidates do not reach top_p: sort the whole row
+    if bool(short.any()):
+        full_vals, full_order = sub[short].sort(dim=-1, descending=True)
+        kept[short] = _nucleus(full_vals, full_order, full_vals.softmax(-1), p[short], V)
+    logits = logits.clone()
+    logits[active] = kept
+    return logits
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -176,22 +224,20 @@ def sample(
             logits = logits.clone() if logits is raw else logits
             logits[rows] += blocked
     tokens = logits.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if 0 < p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_row, order = torch.sort(row, descending=True)
-            probs = sorted_row.softmax(-1)
-            drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
-            row = row.scatter(0, order, sorted_row.masked_fill(drop, float("-inf")))
-        probs = row.softmax(-1)
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:  # temperature, top-k, top-p and min-p batched over the sampled rows
+        sub = logits[rows] / torch.tensor([params[i].temperature for i in rows]).unsqueeze(1)
+        sub = _top_k(sub, [params[i].top_k for i in rows])
+        sub = _top_p(sub, [params[i].top_p for i in rows])
+        probs = sub.softmax(-1)
+        min_p = torch.tensor([params[i].min_p for i in rows]).unsqueeze(1)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+        # inverse-CDF draw, batched; each request's uniform comes from its own generator
+        u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).unsqueeze(1)
+        cdf = probs.cumsum(-1)
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
+        tokens[rows] = picked.squeeze(1)
 
     out_tokens = tokens.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
