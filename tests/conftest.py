@@ -7,6 +7,15 @@ import torch
 torch.set_num_threads(int(os.environ.get("MOE_TEST_THREADS", "1")))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernel():
+    """Build the CPU decode kernel once, before any test or worker process needs it (~40 s on a
+    fresh machine; later processes load it from the cache)."""
+    from services.model import cpu_kernels
+
+    return cpu_kernels.available()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The `tiny` preset written by our generator (with tokenizer)."""

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from services.model import cpu_kernels
 from services.model.checkpoint import CheckpointReader, load_expert_weights
 from services.model.config import ModelConfig
 from services.model.moe import PackedExperts
@@ -105,6 +106,7 @@ class SlotStore:
         self._loading: set[int] = set()
         self._lock = threading.Lock()
         self.dispatch_calls = 0
+        cpu_kernels.available()  # build (once per machine) or load the decode kernel before serving
 
     # ---- versions -----------------------------------------------------------------------
     @property

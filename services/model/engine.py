@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_kernels
 from .checkpoint import CheckpointReader
 from .config import ModelConfig, parse_dtype
 from .deepseek_v4 import DeepseekV4
@@ -424,6 +425,8 @@ def load_engine(
     routed expert in process) and the tokenizer (None in token-id mode)."""
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
+    if engine_cfg.device == "cpu":
+        cpu_kernels.available()  # build (once per machine) or load the decode kernel now, not mid-request
     model_dir = Path(engine_cfg.model)
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(engine_cfg.dtype)

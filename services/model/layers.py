@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .config import ModelConfig, rope_inv_freq
+from .cpu_kernels import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,7 +24,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
     """Dense SwiGLU MLP. x [T, H], gate/up [I, H], down [H, I] -> [T, H]."""
-    return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+    return linear(F.silu(linear(x, gate_w)) * linear(x, up_w), down_w)
 
 
 class Rope:
@@ -73,7 +75,7 @@ def route(
     V2 (softmax, greedy / group_limited_greedy): group score = max, masked with 0.
     """
     T, E, G = x.shape[0], cfg.n_routed_experts, cfg.n_group
-    logits = F.linear(x.float(), gate_w.float())
+    logits = linear(x.float(), gate_w.float())
     if cfg.scoring_func == "sigmoid":
         scores = logits.sigmoid()
         choice = scores + bias if bias is not None else scores
@@ -125,8 +127,8 @@ def _expert_mlp_loop(xs, offs, w13, w2, limit=None):
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            g, u = F.linear(xs[start:end], w13[e]).chunk(2, dim=-1)
-            ys[start:end] = F.linear(swiglu_act(g, u, limit), w2[e])
+            g, u = linear(xs[start:end], w13[e]).chunk(2, dim=-1)
+            ys[start:end] = linear(swiglu_act(g, u, limit), w2[e])
         start = end
     return ys
 
@@ -168,12 +170,13 @@ def grouped_expert_ffn(
     offs = torch.cumsum(counts, 0).to(torch.int32)
     # CUDA: one grouped_mm kernel per projection (bf16 only). CPU: grouped_mm loops in C++ over
     # every slot, empty ones included (128 matmul calls per layer at batch 1, where 6 slots have
-    # tokens): a Python loop over the slots with tokens wins while there are few pairs, grouped_mm
-    # from ~8 tokens on (measured on 64 experts: batch 1 0.9x, batch 8 1.2x, batch 32 1.4x).
+    # tokens), with MKL's slow small-M matmuls; a Python loop over the busy slots with our
+    # small-batch kernel (cpu_kernels.py) beats it at decode sizes. Without the kernel the loop
+    # wins only while there are few pairs (64 experts: batch 1 1.1x, batch 8 0.8x, batch 32 0.7x).
     if x.device.type == "cuda":
         grouped = _HAS_GROUPED_MM and x.dtype == torch.bfloat16
     else:
-        grouped = _HAS_GROUPED_MM and pair.numel() > CPU_LOOP_MAX_PAIRS
+        grouped = _HAS_GROUPED_MM and pair.numel() > CPU_LOOP_MAX_PAIRS and not cpu_kernels.available()
     mlp = _expert_mlp_grouped_mm if grouped else _expert_mlp_loop
     ys = mlp(x[token], offs, w13, w2, swiglu_limit)
     acc.index_add_(0, token, ys.float() * weight.reshape(-1)[pair].unsqueeze(1))

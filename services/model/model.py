@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
+from .cpu_kernels import linear
 from .indexer import IndexerWeights, IndexQueries, index_keys
 from .kv_cache import BLOCK_SIZE
 from .layers import Rope, rms_norm, route, swiglu
@@ -357,16 +358,16 @@ def mla_forward(
     T = x.shape[0]
     D, R, C, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     if w.q_proj is not None:
-        q_lora, q = None, F.linear(x, w.q_proj)
+        q_lora, q = None, linear(x, w.q_proj)
     else:
-        q_lora = rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, NORM_EPS_LATENT)
-        q = F.linear(q_lora, w.q_b)
+        q_lora = rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, NORM_EPS_LATENT)
+        q = linear(q_lora, w.q_b)
     q = q.view(T, -1, D + R)
     N = q.shape[1]
     cos, sin = cos_sin
     q_nope, q_pe = q[..., :D], rope.apply(q[..., D:], cos, sin)
 
-    kv = F.linear(x, w.kv_a, w.kv_a_bias)
+    kv = linear(x, w.kv_a, w.kv_a_bias)
     c_kv = rms_norm(kv[:, :C], w.kv_a_norm, NORM_EPS_LATENT)
     k_pe = rope.apply(kv[:, C:], cos, sin)
     rows, index = [c_kv, k_pe], None
@@ -402,7 +403,7 @@ def mla_forward(
         L = batch.context_lens[b]
         blocks = batch.block_table[b, : (L + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
         ctx = cache[blocks].view(-1, W)[:L]  # [L, W]
-        kv_full = F.linear(ctx[:, :C], w.kv_b).view(L, N, D + V)
+        kv_full = linear(ctx[:, :C], w.kv_b).view(L, N, D + V)
         k = torch.cat((kv_full[..., :D], ctx[:, None, C : C + R].expand(L, N, R)), dim=-1)  # [L, N, D+R]
         v = kv_full[..., D:]  # [L, N, V]
         s0 = starts[b]
@@ -416,7 +417,7 @@ def mla_forward(
         probs = scores.softmax(dim=-1).to(x.dtype)
         out[s0 : s0 + n] = torch.einsum("nqk,knv->qnv", probs, v)
 
-    return F.linear(out.view(T, N * V), w.o, w.o_bias)
+    return linear(out.view(T, N * V), w.o, w.o_bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,4 +514,4 @@ class DeepseekV3:
             routed = yield ExpertCombine(handle)
             h = h + (routed + shared)
         last = h[batch.logits_index]
-        return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()
