@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import sysconfig
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 from services.model.grammar import GrammarCompiler
+from services.model.presets import cache_root
 from services.model.sampling import SamplingParams, sample
 
 VOCAB = 129_280
@@ -48,8 +48,7 @@ DOCUMENT = {"name": "Ada Lovelace, Countess", "age": 36, "tags": ["math", "poetr
 
 def big_tokenizer(vocab: int) -> str:
     """A byte-level BPE tokenizer JSON with `vocab` tokens, trained on the stdlib's sources."""
-    cache = Path(os.environ.get("MOE_CLUSTER_CACHE", Path.home() / ".cache" / "moe-cluster"))
-    path = cache / f"bench-bpe-{vocab}.json"
+    path = cache_root() / f"bench-bpe-{vocab}.json"
     if path.is_file():
         return path.read_text()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +86,11 @@ def _build():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        cache = Path(os.environ.get("MOE_CLUSTER_CACHE", Path.home() / ".cache" / "moe-cluster"))
-        build_dir = cache / "torch_extensions" / f"small_linear_torch{torch.__version__.replace('+', '_')}"
+        from .presets import cache_root
+
+        build_dir = (
+            cache_root() / "torch_extensions" / f"small_linear_torch{torch.__version__.replace('+', '_')}"
+        )
         build_dir.mkdir(parents=True, exist_ok=True)
         module = load_inline("moe_small_linear", cpp_sources=_SOURCE, functions=["small_linear"],
                              extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], build_directory=str(build_dir))  # fmt: skip

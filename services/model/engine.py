@@ -208,17 +208,15 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer; this model runs in token-id mode")
-        matcher = self._matcher(
-            params, list(prompt_ids[len(prompt_ids) - resumed[0] :]) if resumed[0] else []
-        )
+        n, chars = resumed
+        earlier = list(prompt_ids[len(prompt_ids) - n :]) if n else []  # output produced elsewhere
+        matcher = self._matcher(params, earlier)
         seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
-        seq.num_resumed = resumed[0]
+        seq.num_resumed = n
         self.scheduler.add(seq)
         if matcher is not None:
             self._matchers[seq.request_id] = matcher
         if self.tokenizer is not None:
-            n, chars = resumed
-            earlier = list(prompt_ids[len(prompt_ids) - n :]) if n else []
             self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop, earlier, chars)
         return seq.request_id
 

@@ -170,13 +170,15 @@ def grouped_expert_ffn(
     offs = torch.cumsum(counts, 0).to(torch.int32)
     # CUDA: one grouped_mm kernel per projection (bf16 only). CPU: grouped_mm loops in C++ over
     # every slot, empty ones included (128 matmul calls per layer at batch 1, where 6 slots have
-    # tokens), with MKL's slow small-M matmuls; a Python loop over the busy slots with our
-    # small-batch kernel (cpu_kernels.py) beats it at decode sizes. Without the kernel the loop
-    # wins only while there are few pairs (64 experts: batch 1 1.1x, batch 8 0.8x, batch 32 0.7x).
+    # tokens), with MKL's slow small-M matmuls; a Python loop over the busy slots wins while there
+    # are few pairs, or while the busy slots have few rows each and our small-batch kernel
+    # (cpu_kernels.py) takes them. Prefill-sized slots go to grouped_mm (512 tokens: 1.27x).
     if x.device.type == "cuda":
         grouped = _HAS_GROUPED_MM and x.dtype == torch.bfloat16
     else:
-        grouped = _HAS_GROUPED_MM and pair.numel() > CPU_LOOP_MAX_PAIRS and not cpu_kernels.available()
+        busy = int((counts > 0).sum())
+        kernel_sized = pair.numel() <= cpu_kernels.MAX_ROWS * busy and cpu_kernels.available()
+        grouped = _HAS_GROUPED_MM and pair.numel() > CPU_LOOP_MAX_PAIRS and not kernel_sized
     mlp = _expert_mlp_grouped_mm if grouped else _expert_mlp_loop
     ys = mlp(x[token], offs, w13, w2, swiglu_limit)
     acc.index_add_(0, token, ys.float() * weight.reshape(-1)[pair].unsqueeze(1))

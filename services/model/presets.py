@@ -294,11 +294,15 @@ def init_model(
     return out
 
 
+def cache_root() -> Path:
+    """This user's moe-cluster cache: $MOE_CLUSTER_CACHE, default ~/.cache/moe-cluster."""
+    return Path(os.environ.get("MOE_CLUSTER_CACHE", Path.home() / ".cache" / "moe-cluster"))
+
+
 def default_model_dir(preset: str = "tiny") -> Path:
     """The generated preset checkpoint in the user cache ($MOE_CLUSTER_CACHE, default
     ~/.cache/moe-cluster), written on first use."""
-    root = Path(os.environ.get("MOE_CLUSTER_CACHE", Path.home() / ".cache" / "moe-cluster"))
-    path = root / f"preset-{preset}"
+    path = cache_root() / f"preset-{preset}"
     if not (path / "config.json").is_file():
         print(f"generating the {preset!r} preset checkpoint in {path} ...", file=sys.stderr)
         init_model(path, preset)
