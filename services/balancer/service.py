@@ -121,6 +121,7 @@ class BalancerCore:
         self._scale_after = self._scale_backoff = 0.0
         self._replacing: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._scale_lock = asyncio.Lock()  # one resize at a time, from its first start to its end
 
     @property
     def addresses(self) -> dict[str, str]:
@@ -271,6 +272,7 @@ class BalancerCore:
             (short or unplaced)
             and not replacing
             and not self._lock.locked()
+            and not self._scale_lock.locked()  # a resize starting workers: they are not short
             and time.monotonic() >= self._scale_after
         ):
             self._replacing = asyncio.get_running_loop().create_task(self._replace())
@@ -433,26 +435,28 @@ class BalancerCore:
     async def scale(self, num_workers: int, reason: str = "scaled pool") -> dict:
         """Grow or shrink the expert pool to `num_workers` (also its target from now on, which the
         balancer restores after a worker dies), migrating experts off removed workers before they
-        stop. New workers start outside the lock: serving and healing go on meanwhile; if the
-        migration fails, the new workers that got no slot are stopped again."""
+        stop. New workers start outside the migration lock: serving and healing go on meanwhile;
+        resizes run one at a time. If the migration fails, the new workers that got no slot are
+        stopped again."""
         if num_workers < 1:
             raise ValueError("the expert pool needs at least one worker")
-        self.target_workers = num_workers
-        grow = num_workers - len(self.pool.members)
-        await asyncio.gather(*[self.pool.start_worker() for _ in range(max(0, grow))])
-        async with self._lock:
-            members = self.pool.workers
-            leaving, staying = members[num_workers:], members[:num_workers]
-            pool = self.eplb_pool(staying)
-            decision = decide(self.model_cfg, self.placement, self._loads(), pool,
-                              self._slots_for(pool.num_workers), self.cfg.min_gain, force=True)  # fmt: skip
-            decision.reason = reason
-            record = await self._migrate(decision, leaving)
-            if not record.ok:
-                for wid in staying:
-                    if wid in self.pool.members and wid not in self.placement.workers:
-                        await self.pool.stop_worker(wid)
-            return {"workers": len(self.pool.members), **asdict(record)}
+        async with self._scale_lock:
+            self.target_workers = num_workers
+            grow = num_workers - len(self.pool.members)
+            await asyncio.gather(*[self.pool.start_worker() for _ in range(max(0, grow))])
+            async with self._lock:
+                members = self.pool.workers
+                leaving, staying = members[num_workers:], members[:num_workers]
+                pool = self.eplb_pool(staying)
+                decision = decide(self.model_cfg, self.placement, self._loads(), pool,
+                                  self._slots_for(pool.num_workers), self.cfg.min_gain, force=True)  # fmt: skip
+                decision.reason = reason
+                record = await self._migrate(decision, leaving)
+                if not record.ok:
+                    for wid in staying:
+                        if wid in self.pool.members and wid not in self.placement.workers:
+                            await self.pool.stop_worker(wid)
+                return {"workers": len(self.pool.members), **asdict(record)}
 
     async def _migrate(self, decision: Decision, leaving: list[str] = ()) -> MigrationRecord:
         new, old = decision.placement, self.placement
