@@ -30,3 +30,123 @@ def test_shapes_the_kernel_does_not_take_use_torch():
     assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
     x, w = torch.randn(2, 64, dtype=torch.float64), torch.randn(32, 64, dtype=torch.float64)
     assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain: torch ops are used")
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Run a block with the kernels off (the callers' torch code), for a reference."""
+
+    def off():
+        monkeypatch.setitem(cpu_kernels._state, "module", None)
+
+    def on():
+        monkeypatch.undo()
+
+    return off, on
+
+
+def _reference(torch_path, fn, *args, **kwargs):
+    off, on = torch_path
+    off()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        on()
+
+
+@needs_kernels
+def test_rms_norm_and_rope_match_torch(torch_path):
+    from services.model.config import ModelConfig
+    from services.model.layers import Rope, rms_norm
+    from services.model.presets import PRESETS
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 3, 64, generator=g), torch.randn(64, generator=g)
+    y = rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(y, _reference(torch_path, rms_norm, x, w, 1e-6), rtol=1e-6, atol=1e-6)
+    assert torch.equal(rms_norm(x[2:3], w, 1e-6), y[2:3])  # batch invariant
+
+    cfg = ModelConfig.from_hf(PRESETS["tiny"])
+    rope = Rope(cfg)
+    cos, sin = rope.cos_sin(torch.arange(7, 12), torch.float32)
+    q = torch.randn(5, 4, 8 + cfg.qk_rope_head_dim, generator=g)[
+        ..., 8:
+    ]  # a strided view, as mla_forward passes
+    for t in (q, q[:, 0].contiguous()):
+        assert torch.equal(rope.apply(t, cos, sin), _reference(torch_path, rope.apply, t, cos, sin))
+
+
+@needs_kernels
+@pytest.mark.parametrize("groups", [1, 4])
+def test_route_matches_torch(torch_path, groups):
+    from services.model.config import ModelConfig
+    from services.model.layers import route
+    from services.model.presets import PRESETS
+
+    overrides = dict(hidden_size=64, n_routed_experts=16, num_experts_per_tok=3, n_group=groups,
+                     topk_group=min(groups, 2), scoring_func="sigmoid", topk_method="noaux_tc",
+                     norm_topk_prob=True, routed_scaling_factor=2.5)  # fmt: skip
+    cfg = ModelConfig.from_hf({**PRESETS["tiny"], **overrides})
+    g = torch.Generator().manual_seed(groups)
+    x, gate, bias = (
+        torch.randn(9, 64, generator=g),
+        torch.randn(16, 64, generator=g),
+        torch.randn(16, generator=g),
+    )
+    for b in (bias, None):
+        idx, weight = route(x, gate, b, cfg)
+        ref_idx, ref_weight = _reference(torch_path, route, x, gate, b, cfg)
+        order, ref_order = idx.argsort(1), ref_idx.argsort(1)
+        assert torch.equal(idx.gather(1, order), ref_idx.gather(1, ref_order))
+        torch.testing.assert_close(weight.gather(1, order), ref_weight.gather(1, ref_order))
+
+
+@needs_kernels
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_expert_ffn_matches_torch_and_is_batch_invariant(torch_path, limit):
+    from services.model.layers import grouped_expert_ffn
+
+    g = torch.Generator().manual_seed(1)
+    S, H, I, T = 6, 32, 16, 7
+    x, w13, w2 = (
+        torch.randn(T, H, generator=g),
+        torch.randn(S, 2 * I, H, generator=g),
+        torch.randn(S, H, I, generator=g),
+    )
+    slot = torch.stack([torch.randperm(S, generator=g)[:3] for _ in range(T)])
+    slot[2, 1] = -1  # a choice served elsewhere
+    weight = torch.rand(T, 3, generator=g)
+    y = grouped_expert_ffn(x, slot, weight, w13, w2, swiglu_limit=limit)
+    ref = _reference(torch_path, grouped_expert_ffn, x, slot, weight, w13, w2, swiglu_limit=limit)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)  # outputs of size ~30
+    for t in range(T):
+        assert torch.equal(grouped_expert_ffn(x[t : t + 1], slot[t : t + 1], weight[t : t + 1], w13, w2,
+                                              swiglu_limit=limit), y[t : t + 1])  # fmt: skip
+    out = torch.empty(T, H)
+    assert grouped_expert_ffn(x, slot, weight, w13, w2, out=out, swiglu_limit=limit) is out
+    assert torch.equal(out, y)
+    slot[0, 0] = S  # a slot this worker does not hold: an error, not a wild read
+    with pytest.raises(RuntimeError, match="out of range"):
+        grouped_expert_ffn(x, slot, weight, w13, w2)
+
+
+@needs_kernels
+def test_mla_decode_reads_the_paged_cache_in_place():
+    g = torch.Generator().manual_seed(2)
+    B, N, C, R, blocks = 3, 4, 32, 8, 7
+    cache = torch.randn(blocks, 64, 1, C + R, generator=g)
+    table = torch.tensor([[5, 2, 0], [1, 0, 0], [6, 3, 4]])
+    lens = torch.tensor([100, 1, 150])
+    q = torch.randn(B, N, C + R, generator=g)
+    o = cpu_kernels.mla_decode(q, cache, table, lens, C, 0.3)
+    for b in range(B):
+        ctx = cache[table[b]].view(-1, C + R)[: lens[b]]
+        probs = (q[b] @ ctx.T * 0.3).softmax(-1)
+        torch.testing.assert_close(o[b], probs @ ctx[:, :C], rtol=1e-5, atol=1e-5)
+        assert torch.equal(
+            cpu_kernels.mla_decode(q[b : b + 1], cache, table[b : b + 1], lens[b : b + 1], C, 0.3),
+            o[b : b + 1],
+        )

@@ -1,17 +1,24 @@
-"""A small-batch fp32 linear for CPU decode, where torch's (MKL's) is slow.
+"""CPU kernels for decode-sized work, where torch's eager ops are slow or too many.
 
-At decode sizes a linear is a weight read: x [M <= 8, K] against w [N, K]. MKL runs those
-matrix-vector products on one thread here (10-11 GB/s from memory on this box whatever
-torch's thread count, against ~17-20 GB/s with both cores reading) and gets slower per byte
-as M grows past 1. This kernel streams each weight row once, dots it with every x row while it
-sits in L1, and splits the rows of w over torch's intra-op threads: 1.3-1.8x MKL for M <= 8
-on 512-wide experts (benchmarks in the #21 note). Every output is one row's dot product in a
-fixed order (no FMA contraction, which the compiler would apply differently to the 4-row and
-the 1-row loop), so a token's result does not depend on how many rows share the call.
+- `linear`: a small-batch fp32 linear. At decode sizes a linear is a weight read: x [M <= 8, K]
+  against w [N, K]. MKL runs those matrix-vector products on one thread here (10-11 GB/s from
+  memory on this box whatever torch's thread count, against ~17-20 GB/s with both cores
+  reading) and gets slower per byte as M grows past 1. The kernel streams each weight row once,
+  dots it with every x row while it sits in L1, and splits the rows of w over torch's intra-op
+  threads: 1.3-1.8x MKL for M <= 8 on 512-wide experts.
+- `expert_ffn`: a layer's routed experts for a few tokens in one call (gate/up, SwiGLU, down,
+  the weighted sum), instead of ~15 torch ops per busy expert.
+- `mla_decode`: MLA decode attention straight from the paged cache (no gather of the padded
+  context, no padding, one call instead of ~10 ops per layer).
+- `rms_norm`: one op instead of six.
+
+Every output element is one dot product or sum in a fixed order (no FMA contraction, which the
+compiler would apply differently to the 4-row and the 1-row loop), so a token's result does not
+depend on how many tokens share the call (batch invariance).
 
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler and
-ninja; ~40 s once, cached under $MOE_CLUSTER_CACHE/torch_extensions). Without them, or with
-MOE_CPU_KERNELS=0, `linear` is F.linear.
+ninja; ~1 min once, cached under $MOE_CLUSTER_CACHE/torch_extensions). Without them, or with
+MOE_CPU_KERNELS=0, every function here falls back to torch (the callers' torch path).
 """
 
 from __future__ import annotations
@@ -30,9 +37,34 @@ MAX_ROWS = 8  # beyond this MKL's blocked GEMM wins
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
 typedef float v8 __attribute__((vector_size(32)));
 static inline v8 ld(const float* p) { v8 v; __builtin_memcpy(&v, p, 32); return v; }
 static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// Dot products of one weight row wr [K] with N rows xs[i] [K] (K % 8 == 0), the rows' chains of
+// adds side by side (one weight load each step); each row is summed in the same order whatever N
+// is: a row's result does not depend on the rows beside it.
+template <int N>
+static inline void dots_n(const float* wr, const float* const* xs, int64_t K, float* out) {
+  v8 a[N];
+  for (int i = 0; i < N; ++i) a[i] = v8{0};
+  for (int64_t k = 0; k < K; k += 8) {
+    const v8 wv = ld(wr + k);
+    for (int i = 0; i < N; ++i) a[i] += ld(xs[i] + k) * wv;
+  }
+  for (int i = 0; i < N; ++i) out[i] = hsum(a[i]);
+}
+
+static inline void dots(const float* wr, const float* const* xs, int n, int64_t K, float* out) {
+  switch (n) {
+    case 4: dots_n<4>(wr, xs, K, out); break;
+    case 3: dots_n<3>(wr, xs, K, out); break;
+    case 2: dots_n<2>(wr, xs, K, out); break;
+    default: dots_n<1>(wr, xs, K, out);
+  }
+}
 
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0, fp32, contiguous.
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
@@ -41,43 +73,241 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    const float* xs[4]; float d[4];
     for (int64_t n = n0; n < n1; ++n) {
-      const float* wr = wp + n * K;
       const float b = bp ? bp[n] : 0.0f;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) {  // four x rows per weight load; the same order as one row alone
-        const float *x0 = xp + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t k = 0; k < K; k += 8) {
-          const v8 wv = ld(wr + k);
-          a0 += ld(x0 + k) * wv; a1 += ld(x1 + k) * wv; a2 += ld(x2 + k) * wv; a3 += ld(x3 + k) * wv;
-        }
-        yp[m * N + n] = hsum(a0) + b; yp[(m + 1) * N + n] = hsum(a1) + b;
-        yp[(m + 2) * N + n] = hsum(a2) + b; yp[(m + 3) * N + n] = hsum(a3) + b;
-      }
-      for (; m < M; ++m) {
-        const float* xr = xp + m * K;
-        v8 a = {0};
-        for (int64_t k = 0; k < K; k += 8) a += ld(xr + k) * ld(wr + k);
-        yp[m * N + n] = hsum(a) + b;
+      for (int64_t m = 0; m < M; m += 4) {
+        const int c = (int)std::min<int64_t>(4, M - m);
+        for (int i = 0; i < c; ++i) xs[i] = xp + (m + i) * K;
+        dots(wp + n * K, xs, c, K, d);
+        for (int i = 0; i < c; ++i) yp[(m + i) * N + n] = d[i] + b;
       }
     }
   });
   return y;
 }
+
+// RMSNorm of x [M, K] (fp32): weight * (x * rsqrt(mean(x^2) + eps)).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, K}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* wp = weight.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = xp + m * K;
+      v8 a = {0};
+      for (int64_t k = 0; k < K; k += 8) { const v8 v = ld(xr + k); a += v * v; }
+      const float r = 1.0f / std::sqrt(hsum(a) / (float)K + (float)eps);
+      for (int64_t k = 0; k < K; ++k) yp[m * K + k] = wp[k] * (xr[k] * r);
+    }
+  });
+  return y;
+}
+
+// Routed experts of a few tokens, whole: out[T, H] (fp32) = sum over k of weight[t, k] *
+// FFN_{slot[t, k]}(x[t]) with FFN_s(x) = w2[s] (silu(g) * u), [g | u] = w13[s] x (g clamped to
+// <= limit, u to [-limit, limit] when limit > 0). x [T, H], slot [T, K] int64 (-1: none),
+// weight [T, K], w13 [S, 2I, H], w2 [S, H, I]; H, I % 8 == 0. Each expert weight row is read
+// once for all of its slot's tokens; a token's choices are summed in slot order.
+torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
+                         const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
+  const int64_t T = x.size(0), H = x.size(1), K = slot.size(1), S = w13.size(0), I = w2.size(2);
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  std::vector<int64_t> start(S + 1, 0);
+  for (int64_t p = 0; p < T * K; ++p) {
+    TORCH_CHECK(sp[p] < S, "expert slot ", sp[p], " out of range [0, ", S, ")");
+    if (sp[p] >= 0) start[sp[p] + 1]++;
+  }
+  for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
+  const int64_t P = start[S];
+  std::vector<int64_t> pair(P), fill(start.begin(), start.end() - 1);  // pairs by slot, token order
+  for (int64_t p = 0; p < T * K; ++p) if (sp[p] >= 0) pair[fill[sp[p]]++] = p;
+  std::vector<int64_t> busy;
+  for (int64_t s = 0; s < S; ++s) if (start[s + 1] > start[s]) busy.push_back(s);
+  const int64_t B = busy.size();
+  auto act = torch::empty({std::max<int64_t>(P, 1), I}, x.options());
+  auto ys = torch::empty({std::max<int64_t>(P, 1), H}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* w13p = w13.data_ptr<float>(); const float* w2p = w2.data_ptr<float>();
+  float* ap = act.data_ptr<float>(); float* yp = ys.data_ptr<float>();
+  const float lim = (float)limit;
+  at::parallel_for(0, B * I, 32, [&](int64_t i0, int64_t i1) {  // (busy slot, intermediate column)
+    const float* xs[4]; float g[4], u[4];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = busy[i / I], j = i % I;
+      const float* gw = w13p + (s * 2 * I + j) * H; const float* uw = gw + I * H;
+      for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
+        const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
+        for (int r = 0; r < c; ++r) xs[r] = xp + (pair[p + r] / K) * H;
+        dots(gw, xs, c, H, g); dots(uw, xs, c, H, u);
+        for (int r = 0; r < c; ++r) {
+          float gr = g[r], ur = u[r];
+          if (lim > 0) { gr = std::min(gr, lim); ur = std::min(std::max(ur, -lim), lim); }
+          ap[(p + r) * I + j] = gr / (1.0f + std::exp(-gr)) * ur;
+        }
+      }
+    }
+  });
+  at::parallel_for(0, B * H, 32, [&](int64_t i0, int64_t i1) {  // (busy slot, output column)
+    const float* as[4]; float d[4];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = busy[i / H], n = i % H;
+      const float* dw = w2p + (s * H + n) * I;
+      for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
+        const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
+        for (int r = 0; r < c; ++r) as[r] = ap + (p + r) * I;
+        dots(dw, as, c, I, d);
+        for (int r = 0; r < c; ++r) yp[(p + r) * H + n] = d[r];
+      }
+    }
+  });
+  std::vector<int64_t> first(T + 1, 0), order(P);  // each token's pairs, in slot order
+  for (int64_t p = 0; p < P; ++p) first[pair[p] / K + 1]++;
+  for (int64_t t = 0; t < T; ++t) first[t + 1] += first[t];
+  std::vector<int64_t> at_(first.begin(), first.end() - 1);
+  for (int64_t p = 0; p < P; ++p) order[at_[pair[p] / K]++] = p;
+  auto out = torch::zeros({T, H}, x.options());
+  float* op = out.data_ptr<float>(); const float* wtp = weight.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t q = first[t]; q < first[t + 1]; ++q) {
+        const int64_t p = order[q]; const float wgt = wtp[pair[p]];
+        for (int64_t n = 0; n < H; ++n) op[t * H + n] += yp[p * H + n] * wgt;
+      }
+  });
+  return out;
+}
+
+// Interleaved-pair rope: x [T, N, R] (last dim contiguous) -> out [T, N, R] with, for c = cos[t, i],
+// s = sin[t, i]: out[2i] = x[2i] c - x[2i+1] s, out[2i+1] = x[2i+1] c + x[2i] s (as layers.Rope).
+torch::Tensor rope_interleaved(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t T = x.size(0), N = x.size(1), R = x.size(2), st = x.stride(0), sn = x.stride(1), h = R / 2;
+  auto out = torch::empty({T, N, R}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* cp = cos.data_ptr<float>(); const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t n = 0; n < N; ++n) {
+        const float* xr = xp + t * st + n * sn; float* orow = op + (t * N + n) * R;
+        for (int64_t i = 0; i < h; ++i) {
+          const float x1 = xr[2 * i], x2 = xr[2 * i + 1], c = cp[t * h + i], s = sp[t * h + i];
+          orow[2 * i] = x1 * c - x2 * s; orow[2 * i + 1] = x2 * c + x1 * s;
+        }
+      }
+  });
+  return out;
+}
+
+// DeepSeek-V3's router (sigmoid scores, noaux_tc): logits = x [T, H] @ gate_w [E, H]^T, s =
+// sigmoid(logits), choice = s + bias [E] (bias may be empty); with G > 1 groups the top
+// `topk_group` groups by the sum of their best two choices are kept; the K best choices among
+// them are picked (best first; ties: lower expert); weights are their s, divided by (their sum +
+// 1e-20) when norm, times scale. Returns [idx [T, K] int64, weight [T, K] fp32].
+std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Tensor& gate_w, const torch::Tensor& bias,
+                                         int64_t G, int64_t topk_group, int64_t K, bool norm, double scale) {
+  const int64_t T = x.size(0), H = x.size(1), E = gate_w.size(0), per = E / G;
+  auto idx = torch::empty({T, K}, x.options().dtype(torch::kInt64));
+  auto wt = torch::empty({T, K}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* gp = gate_w.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  int64_t* ip = idx.data_ptr<int64_t>(); float* wp = wt.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(E), choice(E), group(G);
+    std::vector<char> allowed(E);
+    const float* xs[1]; float d[1];
+    for (int64_t t = t0; t < t1; ++t) {
+      xs[0] = xp + t * H;
+      for (int64_t e = 0; e < E; ++e) {
+        dots(gp + e * H, xs, 1, H, d);
+        score[e] = 1.0f / (1.0f + std::exp(-d[0]));
+        choice[e] = bp ? score[e] + bp[e] : score[e];
+      }
+      std::fill(allowed.begin(), allowed.end(), G > 1 ? 0 : 1);
+      if (G > 1) {
+        for (int64_t g = 0; g < G; ++g) {
+          float a = -INFINITY, b = -INFINITY;
+          for (int64_t e = g * per; e < (g + 1) * per; ++e) {
+            if (choice[e] > a) { b = a; a = choice[e]; } else if (choice[e] > b) b = choice[e];
+          }
+          group[g] = a + b;
+        }
+        for (int64_t k = 0; k < topk_group; ++k) {
+          int64_t best = -1;
+          for (int64_t g = 0; g < G; ++g)
+            if (group[g] != -INFINITY && (best < 0 || group[g] > group[best])) best = g;
+          if (best < 0) break;
+          group[best] = -INFINITY;
+          for (int64_t e = best * per; e < (best + 1) * per; ++e) allowed[e] = 1;
+        }
+      }
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (allowed[e] && (best < 0 || choice[e] > choice[best])) best = e;
+        allowed[best] = 0;
+        ip[t * K + k] = best; wp[t * K + k] = score[best]; sum += score[best];
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        if (norm && K > 1) wp[t * K + k] = wp[t * K + k] / (sum + 1e-20f);
+        wp[t * K + k] = wp[t * K + k] * (float)scale;
+      }
+    }
+  });
+  return {idx, wt};
+}
+
+// MLA decode attention over the paged latent cache, one query token per sequence, in place
+// (no gather, no padding): o[b, h] = sum_l softmax_l(scale * q[b, h] . row_l[:QD]) row_l[:C],
+// row_l = cache row of token l < lens[b] through table[b]. q [B, N, QD] (QD = C + R), cache
+// [blocks, 64, 1, W] fp32, table [B, max_blocks] int64, lens [B] int64; QD % 8 == 0.
+torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
+                         const torch::Tensor& lens, int64_t C, double scale) {
+  const int64_t B = q.size(0), N = q.size(1), QD = q.size(2), W = cache.size(-1), MB = table.size(1);
+  auto o = torch::empty({B, N, C}, q.options());
+  const float* qp = q.data_ptr<float>(); const float* cp = cache.data_ptr<float>();
+  const int64_t* tp = table.data_ptr<int64_t>(); const int64_t* lp = lens.data_ptr<int64_t>();
+  float* outp = o.data_ptr<float>();
+  const float sc = (float)scale;
+  at::parallel_for(0, B * N, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / N, L = lp[b];
+      const float* qr = qp + i * QD;
+      p.resize(L);
+      float mx = -INFINITY;
+      for (int64_t l = 0; l < L; ++l) {
+        const float* row = cp + (tp[b * MB + l / 64] * 64 + l % 64) * W;
+        v8 a = {0};
+        for (int64_t k = 0; k < QD; k += 8) a += ld(qr + k) * ld(row + k);
+        p[l] = hsum(a) * sc;
+        mx = std::max(mx, p[l]);
+      }
+      float sum = 0.0f;
+      for (int64_t l = 0; l < L; ++l) { p[l] = std::exp(p[l] - mx); sum += p[l]; }
+      float* orow = outp + i * C;
+      for (int64_t c = 0; c < C; ++c) orow[c] = 0.0f;
+      for (int64_t l = 0; l < L; ++l) {
+        const float* row = cp + (tp[b * MB + l / 64] * 64 + l % 64) * W;
+        const float pl = p[l] / sum;
+        for (int64_t c = 0; c < C; ++c) orow[c] += pl * row[c];
+      }
+    }
+  });
+  return o;
+}
 """
 
 _lock = threading.Lock()
-_state: dict = {}  # "op": the compiled function, or None when unavailable
+_state: dict = {}  # "module": the compiled extension, or None when unavailable
 
 
-def _op():
-    if "op" in _state:
-        return _state["op"]
+def _module():
+    if "module" in _state:
+        return _state["module"]
     with _lock:
-        if "op" not in _state:
-            _state["op"] = _build()
-    return _state["op"]
+        if "module" not in _state:
+            _state["module"] = _build()
+    return _state["module"]
 
 
 def _build():
@@ -89,34 +319,130 @@ def _build():
         from .presets import cache_root
 
         build_dir = (
-            cache_root() / "torch_extensions" / f"small_linear_torch{torch.__version__.replace('+', '_')}"
+            cache_root() / "torch_extensions" / f"cpu_kernels_torch{torch.__version__.replace('+', '_')}"
         )
         build_dir.mkdir(parents=True, exist_ok=True)
-        module = load_inline("moe_small_linear", cpp_sources=_SOURCE, functions=["small_linear"],
-                             extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], build_directory=str(build_dir))  # fmt: skip
-        return module.small_linear
-    except Exception as e:  # no compiler, no ninja, an unsupported CPU: torch's own linear
-        log.warning("CPU small-batch linear unavailable (%s: %s); using F.linear", type(e).__name__, e)
+        return load_inline("moe_cpu_kernels", cpp_sources=_SOURCE, functions=FUNCTIONS,
+                           extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], build_directory=str(build_dir))  # fmt: skip
+    except Exception as e:  # no compiler, no ninja, an unsupported CPU: torch's own ops
+        log.warning("CPU kernels unavailable (%s: %s); using torch ops", type(e).__name__, e)
         return None
 
 
+FUNCTIONS = ["small_linear", "rms_norm", "expert_ffn", "mla_decode", "rope_interleaved", "route_sigmoid"]
+
+
 def available() -> bool:
-    """Whether the kernel is built (building it on first call)."""
-    return _op() is not None
+    """Whether the kernels are built (building them on first call)."""
+    return _module() is not None
+
+
+def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype is torch.float32 and t.is_cpu) for t in tensors)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias); x [M, K] with M <= MAX_ROWS, fp32 on CPU, goes through the kernel."""
-    if (
-        x.dim() == 2
+    if (  # (spelled out: this runs ~60 times per decode step)
+        x.dtype is torch.float32
+        and w.dtype is torch.float32
+        and x.is_cpu
+        and x.dim() == 2
         and x.shape[0] <= MAX_ROWS
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and w.dtype == torch.float32
         and x.shape[1] % 8 == 0
-        and (bias is None or bias.dtype == torch.float32)
+        and (bias is None or bias.dtype is torch.float32)
     ):
-        op = _op()
-        if op is not None:
-            return op(x.contiguous(), w.contiguous(), bias)
+        module = _state.get("module") or _module()
+        if module is not None:
+            return module.small_linear(x.contiguous(), w.contiguous(), bias)
     return F.linear(x, w, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of fp32 CPU x [..., K] (K % 8 ==
+    0); None where the kernel does not apply (the caller computes it with torch)."""
+    K = x.shape[-1]
+    if K % 8 or not _fp32_cpu(x, weight) or x.numel() == 0:
+        return None
+    module = _module()
+    if module is None:
+        return None
+    return module.rms_norm(x.reshape(-1, K).contiguous(), weight.contiguous(), eps).view(x.shape)
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    slot: torch.Tensor,
+    weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor | None:
+    """The routed experts of a few tokens in one call: x [T, H], slot [T, K] int64 (-1 = none),
+    weight [T, K] fp32, w13 [S, 2I, H], w2 [S, H, I] -> fp32 [T, H] (see layers.grouped_expert_ffn
+    for the math). None where the kernel does not apply."""
+    H, I = x.shape[1], w2.shape[2]
+    if H % 8 or I % 8 or slot.dtype != torch.int64 or not _fp32_cpu(x, weight, w13, w2):
+        return None
+    module = _module()
+    if module is None:
+        return None
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    return module.expert_ffn(x.contiguous(), slot.contiguous(), weight.contiguous(), w13.contiguous(),
+                             w2.contiguous(), limit)  # fmt: skip
+
+
+def mla_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    latent_dim: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """MLA decode attention from the paged cache: q [B, N, C+R] (latent query), cache [blocks, 64,
+    1, W], table [B, max_blocks] int64, lens [B] int64 -> o [B, N, C], the softmax(scale * q .
+    row[:C+R])-weighted sum of the rows' first C = latent_dim values. None where the kernel does
+    not apply."""
+    if q.shape[-1] % 8 or not _fp32_cpu(q, cache) or not cache.is_contiguous():
+        return None
+    module = _module()
+    if module is None:
+        return None
+    return module.mla_decode(q.contiguous(), cache, table.contiguous(), lens.contiguous(), latent_dim, scale)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """layers.Rope.apply's interleaved form for fp32 CPU x [T, R] or [T, N, R] (last dim
+    contiguous, any other strides) with cos / sin [T, R/2]; None where the kernel does not apply."""
+    if x.dim() not in (2, 3) or x.stride(-1) != 1 or not _fp32_cpu(x, cos, sin):
+        return None
+    module = _module()
+    if module is None:
+        return None
+    out = module.rope_interleaved(x if x.dim() == 3 else x.unsqueeze(1), cos.contiguous(), sin.contiguous())
+    return out.view(x.shape)
+
+
+def route_sigmoid(
+    x: torch.Tensor,
+    gate_w: torch.Tensor,
+    bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    norm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """layers.route for sigmoid scores with noaux_tc on fp32 CPU (x [T, H], gate_w [E, H]) in one
+    call: (topk_idx [T, K] int64, best first; topk_weight [T, K] fp32). None where the kernel
+    does not apply."""
+    if x.shape[1] % 8 or x.shape[0] == 0 or not _fp32_cpu(x, gate_w, bias):
+        return None
+    module = _module()
+    if module is None:
+        return None
+    empty = torch.empty(0)
+    idx, weight = module.route_sigmoid(x.contiguous(), gate_w.contiguous(), empty if bias is None else bias.contiguous(),
+                                       n_group, topk_group, top_k, norm, scale)  # fmt: skip
+    return idx, weight

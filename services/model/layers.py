@@ -17,6 +17,9 @@ from .cpu_kernels import linear
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[..., d] -> [..., d]; computed in fp32, cast back before the weight multiply (as HF)."""
+    y = cpu_kernels.rms_norm(x, weight, eps)  # fp32 on CPU: one op
+    if y is not None:
+        return y
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -50,6 +53,10 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, ..., R] with cos/sin [T, R/2] -> rotated x, same shape and layout."""
+        if self.interleave:
+            y = cpu_kernels.rope_interleaved(x, cos, sin)  # fp32 on CPU: one op
+            if y is not None:
+                return y
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
         cos, sin = cos.view(shape), sin.view(shape)
         if self.interleave:
@@ -75,6 +82,11 @@ def route(
     V2 (softmax, greedy / group_limited_greedy): group score = max, masked with 0.
     """
     T, E, G = x.shape[0], cfg.n_routed_experts, cfg.n_group
+    if cfg.scoring_func == "sigmoid" and cfg.topk_method == "noaux_tc":  # fp32 on CPU: one call
+        fused = cpu_kernels.route_sigmoid(x, gate_w, bias, G, cfg.topk_group, cfg.num_experts_per_tok,
+                                          cfg.norm_topk_prob, cfg.routed_scaling_factor)  # fmt: skip
+        if fused is not None:
+            return fused
     logits = linear(x.float(), gate_w.float())
     if cfg.scoring_func == "sigmoid":
         scores = logits.sigmoid()
@@ -156,6 +168,10 @@ def grouped_expert_ffn(
     projection over all slots (offsets = cumulative tokens per slot).
     """
     T, K = slot.shape
+    if x.device.type == "cpu" and (T <= cpu_kernels.MAX_ROWS or _few_rows_per_slot(slot)):
+        y = cpu_kernels.expert_ffn(x, slot, weight, w13, w2, swiglu_limit)  # decode sizes, fp32: one call
+        if y is not None:
+            return y if out is None else out.copy_(y)
     if out is not None and out.dtype == torch.float32:
         acc = out.zero_()  # accumulate in place
     else:
@@ -168,20 +184,25 @@ def grouped_expert_ffn(
     token = pair // K
     counts = torch.bincount(flat_slot[pair], minlength=w13.shape[0])
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    # CUDA: one grouped_mm kernel per projection (bf16 only). CPU: grouped_mm loops in C++ over
-    # every slot, empty ones included (128 matmul calls per layer at batch 1, where 6 slots have
-    # tokens), with MKL's slow small-M matmuls; a Python loop over the busy slots wins while there
-    # are few pairs, or while the busy slots have few rows each and our small-batch kernel
-    # (cpu_kernels.py) takes them. Prefill-sized slots go to grouped_mm (512 tokens: 1.27x).
+    # CUDA: one grouped_mm kernel per projection (bf16 only). CPU: the whole layer in one call of
+    # cpu_kernels.expert_ffn above while the busy slots have few rows each (decode); otherwise
+    # grouped_mm, which loops in C++ over every slot, empty ones included (128 matmul calls per
+    # layer at batch 1) with MKL's slow small-M matmuls, so without the kernel a Python loop over
+    # the busy slots wins while there are few pairs. Prefill-sized slots go to grouped_mm.
     if x.device.type == "cuda":
         grouped = _HAS_GROUPED_MM and x.dtype == torch.bfloat16
     else:
-        busy = int((counts > 0).sum())
-        kernel_sized = pair.numel() <= cpu_kernels.MAX_ROWS * busy and cpu_kernels.available()
-        grouped = _HAS_GROUPED_MM and pair.numel() > CPU_LOOP_MAX_PAIRS and not kernel_sized
+        grouped = _HAS_GROUPED_MM and pair.numel() > CPU_LOOP_MAX_PAIRS
     mlp = _expert_mlp_grouped_mm if grouped else _expert_mlp_loop
     ys = mlp(x[token], offs, w13, w2, swiglu_limit)
     acc.index_add_(0, token, ys.float() * weight.reshape(-1)[pair].unsqueeze(1))
     if out is None:
         return acc.to(x.dtype)
     return out if acc is out else out.copy_(acc)
+
+
+def _few_rows_per_slot(slot: torch.Tensor) -> bool:
+    """Whether the busy slots of slot [T, K] get at most cpu_kernels.MAX_ROWS rows on average
+    (where the small-batch kernel beats MKL's blocked matmuls)."""
+    busy = slot[slot >= 0]
+    return busy.numel() <= cpu_kernels.MAX_ROWS * torch.unique(busy).numel()

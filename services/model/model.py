@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .cpu_kernels import linear
@@ -134,6 +135,7 @@ class DecodeRows:
     rows: torch.Tensor  # [Bd] rows of the flattened tokens that are decodes
     table: torch.Tensor  # [Bd, max_blocks] int64 block table of those sequences
     pad: torch.Tensor  # [Bd, 1, max_blocks*64] bool: cache positions past each sequence's length
+    lens: torch.Tensor  # [Bd] int64 context length of each sequence (this step's token included)
 
 
 @dataclass
@@ -174,8 +176,9 @@ class StepBatch:
         rows = torch.tensor([self.query_starts[b] for b in seqs], device=device)
         table = self.block_table[sel].long()
         lmax = table.shape[1] * BLOCK_SIZE
-        pad = torch.arange(lmax, device=device)[None, :] >= self.seq_lens[sel].long()[:, None]
-        return DecodeRows(rows, table, pad[:, None, :])
+        lens = self.seq_lens[sel].long()
+        pad = torch.arange(lmax, device=device)[None, :] >= lens[:, None]
+        return DecodeRows(rows, table, pad[:, None, :], lens)
 
     @staticmethod
     def build(
@@ -384,17 +387,29 @@ def mla_forward(
     dec = batch.decode
     if dec is not None:
         Bd = dec.rows.shape[0]
-        ctx = cache[dec.table].view(Bd, -1, W)  # [Bd, Lmax, W]
-        q_lat = torch.bmm(q_nope[dec.rows].transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
-        q_full = torch.cat((q_lat, q_pe[dec.rows]), dim=-1)  # [Bd, N, C+R]
-        scores = torch.bmm(q_full, ctx[..., : C + R].transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
-        masked = dec.pad  # [Bd, 1, Lmax]
-        if index is not None:  # V3.2: also every token outside the query's top-k
-            masked = ~index.keep(dec.rows, ctx[..., C + R :], ~dec.pad[:, 0])[:, None]
-        scores.masked_fill_(masked, float("-inf"))
-        probs = scores.softmax(dim=-1).to(x.dtype)
-        o_lat = torch.bmm(probs, ctx[..., :C])  # [Bd, N, C]
-        out[dec.rows] = torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)  # W_UV
+        only_decodes = Bd == T  # every row is a decode, in order: no row selection
+        q_nope_d, q_pe_d = (q_nope, q_pe) if only_decodes else (q_nope[dec.rows], q_pe[dec.rows])
+        q_lat = torch.bmm(q_nope_d.transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
+        q_full = torch.cat((q_lat, q_pe_d), dim=-1)  # [Bd, N, C+R]
+        # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
+        o_lat = (
+            None
+            if index is not None
+            else cpu_kernels.mla_decode(q_full, cache, dec.table, dec.lens, C, scale)
+        )
+        if o_lat is None:
+            ctx = cache[dec.table].view(Bd, -1, W)  # [Bd, Lmax, W]
+            scores = torch.bmm(q_full, ctx[..., : C + R].transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
+            masked = dec.pad  # [Bd, 1, Lmax]
+            if index is not None:  # V3.2: also every token outside the query's top-k
+                masked = ~index.keep(dec.rows, ctx[..., C + R :], ~dec.pad[:, 0])[:, None]
+            scores.masked_fill_(masked, float("-inf"))
+            probs = scores.softmax(dim=-1).to(x.dtype)
+            o_lat = torch.bmm(probs, ctx[..., :C])  # [Bd, N, C]
+        o = torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)  # W_UV: [Bd, N, V]
+        if only_decodes:
+            return linear(o.reshape(T, N * V), w.o, w.o_bias)
+        out[dec.rows] = o
 
     starts = batch.query_starts
     for b, n in enumerate(batch.query_lens):
