@@ -136,7 +136,7 @@ def test_expert_ffn_matches_torch_and_is_batch_invariant(torch_path, limit):
 @needs_kernels
 def test_mla_decode_reads_the_paged_cache_in_place():
     g = torch.Generator().manual_seed(2)
-    B, N, C, R, blocks = 3, 4, 32, 8, 7
+    B, N, C, R, blocks = 3, 6, 32, 8, 7  # 6 heads: a group of 4 and one of 2
     cache = torch.randn(blocks, 64, 1, C + R, generator=g)
     table = torch.tensor([[5, 2, 0], [1, 0, 0], [6, 3, 4]])
     lens = torch.tensor([100, 1, 150])
@@ -150,3 +150,38 @@ def test_mla_decode_reads_the_paged_cache_in_place():
             cpu_kernels.mla_decode(q[b : b + 1], cache, table[b : b + 1], lens[b : b + 1], C, 0.3),
             o[b : b + 1],
         )
+
+
+@needs_kernels
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_fused_mla_decode_layer_equals_the_op_by_op_path(tmp_path, monkeypatch, preset):
+    """The decode-only MLA layer in one C++ call gives the bits of mla_forward's torch-level path
+    (which itself uses the single kernels), outputs and cache rows alike."""
+    from services.model import model as model_mod
+    from services.model.config import ModelConfig
+    from services.model.presets import PRESETS
+
+    cfg = ModelConfig.from_hf(PRESETS[preset])
+    C, R, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.hidden_size
+    g = torch.Generator().manual_seed(3)
+    N, D, V, Q = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+    w = model_mod.MLAWeights(
+        kv_a=torch.randn(C + R, H, generator=g) / H**0.5, kv_a_norm=torch.rand(C, generator=g) + 0.5,
+        kv_b=torch.randn(N * (D + V), C, generator=g) / C**0.5, o=torch.randn(H, N * V, generator=g) / (N * V) ** 0.5,
+        q_a=torch.randn(Q, H, generator=g) / H**0.5, q_a_norm=torch.rand(Q, generator=g) + 0.5,
+        q_b=torch.randn(N * (D + R), Q, generator=g) / Q**0.5,
+    )  # fmt: skip
+    rope = model_mod.Rope(cfg)
+    batch = model_mod.StepBatch.build([([5], 70, [2, 0], True), ([7], 10, [3], True), ([9], 0, [1], True)])
+    cos_sin = rope.cos_sin(batch.positions, torch.float32)
+    x, cache = torch.randn(3, H, generator=g), torch.randn(4, 64, 1, C + R, generator=g)
+    fused = []
+    original = cpu_kernels.mla_decode_layer
+    monkeypatch.setattr(cpu_kernels, "mla_decode_layer", lambda *a: fused.append(1) or original(*a))
+    c1, c2 = cache.clone(), cache.clone()
+    y1 = model_mod.mla_forward(x, w, cfg, rope, cos_sin, c1, batch)
+    assert fused  # the fused call took it
+    monkeypatch.setattr(cpu_kernels, "mla_decode_layer", lambda *a: None)
+    y2 = model_mod.mla_forward(x, w, cfg, rope, cos_sin, c2, batch)
+    assert torch.equal(y1, y2) and torch.equal(c1, c2)
+    assert not torch.equal(c1, cache)  # this step's rows were written

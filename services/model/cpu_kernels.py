@@ -52,9 +52,25 @@ static inline void dots_n(const float* wr, const float* const* xs, int64_t K, fl
   for (int i = 0; i < N; ++i) a[i] = v8{0};
   for (int64_t k = 0; k < K; k += 8) {
     const v8 wv = ld(wr + k);
+    if ((k & 15) == 0) __builtin_prefetch(wr + 4 * K + k, 0, 0);  // the row 4 ahead (a hint: never faults)
     for (int i = 0; i < N; ++i) a[i] += ld(xs[i] + k) * wv;
   }
   for (int i = 0; i < N; ++i) out[i] = hsum(a[i]);
+}
+
+// dots_n<4> of two weight rows at once: 8 chains, each x load used twice (same sums, same order).
+static inline void dots_4x2(const float* w0, const float* w1, const float* const* xs, int64_t K, float* o0, float* o1) {
+  v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+  for (int64_t k = 0; k < K; k += 8) {
+    const v8 u = ld(w0 + k), v = ld(w1 + k);
+    if ((k & 15) == 0) { __builtin_prefetch(w0 + 4 * K + k, 0, 0); __builtin_prefetch(w1 + 4 * K + k, 0, 0); }
+    v8 x = ld(xs[0] + k); a0 += x * u; b0 += x * v;
+    x = ld(xs[1] + k); a1 += x * u; b1 += x * v;
+    x = ld(xs[2] + k); a2 += x * u; b2 += x * v;
+    x = ld(xs[3] + k); a3 += x * u; b3 += x * v;
+  }
+  o0[0] = hsum(a0); o0[1] = hsum(a1); o0[2] = hsum(a2); o0[3] = hsum(a3);
+  o1[0] = hsum(b0); o1[1] = hsum(b1); o1[2] = hsum(b2); o1[3] = hsum(b3);
 }
 
 static inline void dots(const float* wr, const float* const* xs, int n, int64_t K, float* out) {
@@ -73,8 +89,22 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    const float* xs[4]; float d[4];
-    for (int64_t n = n0; n < n1; ++n) {
+    const float* xs[4]; float d[4], e[4];
+    int64_t n = n0;
+    for (; M >= 4 && n + 2 <= n1; n += 2) {  // two weight rows at a time against blocks of 4 x rows
+      const float b0 = bp ? bp[n] : 0.0f, b1 = bp ? bp[n + 1] : 0.0f;
+      for (int64_t m = 0; m < M; m += 4) {
+        const int c = (int)std::min<int64_t>(4, M - m);
+        for (int i = 0; i < c; ++i) xs[i] = xp + (m + i) * K;
+        if (c == 4) {
+          dots_4x2(wp + n * K, wp + (n + 1) * K, xs, K, d, e);
+        } else {
+          dots(wp + n * K, xs, c, K, d); dots(wp + (n + 1) * K, xs, c, K, e);
+        }
+        for (int i = 0; i < c; ++i) { yp[(m + i) * N + n] = d[i] + b0; yp[(m + i) * N + n + 1] = e[i] + b1; }
+      }
+    }
+    for (; n < n1; ++n) {
       const float b = bp ? bp[n] : 0.0f;
       for (int64_t m = 0; m < M; m += 4) {
         const int c = (int)std::min<int64_t>(4, M - m);
@@ -88,13 +118,14 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const
 }
 
 // RMSNorm of x [M, K] (fp32): weight * (x * rsqrt(mean(x^2) + eps)).
+// x's rows may be strided (a column slice), its last dim contiguous.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1), sx = x.stride(0);
   auto y = torch::empty({M, K}, x.options());
   const float* xp = x.data_ptr<float>(); const float* wp = weight.data_ptr<float>(); float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = xp + m * K;
+      const float* xr = xp + m * sx;
       v8 a = {0};
       for (int64_t k = 0; k < K; k += 8) { const v8 v = ld(xr + k); a += v * v; }
       const float r = 1.0f / std::sqrt(hsum(a) / (float)K + (float)eps);
@@ -259,41 +290,80 @@ std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Te
 // MLA decode attention over the paged latent cache, one query token per sequence, in place
 // (no gather, no padding): o[b, h] = sum_l softmax_l(scale * q[b, h] . row_l[:QD]) row_l[:C],
 // row_l = cache row of token l < lens[b] through table[b]. q [B, N, QD] (QD = C + R), cache
-// [blocks, 64, 1, W] fp32, table [B, max_blocks] int64, lens [B] int64; QD % 8 == 0.
+// [blocks, 64, 1, W] fp32, table [B, max_blocks] int64, lens [B] int64; QD, C % 8 == 0. Heads
+// go in groups of 4 that share each row's load (the latent is one KV head for all of them).
 torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
                          const torch::Tensor& lens, int64_t C, double scale) {
+  constexpr int HG = 4;
   const int64_t B = q.size(0), N = q.size(1), QD = q.size(2), W = cache.size(-1), MB = table.size(1);
+  const int64_t groups = (N + HG - 1) / HG;
   auto o = torch::empty({B, N, C}, q.options());
   const float* qp = q.data_ptr<float>(); const float* cp = cache.data_ptr<float>();
   const int64_t* tp = table.data_ptr<int64_t>(); const int64_t* lp = lens.data_ptr<int64_t>();
   float* outp = o.data_ptr<float>();
   const float sc = (float)scale;
-  at::parallel_for(0, B * N, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / N, L = lp[b];
-      const float* qr = qp + i * QD;
-      p.resize(L);
-      float mx = -INFINITY;
+      const int64_t b = i / groups, h0 = (i % groups) * HG, L = lp[b];
+      const int nh = (int)std::min<int64_t>(HG, N - h0);
+      const float* qs[HG]; float d[HG], mx[HG], sum[HG];
+      for (int j = 0; j < nh; ++j) { qs[j] = qp + (b * N + h0 + j) * QD; mx[j] = -INFINITY; sum[j] = 0.0f; }
+      p.resize(HG * L);
       for (int64_t l = 0; l < L; ++l) {
-        const float* row = cp + (tp[b * MB + l / 64] * 64 + l % 64) * W;
-        v8 a = {0};
-        for (int64_t k = 0; k < QD; k += 8) a += ld(qr + k) * ld(row + k);
-        p[l] = hsum(a) * sc;
-        mx = std::max(mx, p[l]);
+        dots(cp + (tp[b * MB + l / 64] * 64 + l % 64) * W, qs, nh, QD, d);
+        for (int j = 0; j < nh; ++j) { p[j * L + l] = d[j] * sc; mx[j] = std::max(mx[j], p[j * L + l]); }
       }
-      float sum = 0.0f;
-      for (int64_t l = 0; l < L; ++l) { p[l] = std::exp(p[l] - mx); sum += p[l]; }
-      float* orow = outp + i * C;
-      for (int64_t c = 0; c < C; ++c) orow[c] = 0.0f;
+      for (int j = 0; j < nh; ++j)
+        for (int64_t l = 0; l < L; ++l) { p[j * L + l] = std::exp(p[j * L + l] - mx[j]); sum[j] += p[j * L + l]; }
+      float* orow = outp + (b * N + h0) * C;
+      for (int64_t c = 0; c < nh * C; ++c) orow[c] = 0.0f;
       for (int64_t l = 0; l < L; ++l) {
         const float* row = cp + (tp[b * MB + l / 64] * 64 + l % 64) * W;
-        const float pl = p[l] / sum;
-        for (int64_t c = 0; c < C; ++c) orow[c] += pl * row[c];
+        for (int j = 0; j < nh; ++j) {
+          const float pl = p[j * L + l] / sum[j];
+          const v8 pv = {pl, pl, pl, pl, pl, pl, pl, pl};
+          float* oj = orow + j * C;
+          for (int64_t c = 0; c < C; c += 8) { const v8 v = ld(oj + c) + pv * ld(row + c); __builtin_memcpy(oj + c, &v, 32); }
+        }
       }
     }
   });
   return o;
+}
+
+// One MLA layer for a decode-only step, whole (the absorbed form of model.mla_forward, the same
+// ops in the same order, called from C++: ~35 torch calls from Python cost more than their work
+// at batch 1). x [T, H] -> [T, H]; writes each token's [c_kv | k_pe] row at slot_mapping [T].
+// Weights as model.MLAWeights (q via q_a/q_b or q_proj; optional biases); cos / sin [T, R/2].
+static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  return x.size(0) <= 8 && x.size(1) % 8 == 0 ? small_linear(x.contiguous(), w, b) : at::linear(x, w, b);
+}
+
+torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch::Tensor>& q_a,
+                               const c10::optional<torch::Tensor>& q_a_bias, const c10::optional<torch::Tensor>& q_a_norm,
+                               const c10::optional<torch::Tensor>& q_b, const c10::optional<torch::Tensor>& q_proj,
+                               const torch::Tensor& kv_a, const c10::optional<torch::Tensor>& kv_a_bias,
+                               const torch::Tensor& kv_a_norm, const torch::Tensor& kv_b, const torch::Tensor& o_w,
+                               const c10::optional<torch::Tensor>& o_bias, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& cache, const torch::Tensor& slot_mapping, const torch::Tensor& table,
+                               const torch::Tensor& lens, int64_t D, int64_t R, int64_t C, int64_t V, double eps, double scale) {
+  const int64_t T = x.size(0), W = cache.size(-1);
+  TORCH_CHECK(W == C + R, "mla_decode_layer: cache rows of ", W, " values, expected ", C + R);
+  const torch::Tensor q = q_proj.has_value() ? lin(x, *q_proj, c10::nullopt)
+                                            : lin(rms_norm(lin(x, *q_a, q_a_bias), *q_a_norm, eps), *q_b, c10::nullopt);
+  const int64_t N = q.size(1) / (D + R);
+  const auto q3 = q.view({T, N, D + R});
+  const auto q_pe = rope_interleaved(q3.narrow(2, D, R), cos, sin);  // [T, N, R]
+  const auto kv = lin(x, kv_a, kv_a_bias);  // [T, C+R]
+  const auto c_kv = rms_norm(kv.narrow(1, 0, C), kv_a_norm, eps);
+  const auto k_pe = rope_interleaved(kv.narrow(1, C, R).unsqueeze(1), cos, sin).view({T, R});
+  cache.view({-1, W}).index_copy_(0, slot_mapping, at::cat({c_kv, k_pe}, 1));
+  const auto kv_b3 = kv_b.view({N, D + V, C});
+  const auto q_lat = at::bmm(q3.narrow(2, 0, D).transpose(0, 1), kv_b3.narrow(1, 0, D)).transpose(0, 1);  // [T, N, C]
+  const auto o_lat = mla_decode(at::cat({q_lat, q_pe}, 2), cache, table, lens, C, scale);  // [T, N, C]
+  const auto o = at::bmm(o_lat.transpose(0, 1), kv_b3.narrow(1, D, V).transpose(1, 2)).transpose(0, 1);  // [T, N, V]
+  return lin(o.reshape({T, N * V}), o_w, o_bias);
 }
 """
 
@@ -329,7 +399,15 @@ def _build():
         return None
 
 
-FUNCTIONS = ["small_linear", "rms_norm", "expert_ffn", "mla_decode", "rope_interleaved", "route_sigmoid"]
+FUNCTIONS = [
+    "small_linear",
+    "rms_norm",
+    "expert_ffn",
+    "mla_decode",
+    "rope_interleaved",
+    "route_sigmoid",
+    "mla_decode_layer",
+]
 
 
 def available() -> bool:
@@ -367,7 +445,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     module = _module()
     if module is None:
         return None
-    return module.rms_norm(x.reshape(-1, K).contiguous(), weight.contiguous(), eps).view(x.shape)
+    return module.rms_norm(x.reshape(-1, K), weight.contiguous(), eps).view(x.shape)
 
 
 def expert_ffn(
@@ -404,7 +482,7 @@ def mla_decode(
     1, W], table [B, max_blocks] int64, lens [B] int64 -> o [B, N, C], the softmax(scale * q .
     row[:C+R])-weighted sum of the rows' first C = latent_dim values. None where the kernel does
     not apply."""
-    if q.shape[-1] % 8 or not _fp32_cpu(q, cache) or not cache.is_contiguous():
+    if q.shape[-1] % 8 or latent_dim % 8 or not _fp32_cpu(q, cache) or not cache.is_contiguous():
         return None
     module = _module()
     if module is None:
@@ -446,3 +524,28 @@ def route_sigmoid(
     idx, weight = module.route_sigmoid(x.contiguous(), gate_w.contiguous(), empty if bias is None else bias.contiguous(),
                                        n_group, topk_group, top_k, norm, scale)  # fmt: skip
     return idx, weight
+
+
+def mla_decode_layer(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: float) -> torch.Tensor | None:
+    """model.mla_forward for a decode-only step of a V3 layer (no indexer, interleaved rope) in
+    one call: x [T, H] fp32 on CPU, w a model.MLAWeights, cos_sin [T, R/2] each, cache [blocks, 64,
+    1, C+R], table [T, max_blocks] / lens [T] int64 (model.DecodeRows); the rows of this step are
+    written at slot_mapping [T]; eps of the latent norms. None where the kernel does not apply."""
+    C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    if (
+        w.indexer is not None
+        or cache.shape[-1] != C + R
+        or (C + R) % 8
+        or C % 8
+        or not _fp32_cpu(x, cache, w.kv_a, w.kv_b, w.o)
+        or not cache.is_contiguous()
+    ):
+        return None
+    module = _module()
+    if module is None:
+        return None
+    cos, sin = cos_sin
+    return module.mla_decode_layer(x, w.q_a, w.q_a_bias, w.q_a_norm, w.q_b, w.q_proj, w.kv_a, w.kv_a_bias,
+                                   w.kv_a_norm, w.kv_b, w.o, w.o_bias, cos.contiguous(), sin.contiguous(),
+                                   cache, slot_mapping, table, lens, cfg.qk_nope_head_dim, R, C, cfg.v_head_dim,
+                                   eps, cfg.softmax_scale)  # fmt: skip

@@ -360,6 +360,13 @@ def mla_forward(
     """
     T = x.shape[0]
     D, R, C, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    dec = batch.decode
+    if dec is not None and dec.rows.shape[0] == T and rope.interleave and x.device.type == "cpu":
+        # a decode-only step on an fp32 CPU: this whole function in one C++ call (cpu_kernels.py)
+        out = cpu_kernels.mla_decode_layer(x, w, cos_sin, cache, batch.slot_mapping, dec.table, dec.lens, cfg,
+                                           NORM_EPS_LATENT)  # fmt: skip
+        if out is not None:
+            return out
     if w.q_proj is not None:
         q_lora, q = None, linear(x, w.q_proj)
     else:
@@ -384,7 +391,6 @@ def mla_forward(
     out = torch.empty(T, N, V, dtype=x.dtype, device=x.device)
     scale = cfg.softmax_scale
 
-    dec = batch.decode
     if dec is not None:
         Bd = dec.rows.shape[0]
         only_decodes = Bd == T  # every row is a decode, in order: no row selection
