@@ -85,6 +85,7 @@ static inline void dots(const float* wr, const float* const* xs, int n, int64_t 
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0, fp32, contiguous.
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 8 == 0 && (!bias.has_value() || bias->numel() == N), "small_linear: shapes");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -121,6 +122,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const
 // x's rows may be strided (a column slice), its last dim contiguous.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   const int64_t M = x.size(0), K = x.size(1), sx = x.stride(0);
+  TORCH_CHECK(weight.numel() == K && K % 8 == 0 && x.stride(1) == 1, "rms_norm: shapes");
   auto y = torch::empty({M, K}, x.options());
   const float* xp = x.data_ptr<float>(); const float* wp = weight.data_ptr<float>(); float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -143,6 +145,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
                          const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
   const int64_t T = x.size(0), H = x.size(1), K = slot.size(1), S = w13.size(0), I = w2.size(2);
+  TORCH_CHECK(slot.size(0) == T && weight.numel() == T * K && w13.size(1) == 2 * I && w13.size(2) == H &&
+              w2.size(0) == S && w2.size(1) == H && H % 8 == 0 && I % 8 == 0, "expert_ffn: shapes");
   const int64_t* sp = slot.data_ptr<int64_t>();
   std::vector<int64_t> start(S + 1, 0);
   for (int64_t p = 0; p < T * K; ++p) {
@@ -212,6 +216,7 @@ torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, cons
 // s = sin[t, i]: out[2i] = x[2i] c - x[2i+1] s, out[2i+1] = x[2i+1] c + x[2i] s (as layers.Rope).
 torch::Tensor rope_interleaved(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const int64_t T = x.size(0), N = x.size(1), R = x.size(2), st = x.stride(0), sn = x.stride(1), h = R / 2;
+  TORCH_CHECK(x.stride(2) == 1 && R % 2 == 0 && cos.numel() == T * h && sin.numel() == T * h, "rope_interleaved: shapes");
   auto out = torch::empty({T, N, R}, x.options());
   const float* xp = x.data_ptr<float>(); const float* cp = cos.data_ptr<float>(); const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -236,6 +241,8 @@ torch::Tensor rope_interleaved(const torch::Tensor& x, const torch::Tensor& cos,
 std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Tensor& gate_w, const torch::Tensor& bias,
                                          int64_t G, int64_t topk_group, int64_t K, bool norm, double scale) {
   const int64_t T = x.size(0), H = x.size(1), E = gate_w.size(0), per = E / G;
+  TORCH_CHECK(gate_w.size(1) == H && H % 8 == 0 && E % G == 0 && topk_group <= G && K <= topk_group * per &&
+              (bias.numel() == 0 || bias.numel() == E), "route_sigmoid: shapes");
   auto idx = torch::empty({T, K}, x.options().dtype(torch::kInt64));
   auto wt = torch::empty({T, K}, x.options());
   const float* xp = x.data_ptr<float>(); const float* gp = gate_w.data_ptr<float>();
@@ -297,6 +304,7 @@ torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, con
   constexpr int HG = 4;
   const int64_t B = q.size(0), N = q.size(1), QD = q.size(2), W = cache.size(-1), MB = table.size(1);
   const int64_t groups = (N + HG - 1) / HG;
+  TORCH_CHECK(QD % 8 == 0 && C % 8 == 0 && C <= QD && QD <= W && table.size(0) == B && lens.numel() == B, "mla_decode: shapes");
   auto o = torch::empty({B, N, C}, q.options());
   const float* qp = q.data_ptr<float>(); const float* cp = cache.data_ptr<float>();
   const int64_t* tp = table.data_ptr<int64_t>(); const int64_t* lp = lens.data_ptr<int64_t>();
