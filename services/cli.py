@@ -210,9 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=os.environ.get("MOE_CLUSTER_LOG", "WARNING"))
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("init-model", help="write a random-weight DeepSeek-V3 checkpoint")
+    s = sub.add_parser("init-model", help="write a random-weight DeepSeek-V3 (V3.2, V4) checkpoint")
     s.add_argument("dir")
-    s.add_argument("--preset", default="tiny", choices=["tiny", "tiny-v32", "small"])
+    s.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "tiny-v32", "tiny-v4", "small"],
+        help="tiny: DeepSeek-V3 dims for tests; tiny-v32: with V3.2's indexer; tiny-v4: DeepSeek-V4 "
+        "(every layer type); small: ~84M parameters (default: tiny)",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--fp8", action="store_true", help="FP8 e4m3 128x128 block-quantised weights")
     s.set_defaults(fn=cmd_init_model)

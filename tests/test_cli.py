@@ -13,3 +13,11 @@ def test_up_flags_are_the_scalar_cluster_settings():
         ["up", "--max-num-seqs", "8", "--balancer-min-gain", "0.5", "--redis-url", "r"]
     )
     assert (args.max_num_seqs, args.balancer_min_gain, args.redis_url, args.port) == (8, 0.5, "r", None)
+
+
+def test_init_model_offers_every_preset():
+    from services.model.presets import PRESETS
+
+    init = build_parser()._subparsers._group_actions[0].choices["init-model"]
+    (preset,) = [a for a in init._actions if a.dest == "preset"]
+    assert sorted(preset.choices) == sorted(PRESETS)

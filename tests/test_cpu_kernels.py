@@ -185,3 +185,71 @@ def test_fused_mla_decode_layer_equals_the_op_by_op_path(tmp_path, monkeypatch, 
     y2 = model_mod.mla_forward(x, w, cfg, rope, cos_sin, c2, batch)
     assert torch.equal(y1, y2) and torch.equal(c1, c2)
     assert not torch.equal(c1, cache)  # this step's rows were written
+
+
+@needs_kernels
+def test_bad_inputs_get_errors_or_the_torch_path_never_wild_reads(torch_path):
+    from services.model.config import ModelConfig
+    from services.model.layers import route
+    from services.model.presets import PRESETS
+
+    cfg = ModelConfig.from_hf(PRESETS["tiny"])
+    g = torch.Generator().manual_seed(4)
+    x, gate = (
+        torch.randn(2, cfg.hidden_size, generator=g),
+        torch.randn(cfg.n_routed_experts, cfg.hidden_size, generator=g),
+    )
+    x[0, 5] = float("nan")  # a NaN still routes to valid experts
+    idx, _ = route(x, gate, None, cfg)
+    assert bool(((idx >= 0) & (idx < cfg.n_routed_experts)).all()), idx
+
+    q, cache = torch.randn(1, 4, 40), torch.randn(2, 64, 1, 40)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.mla_decode(q, cache, torch.tensor([[7]]), torch.tensor([10]), 32, 0.1)
+    with pytest.raises(RuntimeError, match="context length"):
+        cpu_kernels.mla_decode(q, cache, torch.tensor([[0]]), torch.tensor([65]), 32, 0.1)
+    assert (
+        cpu_kernels.mla_decode(q, cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([3]), 32, 0.1)
+        is None
+    )
+
+    w, bias = torch.randn(8, 16, generator=g), torch.arange(16.0)[::2]  # a strided bias
+    x = torch.randn(2, 16, generator=g)
+    torch.testing.assert_close(cpu_kernels.linear(x, w, bias), F.linear(x, w, bias))
+
+
+@needs_kernels
+def test_kernels_let_other_python_threads_run():
+    """The kernels release the GIL: an expert worker's other gRPC threads (or an attention
+    worker's dispatch thread) go on while one runs. A Python thread counts; during one kernel call
+    (~0.1-0.3 s) it must count more than 20 ms worth at its rate beside a sleeping main thread
+    (holding the GIL, the call would let it run one 5 ms switch interval at most)."""
+    import threading
+    import time
+
+    S, H, I, T = 16, 512, 512, 256
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = torch.randn(S, 2 * I, H, generator=g), torch.randn(S, H, I, generator=g)
+    slot = torch.stack([torch.randperm(S, generator=g)[:6] for _ in range(T)])
+    x, weight = torch.randn(T, H, generator=g), torch.rand(T, 6, generator=g)
+    spins, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            spins[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        before, t0 = spins[0], time.perf_counter()
+        time.sleep(0.1)
+        free_rate = (spins[0] - before) / (time.perf_counter() - t0)
+        before, t0 = spins[0], time.perf_counter()
+        cpu_kernels.expert_ffn(x, slot, weight, w13, w2)
+        elapsed = time.perf_counter() - t0
+        during = spins[0] - before
+    finally:
+        stop.set()
+        thread.join()
+    assert elapsed > 0.05, elapsed  # long enough to tell
+    assert during > 0.02 * free_rate, (during, free_rate, elapsed)

@@ -13,6 +13,7 @@ import torch
 
 from services.model.config import ModelConfig, rope_inv_freq
 from services.model.engine import EngineConfig, LocalEngine
+from services.model.presets import init_model
 from services.model.sampling import SamplingParams
 
 from .hf_oracle import (
@@ -134,6 +135,34 @@ def test_expert_worker_store_runs_the_clamped_swiglu(oracle):
         with torch.no_grad():
             want = hf.model.layers[layer].mlp.experts(x, logical, weight)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_v4_preset_matches_transformers(tmp_path):
+    """`moe-cluster init-model --preset tiny-v4` writes, without transformers, a V4 checkpoint
+    transformers loads with no missing, unexpected or mismatched tensor, and agrees with (every
+    layer type: a 40-token prompt crosses the window, CSA's index_topk and the HCA ratio)."""
+    from transformers import AutoModelForCausalLM
+
+    path = init_model(tmp_path / "tiny-v4", "tiny-v4", seed=0)
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.is_v4 and set(cfg.layer_types) == {"sliding_attention", "compressed_sparse_attention",
+                                                  "heavily_compressed_attention"}  # fmt: skip
+    assert cfg.mlp_layer_types.count("hash_moe") == 2 and cfg.swiglu_limit == 1.0
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+        output_loading_info=True,
+    )  # fmt: skip
+    assert type(hf).__name__ == "DeepseekV4ForCausalLM" and not any(info.values()), info
+    hf.eval()
+    for layer in (0, 1):  # hash routing: distinct experts per token id
+        tid2eid = hf.model.layers[layer].mlp.gate.tid2eid
+        assert tid2eid.shape == (cfg.vocab_size, 4) and all(len(set(row)) == 4 for row in tid2eid.tolist())
+    engine = _engine(path)
+    tok = engine.tokenizer  # the byte-level tokenizer: text prompts and detokenized outputs
+    assert tok is not None and tok.decode(tok.encode("Hi, V4")) == "Hi, V4"
+    prompts = _prompts(cfg.vocab_size, seed=2, lengths=[5, 40])
+    outs, logits = generate_with_logits(engine, prompts, GREEDY)
+    _check(outs, logits, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts], "tiny-v4 preset")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,9 +23,12 @@ MOE_CPU_KERNELS=0, every function here falls back to torch (the callers' torch p
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +42,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
+#define NO_GIL pybind11::gil_scoped_release no_gil  // entry points: other Python threads run meanwhile
 typedef float v8 __attribute__((vector_size(32)));
 static inline v8 ld(const float* p) { v8 v; __builtin_memcpy(&v, p, 32); return v; }
 static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
@@ -83,7 +87,7 @@ static inline void dots(const float* wr, const float* const* xs, int n, int64_t 
 }
 
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0, fp32, contiguous.
-torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+static torch::Tensor small_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && K % 8 == 0 && (!bias.has_value() || bias->numel() == N), "small_linear: shapes");
   auto y = torch::empty({M, N}, x.options());
@@ -120,7 +124,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const
 
 // RMSNorm of x [M, K] (fp32): weight * (x * rsqrt(mean(x^2) + eps)).
 // x's rows may be strided (a column slice), its last dim contiguous.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+static torch::Tensor rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   const int64_t M = x.size(0), K = x.size(1), sx = x.stride(0);
   TORCH_CHECK(weight.numel() == K && K % 8 == 0 && x.stride(1) == 1, "rms_norm: shapes");
   auto y = torch::empty({M, K}, x.options());
@@ -144,6 +148,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // once for all of its slot's tokens; a token's choices are summed in slot order.
 torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
                          const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
+  NO_GIL;
   const int64_t T = x.size(0), H = x.size(1), K = slot.size(1), S = w13.size(0), I = w2.size(2);
   TORCH_CHECK(slot.size(0) == T && weight.numel() == T * K && w13.size(1) == 2 * I && w13.size(2) == H &&
               w2.size(0) == S && w2.size(1) == H && H % 8 == 0 && I % 8 == 0, "expert_ffn: shapes");
@@ -214,7 +219,7 @@ torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, cons
 
 // Interleaved-pair rope: x [T, N, R] (last dim contiguous) -> out [T, N, R] with, for c = cos[t, i],
 // s = sin[t, i]: out[2i] = x[2i] c - x[2i+1] s, out[2i+1] = x[2i+1] c + x[2i] s (as layers.Rope).
-torch::Tensor rope_interleaved(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+static torch::Tensor rope_interleaved_impl(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const int64_t T = x.size(0), N = x.size(1), R = x.size(2), st = x.stride(0), sn = x.stride(1), h = R / 2;
   TORCH_CHECK(x.stride(2) == 1 && R % 2 == 0 && cos.numel() == T * h && sin.numel() == T * h, "rope_interleaved: shapes");
   auto out = torch::empty({T, N, R}, x.options());
@@ -240,9 +245,12 @@ torch::Tensor rope_interleaved(const torch::Tensor& x, const torch::Tensor& cos,
 // 1e-20) when norm, times scale. Returns [idx [T, K] int64, weight [T, K] fp32].
 std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Tensor& gate_w, const torch::Tensor& bias,
                                          int64_t G, int64_t topk_group, int64_t K, bool norm, double scale) {
-  const int64_t T = x.size(0), H = x.size(1), E = gate_w.size(0), per = E / G;
-  TORCH_CHECK(gate_w.size(1) == H && H % 8 == 0 && E % G == 0 && topk_group <= G && K <= topk_group * per &&
-              (bias.numel() == 0 || bias.numel() == E), "route_sigmoid: shapes");
+  NO_GIL;
+  const int64_t T = x.size(0), H = x.size(1), E = gate_w.size(0);
+  TORCH_CHECK(G >= 1 && gate_w.size(1) == H && H % 8 == 0 && E % G == 0 && topk_group >= 1 && topk_group <= G &&
+              K >= 1 && K <= (G > 1 ? topk_group * (E / G) : E) && (bias.numel() == 0 || bias.numel() == E),
+              "route_sigmoid: shapes");
+  const int64_t per = E / G;
   auto idx = torch::empty({T, K}, x.options().dtype(torch::kInt64));
   auto wt = torch::empty({T, K}, x.options());
   const float* xp = x.data_ptr<float>(); const float* gp = gate_w.data_ptr<float>();
@@ -250,7 +258,7 @@ std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Te
   int64_t* ip = idx.data_ptr<int64_t>(); float* wp = wt.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> score(E), choice(E), group(G);
-    std::vector<char> allowed(E);
+    std::vector<char> allowed(E), taken(G);
     const float* xs[1]; float d[1];
     for (int64_t t = t0; t < t1; ++t) {
       xs[0] = xp + t * H;
@@ -260,7 +268,7 @@ std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Te
         choice[e] = bp ? score[e] + bp[e] : score[e];
       }
       std::fill(allowed.begin(), allowed.end(), G > 1 ? 0 : 1);
-      if (G > 1) {
+      if (G > 1) {  // (selection by flags, not by -inf sentinels: a NaN input still picks valid ids)
         for (int64_t g = 0; g < G; ++g) {
           float a = -INFINITY, b = -INFINITY;
           for (int64_t e = g * per; e < (g + 1) * per; ++e) {
@@ -268,12 +276,12 @@ std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Te
           }
           group[g] = a + b;
         }
+        std::fill(taken.begin(), taken.end(), 0);
         for (int64_t k = 0; k < topk_group; ++k) {
           int64_t best = -1;
           for (int64_t g = 0; g < G; ++g)
-            if (group[g] != -INFINITY && (best < 0 || group[g] > group[best])) best = g;
-          if (best < 0) break;
-          group[best] = -INFINITY;
+            if (!taken[g] && (best < 0 || group[g] > group[best])) best = g;
+          taken[best] = 1;
           for (int64_t e = best * per; e < (best + 1) * per; ++e) allowed[e] = 1;
         }
       }
@@ -299,12 +307,22 @@ std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Te
 // row_l = cache row of token l < lens[b] through table[b]. q [B, N, QD] (QD = C + R), cache
 // [blocks, 64, 1, W] fp32, table [B, max_blocks] int64, lens [B] int64; QD, C % 8 == 0. Heads
 // go in groups of 4 that share each row's load (the latent is one KV head for all of them).
-torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
+static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
                          const torch::Tensor& lens, int64_t C, double scale) {
   constexpr int HG = 4;
   const int64_t B = q.size(0), N = q.size(1), QD = q.size(2), W = cache.size(-1), MB = table.size(1);
   const int64_t groups = (N + HG - 1) / HG;
-  TORCH_CHECK(QD % 8 == 0 && C % 8 == 0 && C <= QD && QD <= W && table.size(0) == B && lens.numel() == B, "mla_decode: shapes");
+  TORCH_CHECK(QD % 8 == 0 && C % 8 == 0 && C <= QD && QD <= W && cache.dim() == 4 && cache.size(1) == 64 &&
+              table.size(0) == B && lens.numel() == B && table.scalar_type() == torch::kInt64 &&
+              lens.scalar_type() == torch::kInt64, "mla_decode: shapes");
+  for (int64_t b = 0; b < B; ++b) {  // every row read must be inside the cache
+    const int64_t L = lens.data_ptr<int64_t>()[b];
+    TORCH_CHECK(L >= 1 && L <= MB * 64, "mla_decode: context length ", L, " outside [1, ", MB * 64, "]");
+    for (int64_t j = 0; j < (L + 63) / 64; ++j) {
+      const int64_t blk = table.data_ptr<int64_t>()[b * MB + j];
+      TORCH_CHECK(blk >= 0 && blk < cache.size(0), "mla_decode: block ", blk, " outside the cache");
+    }
+  }
   auto o = torch::empty({B, N, C}, q.options());
   const float* qp = q.data_ptr<float>(); const float* cp = cache.data_ptr<float>();
   const int64_t* tp = table.data_ptr<int64_t>(); const int64_t* lp = lens.data_ptr<int64_t>();
@@ -345,7 +363,7 @@ torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, con
 // at batch 1). x [T, H] -> [T, H]; writes each token's [c_kv | k_pe] row at slot_mapping [T].
 // Weights as model.MLAWeights (q via q_a/q_b or q_proj; optional biases); cos / sin [T, R/2].
 static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
-  return x.size(0) <= 8 && x.size(1) % 8 == 0 ? small_linear(x.contiguous(), w, b) : at::linear(x, w, b);
+  return x.size(0) <= 8 && x.size(1) % 8 == 0 ? small_linear_impl(x.contiguous(), w.contiguous(), b.has_value() ? c10::optional<torch::Tensor>(b->contiguous()) : c10::nullopt) : at::linear(x, w, b);
 }
 
 torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch::Tensor>& q_a,
@@ -356,22 +374,41 @@ torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch
                                const c10::optional<torch::Tensor>& o_bias, const torch::Tensor& cos, const torch::Tensor& sin,
                                const torch::Tensor& cache, const torch::Tensor& slot_mapping, const torch::Tensor& table,
                                const torch::Tensor& lens, int64_t D, int64_t R, int64_t C, int64_t V, double eps, double scale) {
+  NO_GIL;
   const int64_t T = x.size(0), W = cache.size(-1);
   TORCH_CHECK(W == C + R, "mla_decode_layer: cache rows of ", W, " values, expected ", C + R);
   const torch::Tensor q = q_proj.has_value() ? lin(x, *q_proj, c10::nullopt)
-                                            : lin(rms_norm(lin(x, *q_a, q_a_bias), *q_a_norm, eps), *q_b, c10::nullopt);
+                                            : lin(rms_norm_impl(lin(x, *q_a, q_a_bias), *q_a_norm, eps), *q_b, c10::nullopt);
   const int64_t N = q.size(1) / (D + R);
   const auto q3 = q.view({T, N, D + R});
-  const auto q_pe = rope_interleaved(q3.narrow(2, D, R), cos, sin);  // [T, N, R]
+  const auto q_pe = rope_interleaved_impl(q3.narrow(2, D, R), cos, sin);  // [T, N, R]
   const auto kv = lin(x, kv_a, kv_a_bias);  // [T, C+R]
-  const auto c_kv = rms_norm(kv.narrow(1, 0, C), kv_a_norm, eps);
-  const auto k_pe = rope_interleaved(kv.narrow(1, C, R).unsqueeze(1), cos, sin).view({T, R});
+  const auto c_kv = rms_norm_impl(kv.narrow(1, 0, C), kv_a_norm, eps);
+  const auto k_pe = rope_interleaved_impl(kv.narrow(1, C, R).unsqueeze(1), cos, sin).view({T, R});
   cache.view({-1, W}).index_copy_(0, slot_mapping, at::cat({c_kv, k_pe}, 1));
   const auto kv_b3 = kv_b.view({N, D + V, C});
   const auto q_lat = at::bmm(q3.narrow(2, 0, D).transpose(0, 1), kv_b3.narrow(1, 0, D)).transpose(0, 1);  // [T, N, C]
-  const auto o_lat = mla_decode(at::cat({q_lat, q_pe}, 2), cache, table, lens, C, scale);  // [T, N, C]
+  const auto o_lat = mla_decode_impl(at::cat({q_lat, q_pe}, 2), cache, table, lens, C, scale);  // [T, N, C]
   const auto o = at::bmm(o_lat.transpose(0, 1), kv_b3.narrow(1, D, V).transpose(1, 2)).transpose(0, 1);  // [T, N, V]
   return lin(o.reshape({T, N * V}), o_w, o_bias);
+}
+
+torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  NO_GIL;
+  return small_linear_impl(x, w, bias);
+}
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  NO_GIL;
+  return rms_norm_impl(x, weight, eps);
+}
+torch::Tensor rope_interleaved(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  NO_GIL;
+  return rope_interleaved_impl(x, cos, sin);
+}
+torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
+                         const torch::Tensor& lens, int64_t C, double scale) {
+  NO_GIL;
+  return mla_decode_impl(q, cache, table, lens, C, scale);
 }
 """
 
@@ -396,15 +433,25 @@ def _build():
 
         from .presets import cache_root
 
-        build_dir = (
-            cache_root() / "torch_extensions" / f"cpu_kernels_torch{torch.__version__.replace('+', '_')}"
-        )
+        # -march=native: one build per CPU kind (a cache shared by unlike nodes must not mix them)
+        tag = f"torch{torch.__version__.replace('+', '_')}_{_cpu_tag()}"
+        build_dir = cache_root() / "torch_extensions" / f"cpu_kernels_{tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
         return load_inline("moe_cpu_kernels", cpp_sources=_SOURCE, functions=FUNCTIONS,
                            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], build_directory=str(build_dir))  # fmt: skip
     except Exception as e:  # no compiler, no ninja, an unsupported CPU: torch's own ops
         log.warning("CPU kernels unavailable (%s: %s); using torch ops", type(e).__name__, e)
         return None
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and instruction-set flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.machine(), platform.processor()]
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
 
 
 FUNCTIONS = [
@@ -440,7 +487,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     ):
         module = _state.get("module") or _module()
         if module is not None:
-            return module.small_linear(x.contiguous(), w.contiguous(), bias)
+            return module.small_linear(
+                x.contiguous(), w.contiguous(), None if bias is None else bias.contiguous()
+            )
     return F.linear(x, w, bias)
 
 
@@ -448,7 +497,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of fp32 CPU x [..., K] (K % 8 ==
     0); None where the kernel does not apply (the caller computes it with torch)."""
     K = x.shape[-1]
-    if K % 8 or not _fp32_cpu(x, weight) or x.numel() == 0:
+    if K % 8 or not _fp32_cpu(x, weight) or x.numel() == 0 or x.stride(-1) != 1:
         return None
     module = _module()
     if module is None:
@@ -470,6 +519,8 @@ def expert_ffn(
     H, I = x.shape[1], w2.shape[2]
     if H % 8 or I % 8 or slot.dtype != torch.int64 or not _fp32_cpu(x, weight, w13, w2):
         return None
+    if swiglu_limit is not None and swiglu_limit <= 0:  # (the kernel reads 0 as "no clamp")
+        return None
     module = _module()
     if module is None:
         return None
@@ -490,7 +541,14 @@ def mla_decode(
     1, W], table [B, max_blocks] int64, lens [B] int64 -> o [B, N, C], the softmax(scale * q .
     row[:C+R])-weighted sum of the rows' first C = latent_dim values. None where the kernel does
     not apply."""
-    if q.shape[-1] % 8 or latent_dim % 8 or not _fp32_cpu(q, cache) or not cache.is_contiguous():
+    if (
+        q.shape[-1] % 8
+        or latent_dim % 8
+        or not _fp32_cpu(q, cache)
+        or not cache.is_contiguous()
+        or table.dtype != torch.int64
+        or lens.dtype != torch.int64
+    ):
         return None
     module = _module()
     if module is None:
@@ -545,8 +603,12 @@ def mla_decode_layer(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: 
         or cache.shape[-1] != C + R
         or (C + R) % 8
         or C % 8
-        or not _fp32_cpu(x, cache, w.kv_a, w.kv_b, w.o)
+        or not _fp32_cpu(x, cache, w.kv_a, w.kv_b, w.o, w.q_a, w.q_b, w.q_proj, w.kv_a_norm, w.q_a_norm)
+        or not _fp32_cpu(w.q_a_bias, w.kv_a_bias, w.o_bias, *cos_sin)
+        or (w.q_a_norm is not None and w.q_a_norm.numel() % 8)  # (its RMSNorm runs in the kernel)
         or not cache.is_contiguous()
+        or table.dtype != torch.int64
+        or lens.dtype != torch.int64
     ):
         return None
     module = _module()

@@ -168,7 +168,11 @@ def grouped_expert_ffn(
     projection over all slots (offsets = cumulative tokens per slot).
     """
     T, K = slot.shape
-    if x.device.type == "cpu" and (T <= cpu_kernels.MAX_ROWS or _few_rows_per_slot(slot)):
+    if (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and (T <= cpu_kernels.MAX_ROWS or _few_rows_per_slot(slot))
+    ):
         y = cpu_kernels.expert_ffn(x, slot, weight, w13, w2, swiglu_limit)  # decode sizes, fp32: one call
         if y is not None:
             return y if out is None else out.copy_(y)

@@ -1,9 +1,12 @@
-"""`moe-cluster init-model`: write a Hugging Face-format DeepSeek-V3 checkpoint with random weights.
+"""`moe-cluster init-model`: write a Hugging Face-format DeepSeek-V3 (V3.2, V4) checkpoint with
+random weights.
 
 Everything is randomised, biases and norm weights included (transformers initialises norms to 1
 and the router bias to 0, which would leave those code paths untested). The checkpoint uses the
 original per-expert tensor names, writes `scoring_func`/`topk_method` like DeepSeek's own
 configs, and ships a byte-level `tokenizer.json`, so it loads in transformers and other engines.
+DeepSeek-V4 (`tiny-v4`) is written under the names transformers' `save_pretrained` writes for
+`DeepseekV4ForCausalLM` (DeepSeek's own: `attn.wq_a`, `ffn.experts.E.w1`, `hc_attn_fn`, ...).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint import quantize_fp8_blocks
+from .config import ModelConfig
 from .tokenizer import DEFAULT_CHAT_TEMPLATE, MARKER_TOKENS
 
 _YARN = {
@@ -108,24 +112,86 @@ PRESETS: dict[str, dict] = {
 
 PRESETS["tiny-v32"] = {**PRESETS["tiny"], **_TINY_V32}  # the V3.2 oracle and cluster tests
 
+# DeepSeek-V4 on tiny dims where every layer type shows within ~100 tokens (tests/hf_oracle.py's
+# V4_TINY on the tokenizer's vocabulary): a sliding window of 8, CSA every 4 tokens with the
+# indexer keeping 4 entries (32 heads, against score ties), HCA every 16; 2 hash-routed then 3
+# top-k MoE layers; 4 hyper-connection streams; a SwiGLU clamp of 1.0 that bites; YaRN on the
+# compress rope. The keys are those transformers' DeepseekV4Config writes to config.json.
+_V4_LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+PRESETS["tiny-v4"] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,  # V4's one shared K=V head
+    "head_dim": 32,
+    "partial_rotary_factor": 0.25,  # 8 rope dims (the last 8 of each head)
+    "qk_rope_head_dim": 8,
+    "q_lora_rank": 32,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "norm_topk_prob": True,
+    "layer_types": _V4_LAYER_TYPES + _V4_LAYER_TYPES[1:],
+    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "sliding_window": 8,
+    "index_n_heads": 32,
+    "index_head_dim": 16,
+    "index_topk": 4,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "swiglu_limit": 1.0,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {
+        "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "compress": {
+            "rope_type": "yarn",
+            "rope_theta": 160000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "attention_factor": 1.0,
+            "partial_rotary_factor": 0.25,
+        },
+    },
+    "max_position_embeddings": 4096,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "num_nextn_predict_layers": 0,
+    "initializer_range": 0.02,
+}
+
 SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
 
 
 def random_weights(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random fp32 tensors under the original DeepSeek-V3 names for HF config dict `hf` (with
-    the V3.2 indexer's `self_attn.indexer.*` when the config has `index_topk`).
+    the V3.2 indexer's `self_attn.indexer.*` when the config has `index_topk`; DeepSeek-V4's
+    tensors, `random_weights_v4`, for `model_type: deepseek_v4`).
 
     Linear weights ~ N(0, 1/fan_in) so activations keep their scale through depth; the LM head
     is scaled so logits spread over a few units (well separated greedy choices).
     """
+    if hf.get("model_type") == "deepseek_v4":
+        return random_weights_v4(hf, seed)
     g = torch.Generator().manual_seed(seed)
-
-    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) * (gain / math.sqrt(in_f))
-
-    def norm(n: int) -> torch.Tensor:
-        return 1.0 + 0.2 * torch.randn(n, generator=g)
-
+    linear, norm = _initialisers(g)
     H, N = hf["hidden_size"], hf["num_attention_heads"]
     D, R, V = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
     C, Q = hf["kv_lora_rank"], hf.get("q_lora_rank")
@@ -183,7 +249,97 @@ def random_weights(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-FP8_SKIP = ("embed_tokens", "lm_head", "layernorm", "norm.weight", "mlp.gate.")
+def _initialisers(g: torch.Generator):
+    """(linear(out, in, gain) ~ N(0, gain^2 / in), norm(n) ~ 1 + 0.2 N(0, 1)) drawing from `g`."""
+
+    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) * (gain / math.sqrt(in_f))
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.2 * torch.randn(n, generator=g)
+
+    return linear, norm
+
+
+def random_weights_v4(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors of a DeepSeek-V4 checkpoint (`model_type: deepseek_v4`), under the
+    names transformers' `save_pretrained` writes and both it and deepseek_v4.py read, with
+    tests/hf_oracle.py's scales: linears (and the mHC `*_fn`) N(0, 1/fan_in), the LM head x4,
+    norms and mHC scales 1 + 0.2 N, attention sinks, mHC bases and the compressors' gate bias
+    (`ape`) 0.5 N, router bias 0.1 N, and per token id `num_experts_per_tok` distinct experts
+    (`tid2eid`) in the hash-routed layers."""
+    cfg = ModelConfig.from_hf(hf)
+    g = torch.Generator().manual_seed(seed)
+    linear, norm = _initialisers(g)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return std * torch.randn(*shape, generator=g)
+
+    H, N, D, Q, M = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
+    E, K, I, V = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.intermediate_size, cfg.vocab_size
+    G, O = cfg.o_groups, cfg.o_lora_rank
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(V, H, generator=g),
+        "model.norm.weight": norm(H),
+        "head.weight": linear(V, H, gain=4.0),
+        "model.hc_head.hc_fn": linear(M, M * H),
+        "model.hc_head.hc_base": normal(M, std=0.5),
+        "model.hc_head.hc_scale": norm(1),
+    }
+
+    def compressor(prefix: str, ratio: int, dim: int, overlap: bool) -> None:
+        width = (2 if overlap else 1) * dim  # CSA: two overlapping series
+        w[prefix + "wkv.weight"] = linear(width, H)
+        w[prefix + "wgate.weight"] = linear(width, H)
+        w[prefix + "ape"] = normal(ratio, width, std=0.5)
+        w[prefix + "norm.weight"] = norm(dim)
+
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "attn."
+        w[p + "attn_norm.weight"] = norm(H)
+        w[p + "ffn_norm.weight"] = norm(H)
+        for hc in ("hc_attn", "hc_ffn"):  # pre (M), post (M) and comb (M x M) mixes
+            w[f"{p}{hc}_fn"] = linear((2 + M) * M, M * H)
+            w[f"{p}{hc}_base"] = normal((2 + M) * M, std=0.5)
+            w[f"{p}{hc}_scale"] = norm(3)
+        w[a + "wq_a.weight"] = linear(Q, H)
+        w[a + "q_norm.weight"] = norm(Q)
+        w[a + "wq_b.weight"] = linear(N * D, Q)
+        w[a + "wkv.weight"] = linear(D, H)
+        w[a + "norm.weight"] = norm(D)
+        w[a + "wo_a.weight"] = linear(G * O, N * D // G)
+        w[a + "wo_b.weight"] = linear(H, G * O)
+        w[a + "attn_sink"] = normal(N, std=0.5)
+        kind = cfg.layer_types[i]
+        if kind != "sliding_attention":
+            csa = kind == "compressed_sparse_attention"
+            compressor(a + "compressor.", cfg.compress_ratio(i), D, overlap=csa)
+            if csa:  # the lightning indexer, with its own compressor at Di
+                w[a + "indexer.wq_b.weight"] = linear(Hi * Di, Q)
+                w[a + "indexer.weights_proj.weight"] = linear(Hi, H)
+                compressor(a + "indexer.compressor.", cfg.compress_ratio_csa, Di, overlap=True)
+        f = p + "ffn."
+        w[f + "gate.weight"] = linear(E, H)
+        if cfg.is_hash_layer(i):
+            w[f + "gate.tid2eid"] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)])
+        else:
+            w[f + "gate.bias"] = normal(E, std=0.1)
+        for e in range(E):
+            x = f"{f}experts.{e}."
+            w[x + "w1.weight"] = linear(I, H)
+            w[x + "w3.weight"] = linear(I, H)
+            w[x + "w2.weight"] = linear(H, I)
+        inter = I * cfg.n_shared_experts
+        w[f + "shared_experts.w1.weight"] = linear(inter, H)
+        w[f + "shared_experts.w3.weight"] = linear(inter, H)
+        w[f + "shared_experts.w2.weight"] = linear(H, inter)
+    return w
+
+
+# not FP8: embeddings, LM heads (V3 `lm_head`, V4 `head`), norms, routers (V3 `mlp.gate.`, V4 `ffn.gate.`)
+FP8_SKIP = ("embed_tokens", "head.weight", "layernorm", "norm.weight", "mlp.gate.", "ffn.gate.")
 
 
 def quantize_checkpoint_fp8(
