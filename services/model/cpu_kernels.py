@@ -474,6 +474,16 @@ def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype is torch.float32 and t.is_cpu) for t in tensors)
 
 
+def _paged_cache_ok(cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> bool:
+    """An fp32 CPU cache the kernels can address directly, with int64 block tables / lengths."""
+    return (
+        _fp32_cpu(cache)
+        and cache.is_contiguous()
+        and table.dtype == torch.int64
+        and lens.dtype == torch.int64
+    )
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias); x [M, K] with M <= MAX_ROWS, fp32 on CPU, goes through the kernel."""
     if (  # (spelled out: this runs ~60 times per decode step)
@@ -541,14 +551,7 @@ def mla_decode(
     1, W], table [B, max_blocks] int64, lens [B] int64 -> o [B, N, C], the softmax(scale * q .
     row[:C+R])-weighted sum of the rows' first C = latent_dim values. None where the kernel does
     not apply."""
-    if (
-        q.shape[-1] % 8
-        or latent_dim % 8
-        or not _fp32_cpu(q, cache)
-        or not cache.is_contiguous()
-        or table.dtype != torch.int64
-        or lens.dtype != torch.int64
-    ):
+    if q.shape[-1] % 8 or latent_dim % 8 or not _fp32_cpu(q) or not _paged_cache_ok(cache, table, lens):
         return None
     module = _module()
     if module is None:
@@ -603,12 +606,10 @@ def mla_decode_layer(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: 
         or cache.shape[-1] != C + R
         or (C + R) % 8
         or C % 8
-        or not _fp32_cpu(x, cache, w.kv_a, w.kv_b, w.o, w.q_a, w.q_b, w.q_proj, w.kv_a_norm, w.q_a_norm)
+        or not _fp32_cpu(x, w.kv_a, w.kv_b, w.o, w.q_a, w.q_b, w.q_proj, w.kv_a_norm, w.q_a_norm)
         or not _fp32_cpu(w.q_a_bias, w.kv_a_bias, w.o_bias, *cos_sin)
         or (w.q_a_norm is not None and w.q_a_norm.numel() % 8)  # (its RMSNorm runs in the kernel)
-        or not cache.is_contiguous()
-        or table.dtype != torch.int64
-        or lens.dtype != torch.int64
+        or not _paged_cache_ok(cache, table, lens)
     ):
         return None
     module = _module()
