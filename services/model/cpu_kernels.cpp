@@ -1,0 +1,374 @@
+// CPU kernels for decode-sized work (fp32, AVX2-friendly vector extensions), compiled on first
+// use by services/model/cpu_kernels.py, which documents them and holds their Python wrappers.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+#define NO_GIL pybind11::gil_scoped_release no_gil  // entry points: other Python threads run meanwhile
+typedef float v8 __attribute__((vector_size(32)));
+static inline v8 ld(const float* p) { v8 v; __builtin_memcpy(&v, p, 32); return v; }
+static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// Dot products of one weight row wr [K] with N rows xs[i] [K] (K % 8 == 0), the rows' chains of
+// adds side by side (one weight load each step); each row is summed in the same order whatever N
+// is: a row's result does not depend on the rows beside it.
+template <int N>
+static inline void dots_n(const float* wr, const float* const* xs, int64_t K, float* out) {
+  v8 a[N];
+  for (int i = 0; i < N; ++i) a[i] = v8{0};
+  for (int64_t k = 0; k < K; k += 8) {
+    const v8 wv = ld(wr + k);
+    if ((k & 15) == 0) __builtin_prefetch(wr + 4 * K + k, 0, 0);  // the row 4 ahead (a hint: never faults)
+    for (int i = 0; i < N; ++i) a[i] += ld(xs[i] + k) * wv;
+  }
+  for (int i = 0; i < N; ++i) out[i] = hsum(a[i]);
+}
+
+// dots_n<4> of two weight rows at once: 8 chains, each x load used twice (same sums, same order).
+static inline void dots_4x2(const float* w0, const float* w1, const float* const* xs, int64_t K, float* o0, float* o1) {
+  v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+  for (int64_t k = 0; k < K; k += 8) {
+    const v8 u = ld(w0 + k), v = ld(w1 + k);
+    if ((k & 15) == 0) { __builtin_prefetch(w0 + 4 * K + k, 0, 0); __builtin_prefetch(w1 + 4 * K + k, 0, 0); }
+    v8 x = ld(xs[0] + k); a0 += x * u; b0 += x * v;
+    x = ld(xs[1] + k); a1 += x * u; b1 += x * v;
+    x = ld(xs[2] + k); a2 += x * u; b2 += x * v;
+    x = ld(xs[3] + k); a3 += x * u; b3 += x * v;
+  }
+  o0[0] = hsum(a0); o0[1] = hsum(a1); o0[2] = hsum(a2); o0[3] = hsum(a3);
+  o1[0] = hsum(b0); o1[1] = hsum(b1); o1[2] = hsum(b2); o1[3] = hsum(b3);
+}
+
+static inline void dots(const float* wr, const float* const* xs, int n, int64_t K, float* out) {
+  switch (n) {
+    case 4: dots_n<4>(wr, xs, K, out); break;
+    case 3: dots_n<3>(wr, xs, K, out); break;
+    case 2: dots_n<2>(wr, xs, K, out); break;
+    default: dots_n<1>(wr, xs, K, out);
+  }
+}
+
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0, fp32, contiguous.
+static torch::Tensor small_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 8 == 0 && (!bias.has_value() || bias->numel() == N), "small_linear: shapes");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    const float* xs[4]; float d[4], e[4];
+    int64_t n = n0;
+    for (; M >= 4 && n + 2 <= n1; n += 2) {  // two weight rows at a time against blocks of 4 x rows
+      const float b0 = bp ? bp[n] : 0.0f, b1 = bp ? bp[n + 1] : 0.0f;
+      for (int64_t m = 0; m < M; m += 4) {
+        const int c = (int)std::min<int64_t>(4, M - m);
+        for (int i = 0; i < c; ++i) xs[i] = xp + (m + i) * K;
+        if (c == 4) {
+          dots_4x2(wp + n * K, wp + (n + 1) * K, xs, K, d, e);
+        } else {
+          dots(wp + n * K, xs, c, K, d); dots(wp + (n + 1) * K, xs, c, K, e);
+        }
+        for (int i = 0; i < c; ++i) { yp[(m + i) * N + n] = d[i] + b0; yp[(m + i) * N + n + 1] = e[i] + b1; }
+      }
+    }
+    for (; n < n1; ++n) {
+      const float b = bp ? bp[n] : 0.0f;
+      for (int64_t m = 0; m < M; m += 4) {
+        const int c = (int)std::min<int64_t>(4, M - m);
+        for (int i = 0; i < c; ++i) xs[i] = xp + (m + i) * K;
+        dots(wp + n * K, xs, c, K, d);
+        for (int i = 0; i < c; ++i) yp[(m + i) * N + n] = d[i] + b;
+      }
+    }
+  });
+  return y;
+}
+
+// RMSNorm of x [M, K] (fp32): weight * (x * rsqrt(mean(x^2) + eps)).
+// x's rows may be strided (a column slice), its last dim contiguous.
+static torch::Tensor rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const int64_t M = x.size(0), K = x.size(1), sx = x.stride(0);
+  TORCH_CHECK(weight.numel() == K && K % 8 == 0 && x.stride(1) == 1, "rms_norm: shapes");
+  auto y = torch::empty({M, K}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* wp = weight.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = xp + m * sx;
+      v8 a = {0};
+      for (int64_t k = 0; k < K; k += 8) { const v8 v = ld(xr + k); a += v * v; }
+      const float r = 1.0f / std::sqrt(hsum(a) / (float)K + (float)eps);
+      for (int64_t k = 0; k < K; ++k) yp[m * K + k] = wp[k] * (xr[k] * r);
+    }
+  });
+  return y;
+}
+
+// Routed experts of a few tokens, whole: out[T, H] (fp32) = sum over k of weight[t, k] *
+// FFN_{slot[t, k]}(x[t]) with FFN_s(x) = w2[s] (silu(g) * u), [g | u] = w13[s] x (g clamped to
+// <= limit, u to [-limit, limit] when limit > 0). x [T, H], slot [T, K] int64 (-1: none),
+// weight [T, K], w13 [S, 2I, H], w2 [S, H, I]; H, I % 8 == 0. Each expert weight row is read
+// once for all of its slot's tokens; a token's choices are summed in slot order.
+torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
+                         const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
+  NO_GIL;
+  const int64_t T = x.size(0), H = x.size(1), K = slot.size(1), S = w13.size(0), I = w2.size(2);
+  TORCH_CHECK(slot.size(0) == T && weight.numel() == T * K && w13.size(1) == 2 * I && w13.size(2) == H &&
+              w2.size(0) == S && w2.size(1) == H && H % 8 == 0 && I % 8 == 0, "expert_ffn: shapes");
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  std::vector<int64_t> start(S + 1, 0);
+  for (int64_t p = 0; p < T * K; ++p) {
+    TORCH_CHECK(sp[p] < S, "expert slot ", sp[p], " out of range [0, ", S, ")");
+    if (sp[p] >= 0) start[sp[p] + 1]++;
+  }
+  for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
+  const int64_t P = start[S];
+  std::vector<int64_t> pair(P), fill(start.begin(), start.end() - 1);  // pairs by slot, token order
+  for (int64_t p = 0; p < T * K; ++p) if (sp[p] >= 0) pair[fill[sp[p]]++] = p;
+  std::vector<int64_t> busy;
+  for (int64_t s = 0; s < S; ++s) if (start[s + 1] > start[s]) busy.push_back(s);
+  const int64_t B = busy.size();
+  auto act = torch::empty({std::max<int64_t>(P, 1), I}, x.options());
+  auto ys = torch::empty({std::max<int64_t>(P, 1), H}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* w13p = w13.data_ptr<float>(); const float* w2p = w2.data_ptr<float>();
+  float* ap = act.data_ptr<float>(); float* yp = ys.data_ptr<float>();
+  const float lim = (float)limit;
+  at::parallel_for(0, B * I, 32, [&](int64_t i0, int64_t i1) {  // (busy slot, intermediate column)
+    const float* xs[4]; float g[4], u[4];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = busy[i / I], j = i % I;
+      const float* gw = w13p + (s * 2 * I + j) * H; const float* uw = gw + I * H;
+      for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
+        const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
+        for (int r = 0; r < c; ++r) xs[r] = xp + (pair[p + r] / K) * H;
+        dots(gw, xs, c, H, g); dots(uw, xs, c, H, u);
+        for (int r = 0; r < c; ++r) {
+          float gr = g[r], ur = u[r];
+          if (lim > 0) { gr = std::min(gr, lim); ur = std::min(std::max(ur, -lim), lim); }
+          ap[(p + r) * I + j] = gr / (1.0f + std::exp(-gr)) * ur;
+        }
+      }
+    }
+  });
+  at::parallel_for(0, B * H, 32, [&](int64_t i0, int64_t i1) {  // (busy slot, output column)
+    const float* as[4]; float d[4];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = busy[i / H], n = i % H;
+      const float* dw = w2p + (s * H + n) * I;
+      for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
+        const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
+        for (int r = 0; r < c; ++r) as[r] = ap + (p + r) * I;
+        dots(dw, as, c, I, d);
+        for (int r = 0; r < c; ++r) yp[(p + r) * H + n] = d[r];
+      }
+    }
+  });
+  std::vector<int64_t> first(T + 1, 0), order(P);  // each token's pairs, in slot order
+  for (int64_t p = 0; p < P; ++p) first[pair[p] / K + 1]++;
+  for (int64_t t = 0; t < T; ++t) first[t + 1] += first[t];
+  std::vector<int64_t> at_(first.begin(), first.end() - 1);
+  for (int64_t p = 0; p < P; ++p) order[at_[pair[p] / K]++] = p;
+  auto out = torch::zeros({T, H}, x.options());
+  float* op = out.data_ptr<float>(); const float* wtp = weight.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t q = first[t]; q < first[t + 1]; ++q) {
+        const int64_t p = order[q]; const float wgt = wtp[pair[p]];
+        for (int64_t n = 0; n < H; ++n) op[t * H + n] += yp[p * H + n] * wgt;
+      }
+  });
+  return out;
+}
+
+// Interleaved-pair rope: x [T, N, R] (last dim contiguous) -> out [T, N, R] with, for c = cos[t, i],
+// s = sin[t, i]: out[2i] = x[2i] c - x[2i+1] s, out[2i+1] = x[2i+1] c + x[2i] s (as layers.Rope).
+static torch::Tensor rope_interleaved_impl(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t T = x.size(0), N = x.size(1), R = x.size(2), st = x.stride(0), sn = x.stride(1), h = R / 2;
+  TORCH_CHECK(x.stride(2) == 1 && R % 2 == 0 && cos.numel() == T * h && sin.numel() == T * h, "rope_interleaved: shapes");
+  auto out = torch::empty({T, N, R}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* cp = cos.data_ptr<float>(); const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t n = 0; n < N; ++n) {
+        const float* xr = xp + t * st + n * sn; float* orow = op + (t * N + n) * R;
+        for (int64_t i = 0; i < h; ++i) {
+          const float x1 = xr[2 * i], x2 = xr[2 * i + 1], c = cp[t * h + i], s = sp[t * h + i];
+          orow[2 * i] = x1 * c - x2 * s; orow[2 * i + 1] = x2 * c + x1 * s;
+        }
+      }
+  });
+  return out;
+}
+
+// DeepSeek-V3's router (sigmoid scores, noaux_tc): logits = x [T, H] @ gate_w [E, H]^T, s =
+// sigmoid(logits), choice = s + bias [E] (bias may be empty); with G > 1 groups the top
+// `topk_group` groups by the sum of their best two choices are kept; the K best choices among
+// them are picked (best first; ties: lower expert); weights are their s, divided by (their sum +
+// 1e-20) when norm, times scale. Returns [idx [T, K] int64, weight [T, K] fp32].
+std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Tensor& gate_w, const torch::Tensor& bias,
+                                         int64_t G, int64_t topk_group, int64_t K, bool norm, double scale) {
+  NO_GIL;
+  const int64_t T = x.size(0), H = x.size(1), E = gate_w.size(0);
+  TORCH_CHECK(G >= 1 && gate_w.size(1) == H && H % 8 == 0 && E % G == 0 && topk_group >= 1 && topk_group <= G &&
+              K >= 1 && K <= (G > 1 ? topk_group * (E / G) : E) && (bias.numel() == 0 || bias.numel() == E),
+              "route_sigmoid: shapes");
+  const int64_t per = E / G;
+  auto idx = torch::empty({T, K}, x.options().dtype(torch::kInt64));
+  auto wt = torch::empty({T, K}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* gp = gate_w.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  int64_t* ip = idx.data_ptr<int64_t>(); float* wp = wt.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(E), choice(E), group(G);
+    std::vector<char> allowed(E), taken(G);
+    const float* xs[1]; float d[1];
+    for (int64_t t = t0; t < t1; ++t) {
+      xs[0] = xp + t * H;
+      for (int64_t e = 0; e < E; ++e) {
+        dots(gp + e * H, xs, 1, H, d);
+        score[e] = 1.0f / (1.0f + std::exp(-d[0]));
+        choice[e] = bp ? score[e] + bp[e] : score[e];
+      }
+      std::fill(allowed.begin(), allowed.end(), G > 1 ? 0 : 1);
+      if (G > 1) {  // (selection by flags, not by -inf sentinels: a NaN input still picks valid ids)
+        for (int64_t g = 0; g < G; ++g) {
+          float a = -INFINITY, b = -INFINITY;
+          for (int64_t e = g * per; e < (g + 1) * per; ++e) {
+            if (choice[e] > a) { b = a; a = choice[e]; } else if (choice[e] > b) b = choice[e];
+          }
+          group[g] = a + b;
+        }
+        std::fill(taken.begin(), taken.end(), 0);
+        for (int64_t k = 0; k < topk_group; ++k) {
+          int64_t best = -1;
+          for (int64_t g = 0; g < G; ++g)
+            if (!taken[g] && (best < 0 || group[g] > group[best])) best = g;
+          taken[best] = 1;
+          for (int64_t e = best * per; e < (best + 1) * per; ++e) allowed[e] = 1;
+        }
+      }
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (allowed[e] && (best < 0 || choice[e] > choice[best])) best = e;
+        allowed[best] = 0;
+        ip[t * K + k] = best; wp[t * K + k] = score[best]; sum += score[best];
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        if (norm && K > 1) wp[t * K + k] = wp[t * K + k] / (sum + 1e-20f);
+        wp[t * K + k] = wp[t * K + k] * (float)scale;
+      }
+    }
+  });
+  return {idx, wt};
+}
+
+// MLA decode attention over the paged latent cache, one query token per sequence, in place
+// (no gather, no padding): o[b, h] = sum_l softmax_l(scale * q[b, h] . row_l[:QD]) row_l[:C],
+// row_l = cache row of token l < lens[b] through table[b]. q [B, N, QD] (QD = C + R), cache
+// [blocks, 64, 1, W] fp32, table [B, max_blocks] int64, lens [B] int64; QD, C % 8 == 0. Heads
+// go in groups of 4 that share each row's load (the latent is one KV head for all of them).
+static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
+                         const torch::Tensor& lens, int64_t C, double scale) {
+  constexpr int HG = 4;
+  const int64_t B = q.size(0), N = q.size(1), QD = q.size(2), W = cache.size(-1), MB = table.size(1);
+  const int64_t groups = (N + HG - 1) / HG;
+  TORCH_CHECK(QD % 8 == 0 && C % 8 == 0 && C <= QD && QD <= W && cache.dim() == 4 && cache.size(1) == 64 &&
+              table.size(0) == B && lens.numel() == B && table.scalar_type() == torch::kInt64 &&
+              lens.scalar_type() == torch::kInt64, "mla_decode: shapes");
+  for (int64_t b = 0; b < B; ++b) {  // every row read must be inside the cache
+    const int64_t L = lens.data_ptr<int64_t>()[b];
+    TORCH_CHECK(L >= 1 && L <= MB * 64, "mla_decode: context length ", L, " outside [1, ", MB * 64, "]");
+    for (int64_t j = 0; j < (L + 63) / 64; ++j) {
+      const int64_t blk = table.data_ptr<int64_t>()[b * MB + j];
+      TORCH_CHECK(blk >= 0 && blk < cache.size(0), "mla_decode: block ", blk, " outside the cache");
+    }
+  }
+  auto o = torch::empty({B, N, C}, q.options());
+  const float* qp = q.data_ptr<float>(); const float* cp = cache.data_ptr<float>();
+  const int64_t* tp = table.data_ptr<int64_t>(); const int64_t* lp = lens.data_ptr<int64_t>();
+  float* outp = o.data_ptr<float>();
+  const float sc = (float)scale;
+  at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / groups, h0 = (i % groups) * HG, L = lp[b];
+      const int nh = (int)std::min<int64_t>(HG, N - h0);
+      const float* qs[HG]; float d[HG], mx[HG], sum[HG];
+      for (int j = 0; j < nh; ++j) { qs[j] = qp + (b * N + h0 + j) * QD; mx[j] = -INFINITY; sum[j] = 0.0f; }
+      p.resize(HG * L);
+      for (int64_t l = 0; l < L; ++l) {
+        dots(cp + (tp[b * MB + l / 64] * 64 + l % 64) * W, qs, nh, QD, d);
+        for (int j = 0; j < nh; ++j) { p[j * L + l] = d[j] * sc; mx[j] = std::max(mx[j], p[j * L + l]); }
+      }
+      for (int j = 0; j < nh; ++j)
+        for (int64_t l = 0; l < L; ++l) { p[j * L + l] = std::exp(p[j * L + l] - mx[j]); sum[j] += p[j * L + l]; }
+      float* orow = outp + (b * N + h0) * C;
+      for (int64_t c = 0; c < nh * C; ++c) orow[c] = 0.0f;
+      for (int64_t l = 0; l < L; ++l) {
+        const float* row = cp + (tp[b * MB + l / 64] * 64 + l % 64) * W;
+        for (int j = 0; j < nh; ++j) {
+          const float pl = p[j * L + l] / sum[j];
+          const v8 pv = {pl, pl, pl, pl, pl, pl, pl, pl};
+          float* oj = orow + j * C;
+          for (int64_t c = 0; c < C; c += 8) { const v8 v = ld(oj + c) + pv * ld(row + c); __builtin_memcpy(oj + c, &v, 32); }
+        }
+      }
+    }
+  });
+  return o;
+}
+
+// One MLA layer for a decode-only step, whole (the absorbed form of model.mla_forward, the same
+// ops in the same order, called from C++: ~35 torch calls from Python cost more than their work
+// at batch 1). x [T, H] -> [T, H]; writes each token's [c_kv | k_pe] row at slot_mapping [T].
+// Weights as model.MLAWeights (q via q_a/q_b or q_proj; optional biases); cos / sin [T, R/2].
+static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  return x.size(0) <= 8 && x.size(1) % 8 == 0 ? small_linear_impl(x.contiguous(), w.contiguous(), b.has_value() ? c10::optional<torch::Tensor>(b->contiguous()) : c10::nullopt) : at::linear(x, w, b);
+}
+
+torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch::Tensor>& q_a,
+                               const c10::optional<torch::Tensor>& q_a_bias, const c10::optional<torch::Tensor>& q_a_norm,
+                               const c10::optional<torch::Tensor>& q_b, const c10::optional<torch::Tensor>& q_proj,
+                               const torch::Tensor& kv_a, const c10::optional<torch::Tensor>& kv_a_bias,
+                               const torch::Tensor& kv_a_norm, const torch::Tensor& kv_b, const torch::Tensor& o_w,
+                               const c10::optional<torch::Tensor>& o_bias, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& cache, const torch::Tensor& slot_mapping, const torch::Tensor& table,
+                               const torch::Tensor& lens, int64_t D, int64_t R, int64_t C, int64_t V, double eps, double scale) {
+  NO_GIL;
+  const int64_t T = x.size(0), W = cache.size(-1);
+  TORCH_CHECK(W == C + R, "mla_decode_layer: cache rows of ", W, " values, expected ", C + R);
+  const torch::Tensor q = q_proj.has_value() ? lin(x, *q_proj, c10::nullopt)
+                                            : lin(rms_norm_impl(lin(x, *q_a, q_a_bias), *q_a_norm, eps), *q_b, c10::nullopt);
+  const int64_t N = q.size(1) / (D + R);
+  const auto q3 = q.view({T, N, D + R});
+  const auto q_pe = rope_interleaved_impl(q3.narrow(2, D, R), cos, sin);  // [T, N, R]
+  const auto kv = lin(x, kv_a, kv_a_bias);  // [T, C+R]
+  const auto c_kv = rms_norm_impl(kv.narrow(1, 0, C), kv_a_norm, eps);
+  const auto k_pe = rope_interleaved_impl(kv.narrow(1, C, R).unsqueeze(1), cos, sin).view({T, R});
+  cache.view({-1, W}).index_copy_(0, slot_mapping, at::cat({c_kv, k_pe}, 1));
+  const auto kv_b3 = kv_b.view({N, D + V, C});
+  const auto q_lat = at::bmm(q3.narrow(2, 0, D).transpose(0, 1), kv_b3.narrow(1, 0, D)).transpose(0, 1);  // [T, N, C]
+  const auto o_lat = mla_decode_impl(at::cat({q_lat, q_pe}, 2), cache, table, lens, C, scale);  // [T, N, C]
+  const auto o = at::bmm(o_lat.transpose(0, 1), kv_b3.narrow(1, D, V).transpose(1, 2)).transpose(0, 1);  // [T, N, V]
+  return lin(o.reshape({T, N * V}), o_w, o_bias);
+}
+
+torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  NO_GIL;
+  return small_linear_impl(x, w, bias);
+}
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  NO_GIL;
+  return rms_norm_impl(x, weight, eps);
+}
+torch::Tensor rope_interleaved(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  NO_GIL;
+  return rope_interleaved_impl(x, cos, sin);
+}
+torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
+                         const torch::Tensor& lens, int64_t C, double scale) {
+  NO_GIL;
+  return mla_decode_impl(q, cache, table, lens, C, scale);
+}
