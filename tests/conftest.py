@@ -9,8 +9,8 @@ torch.set_num_threads(int(os.environ.get("MOE_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernel():
-    """Build the CPU decode kernel once, before any test or worker process needs it (~40 s on a
-    fresh machine; later processes load it from the cache)."""
+    """Build the CPU kernels once, before any test or worker process needs them (~1 min on a
+    fresh machine; later processes load them from the cache)."""
     from services.model import cpu_kernels
 
     return cpu_kernels.available()

@@ -324,8 +324,11 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
 // ops in the same order, called from C++: ~35 torch calls from Python cost more than their work
 // at batch 1). x [T, H] -> [T, H]; writes each token's [c_kv | k_pe] row at slot_mapping [T].
 // Weights as model.MLAWeights (q via q_a/q_b or q_proj; optional biases); cos / sin [T, R/2].
+// cpu_kernels.linear from C++: the small-batch kernel up to MAX_ROWS = 8 rows, ATen's linear beyond.
 static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
-  return x.size(0) <= 8 && x.size(1) % 8 == 0 ? small_linear_impl(x.contiguous(), w.contiguous(), b.has_value() ? c10::optional<torch::Tensor>(b->contiguous()) : c10::nullopt) : at::linear(x, w, b);
+  if (x.size(0) > 8 || x.size(1) % 8) return at::linear(x, w, b);
+  const auto bias = b.has_value() ? c10::optional<torch::Tensor>(b->contiguous()) : c10::nullopt;
+  return small_linear_impl(x.contiguous(), w.contiguous(), bias);
 }
 
 torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch::Tensor>& q_a,

@@ -9,8 +9,9 @@
 - `expert_ffn`: a layer's routed experts for a few tokens in one call (gate/up, SwiGLU, down,
   the weighted sum), instead of ~15 torch ops per busy expert.
 - `mla_decode`: MLA decode attention straight from the paged cache (no gather of the padded
-  context, no padding, one call instead of ~10 ops per layer).
-- `rms_norm`: one op instead of six.
+  context, no padding, one call instead of ~10 ops per layer); `mla_decode_layer`: a whole MLA
+  layer of a decode-only step in one call (the ops of model.mla_forward, run from C++).
+- `route_sigmoid` (the V3 router), `rope_interleaved`, `rms_norm`: one op instead of 6-20.
 
 Every output element is one dot product or sum in a fixed order (no FMA contraction, which the
 compiler would apply differently to the 4-row and the 1-row loop), so a token's result does not
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # beyond this MKL's blocked GEMM wins
+MAX_ROWS = 8  # beyond this MKL's blocked GEMM wins (cpu_kernels.cpp's `lin` uses the same bound)
 
 _SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()  # the C++ side, beside this file
 

@@ -361,7 +361,8 @@ def mla_forward(
     T = x.shape[0]
     D, R, C, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     dec = batch.decode
-    if dec is not None and dec.rows.shape[0] == T and rope.interleave and x.device.type == "cpu":
+    only_decodes = dec is not None and dec.rows.shape[0] == T  # every row a decode, in order
+    if only_decodes and rope.interleave and x.device.type == "cpu":
         # a decode-only step on an fp32 CPU: this whole function in one C++ call (cpu_kernels.py)
         out = cpu_kernels.mla_decode_layer(x, w, cos_sin, cache, batch.slot_mapping, dec.table, dec.lens, cfg,
                                            NORM_EPS_LATENT)  # fmt: skip
@@ -388,12 +389,11 @@ def mla_forward(
     cache.view(-1, W)[batch.slot_mapping] = torch.cat(rows, dim=-1).to(cache.dtype)
 
     kv_b = w.kv_b.view(N, D + V, C)
-    out = torch.empty(T, N, V, dtype=x.dtype, device=x.device)
+    out = None if only_decodes else torch.empty(T, N, V, dtype=x.dtype, device=x.device)
     scale = cfg.softmax_scale
 
     if dec is not None:
         Bd = dec.rows.shape[0]
-        only_decodes = Bd == T  # every row is a decode, in order: no row selection
         q_nope_d, q_pe_d = (q_nope, q_pe) if only_decodes else (q_nope[dec.rows], q_pe[dec.rows])
         q_lat = torch.bmm(q_nope_d.transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
         q_full = torch.cat((q_lat, q_pe_d), dim=-1)  # [Bd, N, C+R]
