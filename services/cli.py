@@ -175,8 +175,14 @@ def cmd_bench(args) -> int:
     names = {"local-engine": "benchmarks.bench_local_engine", "eplb": "benchmarks.bench_eplb",
              "dispatch": "benchmarks.bench_dispatch", "attention": "benchmarks.bench_attention",
              "balancer": "benchmarks.bench_balancer", "faults": "benchmarks.bench_faults",
-             "prefix": "benchmarks.bench_prefix", "grammar": "benchmarks.bench_grammar"}  # fmt: skip
-    chosen = list(names) if args.which == "all" else [args.which]
+             "prefix": "benchmarks.bench_prefix", "grammar": "benchmarks.bench_grammar",
+             "kernels": "benchmarks.bench_kernels"}  # fmt: skip
+    if args.which == "all":  # (the Triton kernels' benchmark needs a GPU)
+        import torch
+
+        chosen = [n for n in names if n != "kernels" or torch.cuda.is_available()]
+    else:
+        chosen = [args.which]
     for name in chosen:
         print(f"== {name}", flush=True)
         sys.argv = [names[name], *args.rest]
@@ -260,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="run benchmarks (JSON results under benchmarks/results/)")
     s.add_argument("which", choices=["all", "local-engine", "eplb", "dispatch", "attention", "balancer", "faults",
-                                     "prefix", "grammar"])  # fmt: skip
+                                     "prefix", "grammar", "kernels"])  # fmt: skip
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
     return p

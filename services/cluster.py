@@ -73,6 +73,8 @@ class ClusterConfig:
     balancer_min_gain: float = _setting(0.02, "balancedness gain needed to migrate experts")
     api_key: str | None = _setting(None, "require this bearer token on the API")
     num_cpus: int | None = _setting(None, "logical CPUs of a local Ray cluster (default: max(4, cores))")
+    attention_gpus: float = _setting(0.0, "GPUs per attention worker and per TP rank (> 0: computes on CUDA)")
+    expert_gpus: float = _setting(0.0, "GPUs per expert worker (> 0: computes on CUDA; 0.5: two per GPU)")
     attention_resources: dict[str, float] = _setting({}, "Ray resources each attention worker needs")
     expert_resources: dict[str, float] = _setting({}, "Ray resources each expert worker needs")
     namespace: str = _setting(NAMESPACE, "Ray namespace of the cluster's actors")
@@ -99,6 +101,8 @@ class ClusterConfig:
             raise ValueError("attention_tp must be >= 1")
         if self.attention_workers < 1 or self.expert_workers < 1:
             raise ValueError("need at least one attention worker and one expert worker")
+        if self.attention_gpus < 0 or self.expert_gpus < 0:
+            raise ValueError("attention_gpus and expert_gpus must be >= 0")
         if self.redundant_experts < 0:
             raise ValueError("redundant_experts must be >= 0")
         if not 1 <= self.port <= 65535:
@@ -179,6 +183,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             expert_dtype=cfg.dtype,
             expert_threads=cfg.expert_threads,
             expert_resources=cfg.expert_resources,
+            expert_gpus=cfg.expert_gpus,
         )
     )
     created.append(balancer)
@@ -188,6 +193,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
     engine = EngineConfig(
         model=model_dir,
         dtype=cfg.dtype,
+        device="cuda" if cfg.attention_gpus > 0 else "cpu",
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,
@@ -199,10 +205,13 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
     attention = {}
     for i in range(cfg.attention_workers):
         name = attention_worker_name(i)
-        wcfg = AttentionWorkerConfig(engine=engine, worker_id=name, tp=cfg.attention_tp, shared=shared)
+        wcfg = AttentionWorkerConfig(
+            engine=engine, worker_id=name, tp=cfg.attention_tp, shared=shared, gpus=cfg.attention_gpus
+        )
         attention[name] = AttentionWorker.options(
-            name=name, namespace=shared.namespace, resources=cfg.attention_resources or None, **lifetime
-        ).remote(wcfg, info["placement"], info["addresses"])
+            name=name, namespace=shared.namespace, resources=cfg.attention_resources or None,
+            num_gpus=cfg.attention_gpus, **lifetime,
+        ).remote(wcfg, info["placement"], info["addresses"])  # fmt: skip
         created.append(attention[name])
     ready = ray.get([a.ready.remote() for a in attention.values()])
     ray.get(balancer.register_attention.remote(list(attention)))

@@ -6,6 +6,11 @@ import torch
 # one intra-op thread per test process: the suite runs beside Ray workers on 2 cores
 torch.set_num_threads(int(os.environ.get("MOE_TEST_THREADS", "1")))
 
+# Without a GPU the Triton kernels are tested under triton's interpreter, which must be chosen
+# before triton is first imported (triton.language's own jit functions are built at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernel():

@@ -21,3 +21,13 @@ def test_init_model_offers_every_preset():
     init = build_parser()._subparsers._group_actions[0].choices["init-model"]
     (preset,) = [a for a in init._actions if a.dest == "preset"]
     assert sorted(preset.choices) == sorted(PRESETS)
+
+
+def test_gpu_settings_are_flags_and_checked():
+    import pytest
+
+    args = build_parser().parse_args(["up", "--attention-gpus", "1", "--expert-gpus", "0.5"])
+    assert (args.attention_gpus, args.expert_gpus) == (1.0, 0.5)
+    assert ClusterConfig.from_dict({"expert_gpus": 0.5, "attention_gpus": 1}).expert_gpus == 0.5
+    with pytest.raises(ValueError, match="expert_gpus"):
+        ClusterConfig.from_dict({"expert_gpus": -1})

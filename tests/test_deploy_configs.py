@@ -137,12 +137,22 @@ def test_cloud_node_types_fit_the_app():
     assert not set(types[raw["head_node_type"]]["resources"]) & set(ROLES)
     roles = {name: set(t["resources"]) & set(ROLES) for name, t in types.items()}
     assert sorted(r for rs in roles.values() for r in rs) == sorted(ROLES)  # one node type per role
-    cfg = cluster_config()
+    (app,) = re.findall(r"start-head\.sh \S+/([\w.-]+\.yaml)", " ".join(raw["head_start_ray_commands"]))
+    assert app == "cluster-gpu.yaml"
+    cfg = ClusterConfig.from_yaml(DEPLOY / app)
+    assert cfg.attention_gpus > 0 and cfg.expert_gpus > 0  # GPU machines: the workers compute on them
+    attention = {**cfg.attention_resources, "GPU": cfg.attention_gpus}
+    experts = {**cfg.expert_resources, "GPU": cfg.expert_gpus}
     offers = [(t["resources"], t.get("min_workers", 0)) for t in types.values()]
-    assert capacity(offers, cfg.attention_resources) >= cfg.attention_workers
-    assert capacity(offers, cfg.expert_resources) == cfg.expert_workers
+    assert capacity(offers, attention) >= cfg.attention_workers
+    assert capacity(offers, experts) == cfg.expert_workers
     most = [(t["resources"], t.get("max_workers", 0)) for t in types.values()]
-    assert capacity(most, cfg.expert_resources) > cfg.expert_workers  # room to scale the pool
+    assert capacity(most, experts) > cfg.expert_workers  # room to scale the pool
+    for t in types.values():  # no GPU idle for want of a role unit, no role unit without a GPU
+        role = set(t["resources"]) & set(ROLES)
+        if role:
+            wants = attention if "attention_node" in role else experts
+            assert t["resources"]["GPU"] == capacity([(t["resources"], 1)], wants) * wants["GPU"]
     assert raw["docker"]["image"] == image_of_manifests()
 
 

@@ -180,3 +180,24 @@ def test_fp8_checkpoint_and_bf16_compute(tmp_path, model):
     got = store.forward(1, layer, x.bfloat16(), slot, weight)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, reference.packed.forward(layer, x.bfloat16(), logical, weight))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_store_matches_the_cpu_store(model):
+    """An expert worker on a GPU (ExpertWorkerConfig.device): weights on the device, requests and
+    answers in host memory, peer copies served from host copies."""
+    path, cfg, _ = model
+    cpu, gpu = SlotStore(cfg, path, torch.float32), SlotStore(cfg, path, torch.float32, device="cuda")
+    for store in (cpu, gpu):
+        store.load(1, _layout(cfg, [3, 7, 7, 0]))
+        store.load(2, _layout(cfg, [7, 0, 9]))  # reuses version 1's rows, reads expert 9
+    layer = cfg.moe_layers[0]
+    assert gpu._versions[2].packed.w13[layer].is_cuda
+    for version, experts in ((1, [3, 7, 7, 0]), (2, [7, 0, 9])):
+        x, slot, weight, _ = _request(cfg, experts, seed=version)
+        out = torch.empty_like(x)
+        got = gpu.forward(version, layer, x, slot, weight, out)
+        assert got is out and not got.is_cuda
+        torch.testing.assert_close(got, cpu.forward(version, layer, x, slot, weight), rtol=1e-4, atol=1e-5)
+    (_, w13, w2), (_, c13, c2) = gpu.expert_weights(layer, [9])[0], cpu.expert_weights(layer, [9])[0]
+    assert not w13.is_cuda and torch.equal(w13, c13) and torch.equal(w2, c2)

@@ -52,13 +52,13 @@ class AttentionRank:
 class RankGroup:
     """Rank 0's view of its followers: starts them, joins the group, watches them."""
 
-    def __init__(self, engine_cfg: EngineConfig, tp: int):
+    def __init__(self, engine_cfg: EngineConfig, tp: int, gpus: float = 0.0):
         host = ray.util.get_node_ip_address()
         init_method = f"tcp://{host}:{free_port(host)}"
         node = ray.get_runtime_context().get_node_id()
         self.followers = [
             AttentionRank.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), num_gpus=gpus
             ).remote(engine_cfg, rank, tp, init_method)
             for rank in range(1, tp)
         ]

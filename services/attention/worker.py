@@ -50,6 +50,7 @@ class AttentionWorkerConfig:
     engine: EngineConfig
     worker_id: str = "attn-0"
     tp: int = 1  # tensor-parallel ranks (processes on this node); heads split, latent cache replicated
+    gpus: float = 0.0  # Ray num_gpus of each follower rank (rank 0's is the actor's own)
     shared: SharedSettings = field(default_factory=SharedSettings)  # no redis_url: loads not reported
     dispatch_timeout_s: float = 10.0
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
@@ -302,7 +303,7 @@ class AttentionWorker:
         self.ranks: RankGroup | None = None
         on_batches = None
         if cfg.tp > 1:  # rank 0 of a tensor-parallel group (tensor_parallel.py)
-            self.ranks = RankGroup(cfg.engine, cfg.tp)
+            self.ranks = RankGroup(cfg.engine, cfg.tp, cfg.gpus)
             experts, on_batches = lead(self.ranks.group, model, experts)
         engine = Engine(mcfg, model, experts, cfg.engine, tokenizer, on_batches)
         reporter = None

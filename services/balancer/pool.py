@@ -60,6 +60,7 @@ class ExpertPool:
     shared: SharedSettings
     worker_cfg: ExpertWorkerConfig
     resources: dict[str, float] = field(default_factory=dict)
+    num_gpus: float = 0.0  # Ray num_gpus of each worker
     health_timeout_s: float = 1.0
     max_missed: int = 3
     members: dict[str, Member] = field(default_factory=dict)  # worker id -> member, in start order
@@ -87,6 +88,7 @@ class ExpertPool:
             name=expert_worker_name(wid),
             namespace=self.shared.namespace,
             resources=self.resources or None,
+            num_gpus=self.num_gpus,
             lifetime="detached",
             max_restarts=0,
         ).remote(self.worker_cfg)

@@ -70,6 +70,7 @@ class BalancerConfig:
     expert_dtype: str = "float32"
     expert_threads: int = 1
     expert_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"expert_node": 0.01}
+    expert_gpus: float = 0.0  # Ray num_gpus per expert worker; > 0: its experts compute on CUDA
     expert_host: str | None = None  # None: each worker's node IP
     watch_s: float = 0.5  # health check / reconcile period (0: off)
     switch_timeout_s: float = 30.0  # an attention worker slower than this to switch is retried later
@@ -103,8 +104,9 @@ class BalancerCore:
         worker_cfg = ExpertWorkerConfig(
             model=cfg.model, dtype=cfg.expert_dtype, num_threads=cfg.expert_threads, host=cfg.expert_host,
             model_config=read_model_config(cfg.model),  # their nodes need no checkpoint (peer copy)
+            device="cuda" if cfg.expert_gpus > 0 else "cpu",
         )  # fmt: skip
-        self.pool = ExpertPool(cfg.shared, worker_cfg, cfg.expert_resources)
+        self.pool = ExpertPool(cfg.shared, worker_cfg, cfg.expert_resources, num_gpus=cfg.expert_gpus)
         self.target_workers = cfg.expert_workers
         self.attention: dict[str, ray.actor.ActorHandle] = {}
         self.attention_state: dict[str, dict] = {}  # name -> its last `ready` answer (or why none)

@@ -34,6 +34,7 @@ class ExpertWorkerConfig:
     # `model_config` is given.
     model: str
     dtype: str = "float32"  # compute dtype; Dispatch hidden states must come in this dtype
+    device: str = "cpu"  # where the experts are held and computed ("cuda": the GPU Ray gave the worker)
     num_threads: int | None = 1  # torch intra-op threads in the worker process (None: leave as is)
     host: str | None = None  # None: the Ray node's IP inside an actor, else 127.0.0.1
     port: int = 0  # 0: an ephemeral port
@@ -66,7 +67,8 @@ class ExpertServer:
         self.cfg = cfg
         self.host = cfg.host or host
         hf = cfg.model_config if cfg.model_config is not None else read_model_config(cfg.model)
-        self.store = SlotStore(ModelConfig.from_hf(hf), cfg.model, parse_dtype(cfg.dtype), cfg.max_versions)
+        self.store = SlotStore(ModelConfig.from_hf(hf), cfg.model, parse_dtype(cfg.dtype), cfg.max_versions,
+                               cfg.device)  # fmt: skip
         self.servicer = ExpertServicer(
             self.store, peer_timeout_s=cfg.peer_timeout_s, max_message_bytes=cfg.max_message_bytes
         )
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -122,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     server = ExpertServer(
-        ExpertWorkerConfig(model=args.model, dtype=args.dtype, host=args.host, port=args.port)
+        ExpertWorkerConfig(
+            model=args.model, dtype=args.dtype, device=args.device, host=args.host, port=args.port
+        )
     )
     print(server.start(), flush=True)
     server.server.wait_for_termination()

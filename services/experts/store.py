@@ -99,8 +99,16 @@ class StoreStats:
 
 
 class SlotStore:
-    def __init__(self, cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, max_versions: int = 3):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        model_dir: str | Path,
+        dtype: torch.dtype,
+        max_versions: int = 3,
+        device: str | torch.device = "cpu",
+    ):
         self.cfg, self.model_dir, self.dtype, self.max_versions = cfg, Path(model_dir), dtype, max_versions
+        self.device = torch.device(device)  # where the packed experts live and compute
         self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
         self._versions: dict[int, SlotVersion] = {}
         self._loading: set[int] = set()
@@ -213,13 +221,18 @@ class SlotStore:
                 if missing:
                     got = checkpoint.read(layer, missing)
                     report.bytes_read = checkpoint.bytes_read
-                    held.update(got)
+                    held.update(
+                        {e: (w13.to(self.device), w2.to(self.device)) for e, (w13, w2) in got.items()}
+                    )
                     missing = [e for e in missing if e not in got]
                 if missing:
                     fetched = self._fetch(layer, missing, fetch, checkpoint.unavailable)
                     report.bytes_from_peers += sum(_nbytes(*fetched[e]) for e in missing)
                     held.update(
-                        {e: (w13.to(self.dtype), w2.to(self.dtype)) for e, (w13, w2) in fetched.items()}
+                        {
+                            e: (w13.to(self.device, self.dtype), w2.to(self.device, self.dtype))
+                            for e, (w13, w2) in fetched.items()
+                        }
                     )
                 packed.w13[layer] = torch.stack([held[e][0] for e in experts])  # [S, 2I, H]
                 packed.w2[layer] = torch.stack([held[e][1] for e in experts])  # [S, H, I]
@@ -253,7 +266,7 @@ class SlotStore:
         self, layer: int, experts: Sequence[int]
     ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(expert, w13 [2I, H], w2 [H, I]) for each distinct expert of `experts` (first-seen
-        order), from the newest loaded version holding it: rows of the packed tensors, no copy.
+        order), from the newest loaded version holding it: rows of the packed tensors (no copy; a GPU worker copies them to host memory).
         InvalidRequest for a non-MoE layer or an id out of range; ExpertNotFound when some
         expert is not held by a loaded version."""
         if layer not in self.moe_index:
@@ -271,7 +284,7 @@ class SlotStore:
                 f"layer {layer}: experts {missing} are not held by this worker "
                 f"(loaded versions: {sorted(v.version for v in versions)})"
             )
-        return [(e, *held[e]) for e in experts]
+        return [(e, held[e][0].cpu(), held[e][1].cpu()) for e in experts]  # (no copy on a CPU worker)
 
     # ---- compute ------------------------------------------------------------------------
     def forward(
@@ -312,7 +325,12 @@ class SlotStore:
                 )
         slot = slot.long()
         counts = torch.bincount(slot[slot >= 0], minlength=num_slots)
-        out = held.packed.forward(layer, hidden, slot, weight, out)
+        if self.device.type == "cpu":
+            out = held.packed.forward(layer, hidden, slot, weight, out)
+        else:  # the request's tensors come and go through host memory (the gRPC payload)
+            to = self.device
+            y = held.packed.forward(layer, hidden.to(to), slot.to(to), weight.to(to)).cpu()
+            out = y if out is None else out.copy_(y)
         with self._lock:
             held.tokens[self.moe_index[layer]] += counts
             self.dispatch_calls += 1

@@ -10,13 +10,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from . import cpu_kernels, triton_kernels
 from .config import ModelConfig, rope_inv_freq
 from .cpu_kernels import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[..., d] -> [..., d]; computed in fp32, cast back before the weight multiply (as HF)."""
+    norm = triton_kernels.get("norm", x)  # CUDA: one Triton kernel
+    if norm is not None and x.stride(-1) == 1:
+        return norm.rms_norm(x, weight, eps)
     y = cpu_kernels.rms_norm(x, weight, eps)  # fp32 on CPU: one op
     if y is not None:
         return y
@@ -168,6 +171,9 @@ def grouped_expert_ffn(
     projection over all slots (offsets = cumulative tokens per slot).
     """
     T, K = slot.shape
+    moe = triton_kernels.get("moe", x)  # CUDA: the Triton fused MoE
+    if moe is not None:
+        return moe.fused_moe(x, slot, weight, w13, w2, swiglu_limit, out=out)
     if (
         x.dtype == torch.float32
         and x.device.type == "cpu"

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from . import cpu_kernels, triton_kernels
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .cpu_kernels import linear
@@ -362,7 +362,8 @@ def mla_forward(
     D, R, C, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     dec = batch.decode
     only_decodes = dec is not None and dec.rows.shape[0] == T  # every row a decode, in order
-    if only_decodes and rope.interleave and x.device.type == "cpu":
+    triton_mla = triton_kernels.get("mla", x)  # CUDA: the Triton decode kernel
+    if only_decodes and rope.interleave and x.device.type == "cpu" and triton_mla is None:
         # a decode-only step on an fp32 CPU: this whole function in one C++ call (cpu_kernels.py)
         out = cpu_kernels.mla_decode_layer(x, w, cos_sin, cache, batch.slot_mapping, dec.table, dec.lens, cfg,
                                            NORM_EPS_LATENT)  # fmt: skip
@@ -397,12 +398,12 @@ def mla_forward(
         q_nope_d, q_pe_d = (q_nope, q_pe) if only_decodes else (q_nope[dec.rows], q_pe[dec.rows])
         q_lat = torch.bmm(q_nope_d.transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
         q_full = torch.cat((q_lat, q_pe_d), dim=-1)  # [Bd, N, C+R]
-        # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
-        o_lat = (
-            None
-            if index is not None
-            else cpu_kernels.mla_decode(q_full, cache, dec.table, dec.lens, C, scale)
-        )
+        o_lat = None
+        if index is None:  # (V3.2's top-k selection is a mask over the gathered context below)
+            if triton_mla is not None:
+                o_lat = triton_mla.mla_decode(q_full, cache, dec.table, dec.lens, C, scale)
+            else:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
+                o_lat = cpu_kernels.mla_decode(q_full, cache, dec.table, dec.lens, C, scale)
         if o_lat is None:
             ctx = cache[dec.table].view(Bd, -1, W)  # [Bd, Lmax, W]
             scores = torch.bmm(q_full, ctx[..., : C + R].transpose(1, 2)).float() * scale  # [Bd, N, Lmax]

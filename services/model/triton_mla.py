@@ -1,0 +1,142 @@
+"""MLA decode attention over the paged latent cache, in Triton (split-KV, "flash decoding").
+
+The absorbed decode form of model.mla_forward: each decode row's N latent queries q [N, C+R]
+score the rows [c_kv | k_pe] of its context in the paged cache [blocks, 64, 1, W] (FlashMLA's
+layout, W >= C+R) and take the softmax-weighted sum of their first C values. The context is cut
+into `splits` ranges of whole 64-row blocks; stage 1 runs one program per (row, group of
+BLOCK_H heads, split) with an online softmax over the split's rows and writes a partial output
+and its log-sum-exp; stage 2 merges a row's splits. The number of splits comes from the block
+table's width, not from the lengths, so launching needs no device-to-host copy (a CUDA graph
+can capture it).
+
+Every group of heads reads each cache row once for all of its BLOCK_H heads (DeepSeek-V3 has
+128 heads sharing one latent KV head, so a row feeds 16-64 dot products). Softmax and sums in
+fp32 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv_cache import BLOCK_SIZE
+from .triton_kernels import INTERPRETED
+
+
+@triton.jit
+def _mla_decode_split(
+    q_ptr, cache_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
+    N, C, R, W, stride_q_b, stride_q_n, stride_table_b, scale, blocks_per_split,
+    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Stage 1: the softmax of heads [BLOCK_H] of row b over its split's context rows.
+    mid_o [B, N, SPLITS, C] fp32 (normalised by the split's own sum), mid_lse [B, N, SPLITS]."""
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    c = tl.arange(0, BLOCK_C)
+    r = tl.arange(0, BLOCK_R)
+    head_ok = heads < N
+    q_rows = q_ptr + b * stride_q_b + heads[:, None] * stride_q_n
+    q_c = tl.load(q_rows + c[None, :], mask=head_ok[:, None] & (c[None, :] < C), other=0.0)
+    q_r = tl.load(q_rows + C + r[None, :], mask=head_ok[:, None] & (r[None, :] < R), other=0.0)
+    if UPCAST:
+        q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
+
+    length = tl.load(lens_ptr + b).to(tl.int32)
+    start = split * blocks_per_split * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, length)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    for s in range(start, end, BLOCK_N):
+        pos = s + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(table_ptr + b * stride_table_b + pos // BLOCK_N, mask=pos_ok, other=0)
+        rows = cache_ptr + (block.to(tl.int64) * BLOCK_N + pos % BLOCK_N) * W
+        kv_c = tl.load(rows[:, None] + c[None, :], mask=pos_ok[:, None] & (c[None, :] < C), other=0.0)
+        k_r = tl.load(rows[:, None] + C + r[None, :], mask=pos_ok[:, None] & (r[None, :] < R), other=0.0)
+        if UPCAST:
+            kv_c, k_r = kv_c.to(tl.float32), k_r.to(tl.float32)
+        score = tl.dot(q_c, tl.trans(kv_c), input_precision=PRECISION)
+        score += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+        score = tl.where(pos_ok[None, :], score * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(score, 1))
+        p = tl.exp(score - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_c.dtype), kv_c, input_precision=PRECISION)
+        m = m_new
+
+    out = mid_o_ptr + ((b * N + heads[:, None]) * SPLITS + split) * C + c[None, :]
+    lse = mid_lse_ptr + (b * N + heads) * SPLITS + split
+    empty = total == 0.0  # a split past the end of the context: weight 0 in stage 2
+    tl.store(
+        out, tl.where(empty[:, None], 0.0, acc / total[:, None]), mask=head_ok[:, None] & (c[None, :] < C)
+    )
+    tl.store(lse, tl.where(empty, float("-inf"), m + tl.log(total)), mask=head_ok)
+
+
+@triton.jit
+def _mla_decode_merge(
+    mid_o_ptr, mid_lse_ptr, o_ptr, N, C,
+    BLOCK_C: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Stage 2: o[b, n] = sum_s exp(lse_s - lse) * mid_o[b, n, s] for one (row b, head n)."""
+    bn = tl.program_id(0)  # b * N + n
+    c = tl.arange(0, BLOCK_C)
+    s = tl.arange(0, SPLITS)
+    lse = tl.load(mid_lse_ptr + bn * SPLITS + s)
+    weight = tl.exp(lse - tl.max(lse, 0))
+    parts = tl.load(mid_o_ptr + (bn * SPLITS + s[:, None]) * C + c[None, :], mask=c[None, :] < C, other=0.0)
+    o = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)
+    tl.store(o_ptr + bn * C + c, o.to(o_ptr.dtype.element_ty), mask=c < C)
+
+
+def _splits(batch: int, head_groups: int, max_blocks: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU about twice over; a power of two, at most one per block."""
+    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = max(1, -(-2 * units // max(batch * head_groups, 1)))
+    return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks))
+
+
+def mla_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    latent_dim: int,
+    scale: float,
+    splits: int | None = None,
+) -> torch.Tensor | None:
+    """q [B, N, C+R] (the absorbed latent query: q_nope @ W_UK, then q_pe), cache [blocks, 64, 1,
+    W] (rows [c_kv | k_pe | ...]), table [B, max_blocks] int32/int64, lens [B] context lengths
+    (>= 1) -> o [B, N, C] in q's dtype: softmax(scale * q . row[:C+R]) weighted sum of row[:C]
+    over each sequence's first lens[b] rows. `splits` (a power of two) overrides the heuristic.
+    None where the kernel does not apply (a cache of another dtype or layout).
+    """
+    B, N, D = q.shape
+    C, R, W = latent_dim, q.shape[-1] - latent_dim, cache.shape[-1]
+    if cache.dtype != q.dtype or D > W or not cache.is_contiguous() or cache.shape[1] != BLOCK_SIZE:
+        return None
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    table, lens = table.contiguous(), lens.contiguous()
+    BLOCK_H = min(64, max(16, triton.next_power_of_2(N)))
+    groups = triton.cdiv(N, BLOCK_H)
+    max_blocks = table.shape[1]
+    splits = splits or _splits(B, groups, max_blocks, q.device)
+    blocks_per_split = triton.cdiv(max_blocks, splits)
+    mid_o = torch.empty(B, N, splits, C, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(B, N, splits, dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no TF32 rounding
+    _mla_decode_split[(B, groups, splits)](
+        q, cache, table, lens, mid_o, mid_lse,
+        N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale, blocks_per_split,
+        BLOCK_H=BLOCK_H, BLOCK_C=triton.next_power_of_2(C), BLOCK_R=max(16, triton.next_power_of_2(R)),
+        BLOCK_N=BLOCK_SIZE, SPLITS=splits, PRECISION=precision, UPCAST=INTERPRETED,
+    )  # fmt: skip
+    o = torch.empty(B, N, C, dtype=q.dtype, device=q.device)
+    _mla_decode_merge[(B * N,)](mid_o, mid_lse, o, N, C, BLOCK_C=triton.next_power_of_2(C), SPLITS=splits)
+    return o

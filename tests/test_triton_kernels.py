@@ -1,0 +1,141 @@
+"""The Triton kernels (services/model/triton_*.py) against torch references. Without a GPU they run
+under triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how CI tests them."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from services.model import triton_kernels  # noqa: E402
+from services.model.kv_cache import BLOCK_SIZE  # noqa: E402
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """(load(name) -> the kernel module, device). On CPU: the interpreter, imported afresh."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"  # (set by conftest.py)
+    monkeypatch.setenv("MOE_TRITON", "1")
+    saved = dict(triton_kernels._modules)
+    triton_kernels._modules.clear()
+    yield (lambda name: triton_kernels.module(name)), device
+    triton_kernels._modules.clear()
+    triton_kernels._modules.update(saved)
+
+
+def paged_context(lens, width, dtype, device, seed=0, num_blocks=None):
+    """A paged cache [blocks, 64, 1, width] holding random rows and a shuffled block table
+    [B, max_blocks] int32 giving each sequence ceil(len / 64) blocks (the rest of its row 0)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // BLOCK_SIZE) for n in lens]
+    num_blocks = num_blocks or sum(need) + 3
+    cache = torch.randn(num_blocks, BLOCK_SIZE, 1, width, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[used : used + n].to(torch.int32)
+        used += n
+    return cache.to(device), table.to(device), torch.tensor(lens, device=device)
+
+
+def mla_decode_reference(q, cache, table, lens, C, scale):
+    """model.mla_forward's torch decode path: gather the padded context, mask, softmax."""
+    B, W = q.shape[0], cache.shape[-1]
+    ctx = cache[table.long()].view(B, -1, W).float()
+    scores = torch.bmm(q.float(), ctx[..., : q.shape[-1]].transpose(1, 2)) * scale
+    pad = torch.arange(ctx.shape[1], device=q.device)[None, :] >= lens[:, None]
+    probs = scores.masked_fill(pad[:, None, :], float("-inf")).softmax(-1)
+    return torch.bmm(probs, ctx[..., :C]).to(q.dtype)
+
+
+@pytest.mark.parametrize(
+    "lens, heads, C, R, extra, splits",
+    [
+        ([1], 16, 64, 16, 0, None),  # one row of context
+        ([5, 64, 65, 200], 16, 64, 16, 0, None),  # block boundaries, several blocks
+        ([130, 3], 20, 32, 16, 8, 4),  # heads not a power of two, a V3.2-style wider row, 4 splits
+        ([300], 4, 48, 8, 0, 8),  # C, R not powers of two; splits past the context's end
+    ],
+)
+def test_mla_decode_matches_torch(kernels, lens, heads, C, R, extra, splits):
+    load, device = kernels
+    mla = load("mla")
+    cache, table, lens_t = paged_context(lens, C + R + extra, torch.float32, device)
+    q = torch.randn(len(lens), heads, C + R, generator=torch.Generator().manual_seed(1)).to(device)
+    scale = 0.1352338
+    o = mla.mla_decode(q, cache, table, lens_t, C, scale, splits=splits)
+    assert o.shape == (len(lens), heads, C) and o.dtype == q.dtype
+    torch.testing.assert_close(
+        o, mla_decode_reference(q, cache, table, lens_t, C, scale), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_mla_decode_bf16_and_int64_tables(kernels):
+    load, device = kernels
+    mla = load("mla")
+    cache, table, lens = paged_context([70, 129], 64 + 16, torch.bfloat16, device, seed=3)
+    q = torch.randn(2, 16, 80, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
+    o = mla.mla_decode(q, cache, table.long(), lens, 64, 0.125)
+    ref = mla_decode_reference(q.float(), cache.float(), table, lens, 64, 0.125)
+    torch.testing.assert_close(o.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_mla_decode_declines_a_mismatched_cache(kernels):
+    load, device = kernels
+    mla = load("mla")
+    cache, table, lens = paged_context([10], 40, torch.float32, device)
+    assert (
+        mla.mla_decode(torch.randn(1, 16, 48, device=device), cache, table, lens, 32, 0.1) is None
+    )  # q too wide
+    q16 = torch.randn(1, 16, 40, device=device, dtype=torch.bfloat16)
+    assert mla.mla_decode(q16, cache, table, lens, 32, 0.1) is None  # (the caller's torch path runs)
+
+
+def test_kernels_stay_off_on_cpu_unless_asked(monkeypatch):
+    monkeypatch.setattr(triton_kernels, "_modules", {})
+    x = torch.zeros(1)
+    monkeypatch.delenv("MOE_TRITON", raising=False)
+    assert not triton_kernels.enabled(x)
+    monkeypatch.setenv("MOE_TRITON", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not triton_kernels.enabled(x)  # compiled Triton needs a GPU
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_kernels.enabled(x) and triton_kernels.get("mla", x) is not None
+
+
+def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, monkeypatch):
+    """LocalEngine with every Triton kernel on (MLA decode, fused MoE, RMSNorm) against the torch
+    path: the same greedy tokens and close last-step logits, across a block boundary and a batch
+    mixing prefill chunks and decodes."""
+    from services.model.engine import EngineConfig, LocalEngine
+    from services.model.sampling import SamplingParams
+
+    from .hf_oracle import generate_with_logits
+
+    load, device = kernels
+    calls = {}
+    for name, fn in (("mla", "mla_decode"), ("moe", "fused_moe"), ("norm", "rms_norm")):
+        kernel = getattr(load(name), fn)
+        monkeypatch.setattr(
+            load(name), fn, lambda *a, _k=kernel, _n=name, **kw: calls.update({_n: 1}) or _k(*a, **kw)
+        )
+    prompts = [[0, 5, 6, 7], list(range(3, 70)), [0] + [9] * 20]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(flag: str):
+        monkeypatch.setenv("MOE_TRITON", flag)
+        engine = LocalEngine(
+            EngineConfig(model=str(tiny_model), device=device, max_num_seqs=4, max_num_batched_tokens=48)
+        )
+        return generate_with_logits(engine, prompts, params)
+
+    ref, ref_logits = run("0")
+    assert not calls
+    out, logits = run("1")
+    assert set(calls) == {"mla", "moe", "norm"}  # every kernel ran
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    for a, b in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
