@@ -18,6 +18,7 @@ import torch
 from . import cpu_kernels
 from .checkpoint import CheckpointReader
 from .config import ModelConfig, parse_dtype
+from .decode_graphs import DecodeGraphs
 from .deepseek_v4 import DeepseekV4
 from .grammar import GrammarCompiler, GrammarError, Matcher
 from .kv_cache import PagedLatentCache, blocks_needed
@@ -44,6 +45,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (None: leave torch's default)
     micro_batches: int = 1  # 2 = ping-pong: one micro-batch's expert calls overlap the other's attention
     prefix_caching: bool = True  # reuse the cache blocks of prompt prefixes seen before
+    cuda_graphs: bool = True  # on CUDA, replay decode steps from captured graphs (decode_graphs.py)
 
     def scheduler_config(self, cfg: ModelConfig) -> SchedulerConfig:
         return SchedulerConfig(
@@ -178,6 +180,25 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._matchers: dict[str, Matcher] = {}  # requests with structured output: their grammar state
         self._grammar: GrammarCompiler | None = None
+        self.graphs: DecodeGraphs | None = None
+        if engine_cfg.cuda_graphs and model.device.type == "cuda" and on_batches is None:
+            self.enable_decode_graphs()
+
+    def enable_decode_graphs(self, capture: bool = True) -> bool:
+        """Run decode-only steps on static buffers, replayed from CUDA graphs (capture=False: the
+        same buffers, eagerly; for tests). Only for in-process experts and the V3 model; a step
+        that does not capture leaves the engine eager (logged). Whether graphs are on."""
+        if not isinstance(self.experts, LocalExperts) or self.cfg.is_v4:
+            return False
+        scratch = self.scheduler.allocator.reserve()  # the padding rows' block
+        try:
+            self.graphs = DecodeGraphs(self.model, self.experts, self.cache.kv, self.cfg.num_moe_layers,
+                                       self.cfg.n_routed_experts, scratch, self.engine_cfg.max_num_seqs,
+                                       blocks_needed(self.max_model_len), capture)  # fmt: skip
+        except Exception as e:  # a synchronising op in the step, an old driver: stay eager
+            log.warning("decode CUDA graphs unavailable (%s: %s); running eagerly", type(e).__name__, e)
+            return False
+        return True
 
     @property
     def max_model_len(self) -> int:
@@ -304,8 +325,12 @@ class Engine:
             batches = [self._batch(part) for part in parts]
             if self.on_batches is not None:
                 self.on_batches(batches)
-            steps = [self.model.forward(b, self.cache.kv) for b in batches]
-            logits = run_interleaved(steps, self.experts, tally)
+            if self.graphs is not None and len(batches) == 1 and self.graphs.fits(batches[0]):
+                replayed, tally.load = self.graphs.run(batches[0])
+                logits = [replayed]
+            else:
+                steps = [self.model.forward(b, self.cache.kv) for b in batches]
+                logits = run_interleaved(steps, self.experts, tally)
         except Exception as e:
             raise StepFailed([c.seq.request_id for c in chunks], e) from e
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)

@@ -79,6 +79,13 @@ class BlockAllocator:
             blocks.append(b)
         return blocks
 
+    def reserve(self) -> int:
+        """Take a block out of circulation for good (a scratch block); the capacity shrinks by one."""
+        (b,) = self.allocate(1)
+        del self._refs[b]
+        self.num_blocks -= 1
+        return b
+
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; unreferenced ones become cached (if registered) or free."""
         for b in blocks:

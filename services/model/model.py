@@ -49,8 +49,12 @@ class ExpertDispatch:
 
     @classmethod
     def routed(cls, decoder_layer: int, moe_layer: int, x, topk_idx, topk_weight, num_experts: int):
-        """The message for routed tokens, with their per-expert counts."""
-        counts = torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+        """The message for routed tokens, with their per-expert counts (a scatter-add: torch.bincount
+        waits for the device to size its output, which a CUDA graph cannot capture)."""
+        flat = topk_idx.reshape(-1)
+        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
         return cls(decoder_layer, moe_layer, x, topk_idx, topk_weight, counts)
 
 

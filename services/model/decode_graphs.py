@@ -1,0 +1,170 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (as vLLM and nano-vllm).
+
+An eager decode step on a GPU is launch-bound: a few hundred small kernels per layer. A graph
+captured once per bucket replays them all with one launch. Capture needs fixed addresses and no
+device-to-host synchronisation, so a decode-only step of B sequences runs as the smallest bucket
+>= B on static buffers:
+
+- input_ids / positions / slot_mapping [maxB], seq_lens [maxB] int32, block_table [maxB,
+  max_blocks] int32 (max_blocks covers max_model_len), valid [maxB] bool; each bucket's graph reads
+  the first `bucket` rows of them;
+- the padding rows decode token 0 at position 0 into a scratch cache block that the engine keeps
+  out of the allocator, so they write nowhere a sequence reads; their routed choices are not
+  counted in the step's expert load;
+- the graph's outputs are static too: logits [bucket, vocab] and the expert load [moe layers, E].
+
+Only the engine's in-process experts can be captured (remote experts wait on gRPC between
+layers), with one micro-batch. Whatever does not capture (a torch op that synchronises: the
+routed experts' torch path without Triton, DeepSeek-V4's per-sequence loops) is logged and the
+engine stays eager. `capture=False` runs the same static-buffer step eagerly: how CPU tests check
+everything here but the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+
+import torch
+
+from .kv_cache import BLOCK_SIZE
+from .model import DecodeRows, ExpertCombine, ExpertDispatch, StepBatch
+
+log = logging.getLogger(__name__)
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every 8 up to 64, every 32 beyond (and max_batch)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch]
+    sizes += list(range(8, min(max_batch, 64) + 1, 8)) + list(range(96, max_batch + 1, 32))
+    return sorted({*sizes, max_batch})
+
+
+class DecodeGraphs:
+    """The static-buffer decode step of one model + in-process experts + cache (see the module
+    docstring). `run(batch)` -> (logits [B, vocab] fp32, expert load [moe layers, E] int64)."""
+
+    def __init__(
+        self,
+        model,
+        experts,
+        cache: torch.Tensor,
+        num_moe_layers: int,
+        num_experts: int,
+        scratch_block: int,
+        max_batch: int,
+        max_blocks: int,
+        capture: bool = True,
+    ):
+        self.model, self.experts, self.cache = model, experts, cache
+        self.num_moe_layers, self.num_experts = num_moe_layers, num_experts
+        self.max_blocks, self.capture = max_blocks, capture
+        self.buckets = buckets_up_to(max_batch)
+        device = cache.device
+        B = self.buckets[-1]
+        self.input_ids = torch.zeros(B, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((B,), scratch_block * BLOCK_SIZE, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(B, dtype=torch.int32, device=device)
+        self.block_table = torch.full((B, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.valid = torch.zeros(B, dtype=torch.bool, device=device)
+        self.rows = torch.arange(B, device=device)
+        self.scratch_block = scratch_block
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        if capture:
+            self._capture_all()
+
+    def fits(self, batch: StepBatch) -> bool:
+        """A decode-only step of at most max_batch sequences whose tables fit the static one."""
+        return (
+            len(batch.query_lens) <= self.buckets[-1]
+            and batch.block_table.shape[1] <= self.max_blocks
+            and all(n == 1 for n in batch.query_lens)
+            and batch.logits_index.shape[0] == len(batch.query_lens)  # (a 1-token prefill chunk: no)
+        )
+
+    def run(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        B = len(batch.query_lens)
+        bucket = self.buckets[bisect_left(self.buckets, B)]
+        self._load_inputs(batch, bucket)
+        if self.capture:
+            graph, logits, load = self._graphs[bucket]
+            graph.replay()
+        else:
+            logits, load = self._step(bucket)
+        return logits[:B].clone(), load.clone()  # (the static outputs are overwritten next step)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _load_inputs(self, batch: StepBatch, bucket: int) -> None:
+        """Copy the step's rows into the static buffers; rows B..bucket-1 become padding."""
+        B, width = len(batch.query_lens), batch.block_table.shape[1]
+        self.input_ids[:B].copy_(batch.input_ids)
+        self.positions[:B].copy_(batch.positions)
+        self.slot_mapping[:B].copy_(batch.slot_mapping)
+        self.seq_lens[:B].copy_(batch.seq_lens)
+        self.block_table[:B, :width].copy_(batch.block_table)
+        self.block_table[:B, width:].fill_(self.scratch_block)
+        self.valid[:B] = True
+        if bucket > B:
+            self.input_ids[B:bucket].zero_()
+            self.positions[B:bucket].zero_()
+            self.slot_mapping[B:bucket].fill_(self.scratch_block * BLOCK_SIZE)
+            self.seq_lens[B:bucket].fill_(1)
+            self.block_table[B:bucket].fill_(self.scratch_block)
+            self.valid[B:bucket] = False
+
+    def _batch(self, bucket: int) -> StepBatch:
+        """The StepBatch over the first `bucket` static rows, its decode rows prepared here (the
+        lazy property would build them from Python lists: a host-to-device copy)."""
+        seq_lens, table = self.seq_lens[:bucket], self.block_table[:bucket]
+        batch = StepBatch(
+            input_ids=self.input_ids[:bucket],
+            positions=self.positions[:bucket],
+            slot_mapping=self.slot_mapping[:bucket],
+            query_lens=[1] * bucket,
+            seq_lens=seq_lens,
+            block_table=table,
+            logits_index=self.rows[:bucket],
+        )
+        lens = seq_lens.long()
+        pad = torch.arange(self.max_blocks * BLOCK_SIZE, device=lens.device)[None, :] >= lens[:, None]
+        batch.__dict__["decode"] = DecodeRows(self.rows[:bucket], table.long(), pad[:, None, :], lens)
+        return batch
+
+    def _step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward pass over the static rows: (logits [bucket, vocab], load [moe layers, E]),
+        the load counting the valid rows' routed choices only (no bincount: it synchronises)."""
+        E = self.num_experts
+        load = torch.zeros(self.num_moe_layers, E + 1, dtype=torch.long, device=self.cache.device)
+        valid = self.valid[:bucket, None]
+        step = self.model.forward(self._batch(bucket), self.cache)
+        msg = next(step)
+        while True:
+            if isinstance(msg, ExpertDispatch):
+                counted = msg.topk_idx.masked_fill(~valid, E).reshape(-1)  # padding -> bin E
+                load[msg.moe_layer].scatter_add_(0, counted, torch.ones_like(counted))
+                reply = self.experts.dispatch(msg)
+            else:
+                assert isinstance(msg, ExpertCombine)
+                reply = self.experts.combine(msg)
+            try:
+                msg = step.send(reply)
+            except StopIteration as stop:
+                return stop.value, load[:, :E]
+
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool (as vLLM does); each
+        bucket runs once eagerly first (Triton compiles its kernels outside the capture)."""
+        pool = None
+        for bucket in reversed(self.buckets):
+            self._load_inputs(
+                StepBatch.build([([0], 0, [self.scratch_block], True)], self.cache.device), bucket
+            )
+            self._step(bucket)  # warm-up
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits, load = self._step(bucket)
+            pool = graph.pool()
+            self._graphs[bucket] = (graph, logits, load)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
