@@ -56,6 +56,7 @@ class ClusterConfig:
     max_num_batched_tokens: int = _setting(2048, "tokens per step, per attention worker")
     max_model_len: int | None = _setting(None, "context length (default: min(model's, 4096))")
     max_waiting: int = _setting(512, "queued requests per attention worker before HTTP 429")
+    kv_cache_gib: float = _setting(2.0, "latent KV cache per attention worker, GiB (at most)")
     micro_batches: int = _setting(
         1, "2 = ping-pong micro-batches (pays when experts have their own cores/GPUs)"
     )
@@ -101,6 +102,8 @@ class ClusterConfig:
             raise ValueError("attention_tp must be >= 1")
         if self.attention_workers < 1 or self.expert_workers < 1:
             raise ValueError("need at least one attention worker and one expert worker")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be > 0")
         if self.attention_gpus < 0 or self.expert_gpus < 0:
             raise ValueError("attention_gpus and expert_gpus must be >= 0")
         if self.redundant_experts < 0:
@@ -198,6 +201,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,
         max_waiting=cfg.max_waiting,
+        kv_cache_gib=cfg.kv_cache_gib,
         micro_batches=cfg.micro_batches,
         prefix_caching=cfg.prefix_caching,
         num_threads=cfg.attention_threads,

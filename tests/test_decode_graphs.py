@@ -2,6 +2,7 @@
 eagerly on CPU (capture=False): padding, scratch block, expert load and outputs as the eager
 engine's. The capture itself runs in tests/test_cuda.py (GPU only)."""
 
+import pytest
 import torch
 
 from services.model.decode_graphs import buckets_up_to
@@ -31,10 +32,11 @@ def run_steps(engine, prompts, params):
     return steps, tokens
 
 
-def test_static_decode_steps_match_the_eager_engine(tiny_model, monkeypatch):
+@pytest.mark.parametrize("micro_batches", [1, 2])  # (2: decode steps are not split with graphs)
+def test_static_decode_steps_match_the_eager_engine(tiny_model, monkeypatch, micro_batches):
     prompts = [[0, 5, 6, 7], list(range(3, 70)), [0] + [9] * 20, [1, 2, 3]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    cfg = EngineConfig(model=str(tiny_model), max_num_seqs=6)
+    cfg = EngineConfig(model=str(tiny_model), max_num_seqs=6, micro_batches=micro_batches)
     eager_steps, eager_tokens = run_steps(LocalEngine(cfg), prompts, params)
 
     engine = LocalEngine(cfg)

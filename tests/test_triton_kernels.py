@@ -18,11 +18,10 @@ def kernels(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"  # (set by conftest.py)
     monkeypatch.setenv("MOE_TRITON", "1")
-    saved = dict(triton_kernels._modules)
-    triton_kernels._modules.clear()
+    triton_kernels.reset()
     yield (lambda name: triton_kernels.module(name)), device
-    triton_kernels._modules.clear()
-    triton_kernels._modules.update(saved)
+    monkeypatch.undo()
+    triton_kernels.reset()
 
 
 def paged_context(lens, width, dtype, device, seed=0, num_blocks=None):
@@ -73,6 +72,38 @@ def test_mla_decode_matches_torch(kernels, lens, heads, C, R, extra, splits):
     )
 
 
+def test_mla_decode_over_wide_tables_and_small_dims(kernels):
+    """A block table much wider than the contexts (a CUDA graph's static one: each row splits its
+    own blocks), and a latent narrower than tl.dot's 16."""
+    load, device = kernels
+    mla = load("mla")
+    cache, table, lens = paged_context([100, 7, 64], 8 + 8, torch.float32, device, seed=6)
+    wide = torch.cat((table, torch.zeros(3, 30, dtype=table.dtype, device=device)), dim=1)
+    q = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(7)).to(device)
+    for splits in (1, 4, 32):
+        o = mla.mla_decode(q, cache, wide, lens, 8, 0.3, splits=splits)
+        torch.testing.assert_close(
+            o, mla_decode_reference(q, cache, table, lens, 8, 0.3), rtol=1e-4, atol=1e-5
+        )
+
+
+def test_a_failing_kernel_leaves_its_work_to_torch(kernels, monkeypatch, caplog):
+    from services.model.layers import rms_norm
+
+    load, device = kernels
+    x, w = torch.randn(3, 64, device=device), torch.randn(64, device=device)
+    expected = rms_norm(x, w, 1e-6)  # (the Triton kernel, matching the torch path below)
+
+    def broken(*args):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(load("norm"), "rms_norm", broken)
+    monkeypatch.setenv("MOE_CPU_KERNELS", "0")
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), expected, rtol=1e-5, atol=1e-6)
+    assert "Triton norm.rms_norm failed" in caplog.text
+    assert triton_kernels.get("norm", x) is None and triton_kernels.get("mla", x) is not None  # only that one
+
+
 def test_mla_decode_bf16_and_int64_tables(kernels):
     load, device = kernels
     mla = load("mla")
@@ -95,15 +126,21 @@ def test_mla_decode_declines_a_mismatched_cache(kernels):
 
 
 def test_kernels_stay_off_on_cpu_unless_asked(monkeypatch):
-    monkeypatch.setattr(triton_kernels, "_modules", {})
     x = torch.zeros(1)
-    monkeypatch.delenv("MOE_TRITON", raising=False)
-    assert not triton_kernels.enabled(x)
-    monkeypatch.setenv("MOE_TRITON", "1")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not triton_kernels.enabled(x)  # compiled Triton needs a GPU
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert triton_kernels.enabled(x) and triton_kernels.get("mla", x) is not None
+
+    def enabled(**env) -> bool:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value) if value is not None else monkeypatch.delenv(name, raising=False)
+        triton_kernels.reset()
+        return triton_kernels.enabled(x)
+
+    try:
+        assert not enabled(MOE_TRITON=None)
+        assert not enabled(MOE_TRITON="1", TRITON_INTERPRET=None)  # compiled Triton needs a GPU
+        assert enabled(MOE_TRITON="1", TRITON_INTERPRET="1") and triton_kernels.get("mla", x) is not None
+    finally:
+        monkeypatch.undo()
+        triton_kernels.reset()
 
 
 def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, monkeypatch):
@@ -127,6 +164,7 @@ def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, 
 
     def run(flag: str):
         monkeypatch.setenv("MOE_TRITON", flag)
+        triton_kernels._enabled.clear()  # (keeps the loaded modules, patched above)
         engine = LocalEngine(
             EngineConfig(model=str(tiny_model), device=device, max_num_seqs=4, max_num_batched_tokens=48)
         )

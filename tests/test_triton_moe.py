@@ -1,6 +1,8 @@
 """The Triton fused MoE (services/model/triton_moe.py) against layers.grouped_expert_ffn. Without a
 GPU it runs under triton's interpreter on CPU tensors (TRITON_INTERPRET=1), on small shapes."""
 
+import os
+
 import pytest
 import torch
 
@@ -16,14 +18,12 @@ def moe(monkeypatch):
     """(the triton_moe module, device). On CPU: the interpreter, imported afresh. MOE_TRITON=0 keeps
     the reference, grouped_expert_ffn, on its torch path (it would call fused_moe otherwise)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"  # (set by conftest.py)
     monkeypatch.setenv("MOE_TRITON", "0")
-    saved = dict(triton_kernels._modules)
-    triton_kernels._modules.clear()
+    triton_kernels.reset()
     yield triton_kernels.module("moe"), device
-    triton_kernels._modules.clear()
-    triton_kernels._modules.update(saved)
+    monkeypatch.undo()
+    triton_kernels.reset()
 
 
 def routing(T, K, S, seed=0, skip=0.2, idle=()):
@@ -164,3 +164,20 @@ def test_align_pairs(moe, T, K, S, skip, block_m):
             assert pairs.numel() == 0
         else:
             assert pairs.numel() > 0 and torch.all(slot.reshape(-1)[pairs] == s)
+
+
+def test_fused_moe_long_batches_run_in_token_chunks(moe, monkeypatch):
+    mod, device = moe
+    monkeypatch.setattr(mod, "MAX_PAIRS", 8)  # 21 tokens x 2 choices: chunks of 4 tokens
+    x, slot, weight, w13, w2 = inputs(21, 2, 4, 64, 32, device, seed=5)
+    out = torch.full((21, 64), float("nan"), device=device)
+    assert mod.fused_moe(x, slot, weight, w13, w2, out=out) is out
+    ref = grouped_expert_ffn(x.cpu(), slot.cpu(), weight.cpu(), w13.cpu(), w2.cpu())
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_moe_refuses_fp8_weights_without_scales(moe):
+    mod, device = moe
+    x, slot, weight, w13, w2 = inputs(3, 2, 4, 64, 32, device)
+    with pytest.raises(ValueError, match="FP8 scales"):
+        mod.fused_moe(x, slot, weight, w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn))

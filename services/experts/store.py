@@ -329,8 +329,8 @@ class SlotStore:
             out = held.packed.forward(layer, hidden, slot, weight, out)
         else:  # the request's tensors come and go through host memory (the gRPC payload)
             to = self.device
-            y = held.packed.forward(layer, hidden.to(to), slot.to(to), weight.to(to)).cpu()
-            out = y if out is None else out.copy_(y)
+            y = held.packed.forward(layer, hidden.to(to), slot.to(to), weight.to(to))
+            out = y.cpu() if out is None else out.copy_(y)
         with self._lock:
             held.tokens[self.moe_index[layer]] += counts
             self.dispatch_calls += 1

@@ -126,9 +126,7 @@ class DecodeGraphs:
             block_table=table,
             logits_index=self.rows[:bucket],
         )
-        lens = seq_lens.long()
-        pad = torch.arange(self.max_blocks * BLOCK_SIZE, device=lens.device)[None, :] >= lens[:, None]
-        batch.__dict__["decode"] = DecodeRows(self.rows[:bucket], table.long(), pad[:, None, :], lens)
+        batch.__dict__["decode"] = DecodeRows(self.rows[:bucket], table.long(), seq_lens.long())
         return batch
 
     def _step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -188,8 +188,10 @@ class Engine:
         """Run decode-only steps on static buffers, replayed from CUDA graphs (capture=False: the
         same buffers, eagerly; for tests). Only for in-process experts and the V3 model; a step
         that does not capture leaves the engine eager (logged). Whether graphs are on."""
-        if not isinstance(self.experts, LocalExperts) or self.cfg.is_v4:
-            return False
+        if self.graphs is not None:
+            return True
+        if not isinstance(self.experts, LocalExperts) or self.cfg.is_v4 or self.cfg.has_indexer:
+            return False  # (V3.2's top-k attention runs the torch path over the whole static table)
         scratch = self.scheduler.allocator.reserve()  # the padding rows' block
         try:
             self.graphs = DecodeGraphs(self.model, self.experts, self.cache.kv, self.cfg.num_moe_layers,
@@ -197,6 +199,7 @@ class Engine:
                                        blocks_needed(self.max_model_len), capture)  # fmt: skip
         except Exception as e:  # a synchronising op in the step, an old driver: stay eager
             log.warning("decode CUDA graphs unavailable (%s: %s); running eagerly", type(e).__name__, e)
+            self.scheduler.allocator.unreserve(scratch)
             return False
         return True
 
@@ -298,8 +301,8 @@ class Engine:
         return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
-            "kv_blocks_total": self.cache.num_blocks,
-            "kv_blocks_used": self.cache.num_blocks - sched.num_free_blocks,
+            "kv_blocks_total": sched.allocator.num_blocks,  # (less a reserved scratch block)
+            "kv_blocks_used": sched.allocator.num_blocks - sched.num_free_blocks,
             "preemptions": sched.num_preemptions,
             "prefix_cache": {
                 "queried_tokens": sched.prefix_queried_tokens,
@@ -321,6 +324,8 @@ class Engine:
         if not chunks:
             return StepResult([], 0, 0, tally.load.cpu(), 0.0, time.perf_counter() - t0)
         parts = split_micro_batches(chunks, self.engine_cfg.micro_batches)
+        if self.graphs is not None and all(c.num_tokens == 1 and c.wants_logits for c in chunks):
+            parts = [chunks]  # decodes replay one graph (in-process experts: nothing to overlap)
         try:
             batches = [self._batch(part) for part in parts]
             if self.on_batches is not None:

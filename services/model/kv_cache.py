@@ -86,6 +86,11 @@ class BlockAllocator:
         self.num_blocks -= 1
         return b
 
+    def unreserve(self, block: int) -> None:
+        """Give a `reserve`d block back."""
+        self.num_blocks += 1
+        self._free.append(block)
+
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; unreferenced ones become cached (if registered) or free."""
         for b in blocks:

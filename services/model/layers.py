@@ -17,9 +17,9 @@ from .cpu_kernels import linear
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[..., d] -> [..., d]; computed in fp32, cast back before the weight multiply (as HF)."""
-    norm = triton_kernels.get("norm", x)  # CUDA: one Triton kernel
-    if norm is not None and x.stride(-1) == 1:
-        return norm.rms_norm(x, weight, eps)
+    y = triton_kernels.run("norm", "rms_norm", x, weight, eps) if x.stride(-1) == 1 else None  # CUDA
+    if y is not None:
+        return y
     y = cpu_kernels.rms_norm(x, weight, eps)  # fp32 on CPU: one op
     if y is not None:
         return y
@@ -171,9 +171,9 @@ def grouped_expert_ffn(
     projection over all slots (offsets = cumulative tokens per slot).
     """
     T, K = slot.shape
-    moe = triton_kernels.get("moe", x)  # CUDA: the Triton fused MoE
-    if moe is not None:
-        return moe.fused_moe(x, slot, weight, w13, w2, swiglu_limit, out=out)
+    y = triton_kernels.run("moe", "fused_moe", x, slot, weight, w13, w2, swiglu_limit, out=out)  # CUDA
+    if y is not None:
+        return y
     if (
         x.dtype == torch.float32
         and x.device.type == "cpu"

@@ -49,12 +49,14 @@ class ExpertDispatch:
 
     @classmethod
     def routed(cls, decoder_layer: int, moe_layer: int, x, topk_idx, topk_weight, num_experts: int):
-        """The message for routed tokens, with their per-expert counts (a scatter-add: torch.bincount
-        waits for the device to size its output, which a CUDA graph cannot capture)."""
+        """The message for routed tokens, with their per-expert counts (on a GPU by scatter-add:
+        torch.bincount waits for the device to size its output, which a CUDA graph cannot capture)."""
         flat = topk_idx.reshape(-1)
-        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat)
-        )
+        if flat.is_cuda:
+            counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat))
+        else:
+            counts = torch.bincount(flat, minlength=num_experts)
         return cls(decoder_layer, moe_layer, x, topk_idx, topk_weight, counts)
 
 
@@ -138,8 +140,14 @@ def run_interleaved(
 class DecodeRows:
     rows: torch.Tensor  # [Bd] rows of the flattened tokens that are decodes
     table: torch.Tensor  # [Bd, max_blocks] int64 block table of those sequences
-    pad: torch.Tensor  # [Bd, 1, max_blocks*64] bool: cache positions past each sequence's length
     lens: torch.Tensor  # [Bd] int64 context length of each sequence (this step's token included)
+
+    @cached_property
+    def pad(self) -> torch.Tensor:
+        """[Bd, 1, max_blocks*64] bool: cache positions past each sequence's length (for the
+        torch path, which gathers the padded context)."""
+        lmax = self.table.shape[1] * BLOCK_SIZE
+        return (torch.arange(lmax, device=self.lens.device)[None, :] >= self.lens[:, None])[:, None, :]
 
 
 @dataclass
@@ -178,11 +186,7 @@ class StepBatch:
         device = self.input_ids.device
         sel = torch.tensor(seqs, device=device)
         rows = torch.tensor([self.query_starts[b] for b in seqs], device=device)
-        table = self.block_table[sel].long()
-        lmax = table.shape[1] * BLOCK_SIZE
-        lens = self.seq_lens[sel].long()
-        pad = torch.arange(lmax, device=device)[None, :] >= lens[:, None]
-        return DecodeRows(rows, table, pad[:, None, :], lens)
+        return DecodeRows(rows, self.block_table[sel].long(), self.seq_lens[sel].long())
 
     @staticmethod
     def build(
@@ -251,7 +255,7 @@ class LayerWeights:
     mlp_up: torch.Tensor | None = None
     mlp_down: torch.Tensor | None = None
     # MoE gate
-    router: torch.Tensor | None = None  # [E, H]
+    router: torch.Tensor | None = None  # [E, H] fp32 (the model dtype's values: the gate runs in fp32)
     router_bias: torch.Tensor | None = None  # [E] fp32 e_score_correction_bias
     moe_layer: int | None = None  # index among the MoE layers; None: a dense layer
 
@@ -289,7 +293,7 @@ def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch
     )
     mlp = p + ("mlp.shared_experts." if layer.is_moe else "mlp.")
     if layer.is_moe:
-        layer.router = get(p + "mlp.gate.weight", dtype)
+        layer.router = get(p + "mlp.gate.weight", dtype).float()  # (once here, not per step)
         layer.router_bias = opt(p + "mlp.gate.e_score_correction_bias", torch.float32)
     if not layer.is_moe or cfg.n_shared_experts:
         layer.mlp_gate = get(mlp + "gate_proj.weight", dtype)
@@ -405,7 +409,7 @@ def mla_forward(
         o_lat = None
         if index is None:  # (V3.2's top-k selection is a mask over the gathered context below)
             if triton_mla is not None:
-                o_lat = triton_mla.mla_decode(q_full, cache, dec.table, dec.lens, C, scale)
+                o_lat = triton_kernels.run("mla", "mla_decode", q_full, cache, dec.table, dec.lens, C, scale)
             else:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
                 o_lat = cpu_kernels.mla_decode(q_full, cache, dec.table, dec.lens, C, scale)
         if o_lat is None:

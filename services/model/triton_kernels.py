@@ -13,6 +13,7 @@ Each kernel has a torch reference it is tested against (tests/test_triton_kernel
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -23,6 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _modules: dict[str, ModuleType | None] = {}
+_enabled: dict[bool, bool] = {}  # is_cuda -> whether the kernels run there (read from the env once)
 
 # triton 3.9's interpreter multiplies bf16/fp16 tiles wrongly in tl.dot (it multiplies their raw
 # bits); under it the kernels widen their dot operands to fp32 (bf16 products are exact in fp32:
@@ -42,13 +44,45 @@ def module(name: str) -> ModuleType | None:
 
 
 def enabled(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels take work on t's device (see the module docstring)."""
-    flag = os.environ.get("MOE_TRITON", "")
-    if t.is_cuda:
-        return flag != "0"
-    return flag == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the Triton kernels take work on t's device (see the module docstring; the
+    environment is read once per process, or again after `reset`)."""
+    cuda = t.is_cuda
+    on = _enabled.get(cuda)
+    if on is None:
+        flag = os.environ.get("MOE_TRITON", "")
+        on = _enabled[cuda] = (
+            flag != "0" if cuda else flag == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+        )
+    return on
+
+
+def reset() -> None:
+    """Forget the loaded modules and the environment's answer (tests change them)."""
+    _modules.clear()
+    _enabled.clear()
 
 
 def get(name: str, t: torch.Tensor) -> ModuleType | None:
     """`module(name)` when the kernels are enabled for t, else None (the caller's torch path)."""
     return module(name) if enabled(t) else None
+
+
+def run(name: str, fn: str, *args, **kwargs):
+    """`module(name).fn(*args, **kwargs)` with args[0]'s GPU as the current device (Triton
+    launches on the current one); None where the kernels are off, where the function declines,
+    or once it has failed: a kernel that does not compile or launch here is logged and left to
+    the caller's torch path from then on (inside a CUDA-graph capture the error propagates: the
+    engine then stays eager)."""
+    t = args[0]
+    kernels = get(name, t)
+    if kernels is None:
+        return None
+    try:
+        with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
+            return getattr(kernels, fn)(*args, **kwargs)
+    except Exception as e:
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise
+        log.error("Triton %s.%s failed (%s: %s); torch ops from now on", name, fn, type(e).__name__, e)
+        _modules[name] = None
+        return None

@@ -3,15 +3,17 @@
 The absorbed decode form of model.mla_forward: each decode row's N latent queries q [N, C+R]
 score the rows [c_kv | k_pe] of its context in the paged cache [blocks, 64, 1, W] (FlashMLA's
 layout, W >= C+R) and take the softmax-weighted sum of their first C values. The context is cut
-into `splits` ranges of whole 64-row blocks; stage 1 runs one program per (row, group of
+into `splits` ranges of whole 64-row blocks (each row's own: cdiv(blocks, splits) per range);
+stage 1 runs one program per (row, group of
 BLOCK_H heads, split) with an online softmax over the split's rows and writes a partial output
 and its log-sum-exp; stage 2 merges a row's splits. The number of splits comes from the block
 table's width, not from the lengths, so launching needs no device-to-host copy (a CUDA graph
 can capture it).
 
-Every group of heads reads each cache row once for all of its BLOCK_H heads (DeepSeek-V3 has
-128 heads sharing one latent KV head, so a row feeds 16-64 dot products). Softmax and sums in
-fp32 whatever the cache dtype.
+Every group of 16 heads reads each cache row once for all of them (DeepSeek-V3 has 128 heads
+sharing one latent KV head: 8 groups per row and split), in tiles of 32 rows (sizes as SGLang's
+Triton MLA decode: a [16, 512] fp32 accumulator and two [32, 576] bf16 tiles in flight fit an
+SM). Softmax and sums in fp32 whatever the cache dtype.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from .triton_kernels import INTERPRETED
 @triton.jit
 def _mla_decode_split(
     q_ptr, cache_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    N, C, R, W, stride_q_b, stride_q_n, stride_table_b, scale, blocks_per_split,
+    N, C, R, W, stride_q_b, stride_q_n, stride_table_b, scale,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PAGE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: the softmax of heads [BLOCK_H] of row b over its split's context rows.
     mid_o [B, N, SPLITS, C] fp32 (normalised by the split's own sum), mid_lse [B, N, SPLITS]."""
@@ -46,16 +48,17 @@ def _mla_decode_split(
         q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
 
     length = tl.load(lens_ptr + b).to(tl.int32)
-    start = split * blocks_per_split * BLOCK_N
-    end = tl.minimum(start + blocks_per_split * BLOCK_N, length)
+    per_split = tl.cdiv(tl.cdiv(length, PAGE), SPLITS) * PAGE  # this row's context, in whole blocks
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     for s in range(start, end, BLOCK_N):
         pos = s + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        block = tl.load(table_ptr + b * stride_table_b + pos // BLOCK_N, mask=pos_ok, other=0)
-        rows = cache_ptr + (block.to(tl.int64) * BLOCK_N + pos % BLOCK_N) * W
+        block = tl.load(table_ptr + b * stride_table_b + pos // PAGE, mask=pos_ok, other=0)
+        rows = cache_ptr + (block.to(tl.int64) * PAGE + pos % PAGE) * W
         kv_c = tl.load(rows[:, None] + c[None, :], mask=pos_ok[:, None] & (c[None, :] < C), other=0.0)
         k_r = tl.load(rows[:, None] + C + r[None, :], mask=pos_ok[:, None] & (r[None, :] < R), other=0.0)
         if UPCAST:
@@ -84,15 +87,22 @@ def _mla_decode_merge(
     mid_o_ptr, mid_lse_ptr, o_ptr, N, C,
     BLOCK_C: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """Stage 2: o[b, n] = sum_s exp(lse_s - lse) * mid_o[b, n, s] for one (row b, head n)."""
+    """Stage 2: o[b, n] = sum_s exp(lse_s - lse) * mid_o[b, n, s] for one (row b, head n), the
+    splits merged one by one (a running maximum, as the online softmax)."""
     bn = tl.program_id(0)  # b * N + n
     c = tl.arange(0, BLOCK_C)
-    s = tl.arange(0, SPLITS)
-    lse = tl.load(mid_lse_ptr + bn * SPLITS + s)
-    weight = tl.exp(lse - tl.max(lse, 0))
-    parts = tl.load(mid_o_ptr + (bn * SPLITS + s[:, None]) * C + c[None, :], mask=c[None, :] < C, other=0.0)
-    o = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)
-    tl.store(o_ptr + bn * C + c, o.to(o_ptr.dtype.element_ty), mask=c < C)
+    top = tl.load(mid_lse_ptr + bn * SPLITS)  # split 0 is never empty (lens >= 1)
+    total = tl.zeros([1], tl.float32) + 1.0
+    acc = tl.load(mid_o_ptr + bn * SPLITS * C + c, mask=c < C, other=0.0)
+    for s in range(1, SPLITS):  # (one split at a time: SPLITS x C values would not fit in registers)
+        lse = tl.load(mid_lse_ptr + bn * SPLITS + s)
+        new_top = tl.maximum(top, lse)
+        keep, add = tl.exp(top - new_top), tl.exp(lse - new_top)
+        part = tl.load(mid_o_ptr + (bn * SPLITS + s) * C + c, mask=c < C, other=0.0)
+        acc = acc * keep + add * part
+        total = total * keep + add
+        top = new_top
+    tl.store(o_ptr + bn * C + c, (acc / total).to(o_ptr.dtype.element_ty), mask=c < C)
 
 
 def _splits(batch: int, head_groups: int, max_blocks: int, device: torch.device) -> int:
@@ -123,20 +133,21 @@ def mla_decode(
         return None
     q = q if q.stride(-1) == 1 else q.contiguous()
     table, lens = table.contiguous(), lens.contiguous()
-    BLOCK_H = min(64, max(16, triton.next_power_of_2(N)))
+    BLOCK_H = 16  # heads per program: the [16, C] fp32 accumulator stays in registers (C = 512: 32 KB)
     groups = triton.cdiv(N, BLOCK_H)
-    max_blocks = table.shape[1]
-    splits = splits or _splits(B, groups, max_blocks, q.device)
-    blocks_per_split = triton.cdiv(max_blocks, splits)
+    splits = splits or _splits(B, groups, table.shape[1], q.device)
     mid_o = torch.empty(B, N, splits, C, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(B, N, splits, dtype=torch.float32, device=q.device)
-    precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no TF32 rounding
+    fp32 = q.dtype == torch.float32
+    BLOCK_C = max(16, triton.next_power_of_2(C))
     _mla_decode_split[(B, groups, splits)](
         q, cache, table, lens, mid_o, mid_lse,
-        N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale, blocks_per_split,
-        BLOCK_H=BLOCK_H, BLOCK_C=triton.next_power_of_2(C), BLOCK_R=max(16, triton.next_power_of_2(R)),
-        BLOCK_N=BLOCK_SIZE, SPLITS=splits, PRECISION=precision, UPCAST=INTERPRETED,
+        N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale,
+        BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)),
+        BLOCK_N=16 if fp32 else 32,  # (fp32 tiles are twice the registers)
+        PAGE=BLOCK_SIZE, SPLITS=splits, PRECISION="ieee" if fp32 else None,  # fp32: no TF32 rounding
+        UPCAST=INTERPRETED, num_warps=4, num_stages=2,
     )  # fmt: skip
     o = torch.empty(B, N, C, dtype=q.dtype, device=q.device)
-    _mla_decode_merge[(B * N,)](mid_o, mid_lse, o, N, C, BLOCK_C=triton.next_power_of_2(C), SPLITS=splits)
+    _mla_decode_merge[(B * N,)](mid_o, mid_lse, o, N, C, BLOCK_C=BLOCK_C, SPLITS=splits)
     return o

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .triton_kernels import INTERPRETED
 
+MAX_PAIRS = 32768  # (token, choice) pairs per kernel launch
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -193,9 +194,17 @@ def fused_moe(
     fp8 = w13_scale is not None
     if w2.shape != (S, H, I) or x.shape != (T, H) or fp8 != (w2_scale is not None):
         raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if fp8 != (w13.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"fused_moe: {w13.dtype} weights {'without' if not fp8 else 'with'} FP8 scales")
     result = out if out is not None else torch.empty(T, H, dtype=x.dtype, device=x.device)
     if P == 0:
         return result.zero_()
+    if P > MAX_PAIRS:  # a long prefill: token chunks bound the [pairs, H] fp32 buffer (~1 GB at H = 7168)
+        step = max(1, MAX_PAIRS // K)
+        for t in range(0, T, step):
+            fused_moe(x[t : t + step], slot[t : t + step], weight[t : t + step], w13, w2, swiglu_limit,
+                      w13_scale, w2_scale, block_shape, result[t : t + step])  # fmt: skip
+        return result
     block_m, block_n, block_k = _blocks(P, S, fp8, block_shape)
     quant_n, quant_k = block_shape if fp8 else (1, 1)
     x = x if x.stride(-1) == 1 else x.contiguous()
