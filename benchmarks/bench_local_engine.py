@@ -11,6 +11,7 @@ by llama.cpp's convert_hf_to_gguf.py, see docs/benchmarks.md), each row also get
 decode tokens/s (`S_TG`, same threads, f32 KV cache, flash attention off). Never run in CI.
 
     python -m benchmarks.bench_local_engine [--model DIR] [--llama-bench BIN --gguf FILE]
+                                            [--device cuda --dtype bfloat16]
                                             [--out benchmarks/results/local_engine.json]
 """
 
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both engines)")
     ap.add_argument("--out", default="benchmarks/results/local_engine.json")
     ap.add_argument("--llama-bench", help="llama.cpp's llama-batched-bench binary (adds a llama.cpp column)")
     ap.add_argument("--gguf", help="the same checkpoint as llama.cpp f32 GGUF (with --llama-bench)")
@@ -136,8 +138,11 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(args.device)  # sdpa
-    engine = LocalEngine(EngineConfig(model=str(model_dir), max_num_seqs=64, device=args.device))
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(args.device)  # sdpa
+    engine = LocalEngine(
+        EngineConfig(model=str(model_dir), max_num_seqs=64, device=args.device, dtype=args.dtype)
+    )
     rows = []
     batches = [int(x) for x in args.batches.split(",")]
     for prompt_len in [int(x) for x in args.prompt_lens.split(",")]:
@@ -158,12 +163,13 @@ def main() -> None:
                   flush=True)  # fmt: skip
 
     step_s = 1.0 / rows[0]["local_engine_tok_s"] if rows[0]["batch"] == 1 else None  # shortest prompt
-    active = active_bytes_per_token(cfg)
+    active = active_bytes_per_token(cfg, dtype.itemsize)
     bw = memcpy_bandwidth()
     result = {
         "benchmark": "local_engine_vs_transformers",
         "model": "small preset" if not args.model else str(model_dir),
-        "dtype": "float32",
+        "dtype": args.dtype,
+        "cuda_graphs": engine.graphs is not None,
         "new_tokens": NEW_TOKENS,
         "prompt_lens": args.prompt_lens,
         "threads": args.threads,
