@@ -104,6 +104,16 @@ def test_a_failing_kernel_leaves_its_work_to_torch(kernels, monkeypatch, caplog)
     assert triton_kernels.get("norm", x) is None and triton_kernels.get("mla", x) is not None  # only that one
 
 
+def test_mla_decode_at_deepseek_v3_head_dims(kernels):
+    """128 heads (8 groups of 16), 512 + 64 wide bf16 rows: DeepSeek-V3's shapes, short contexts."""
+    load, device = kernels
+    cache, table, lens = paged_context([100, 70], 576, torch.bfloat16, device, seed=1)
+    q = torch.randn(2, 128, 576, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
+    o = load("mla").mla_decode(q, cache, table, lens, 512, 0.1352338)
+    ref = mla_decode_reference(q.float(), cache.float(), table, lens, 512, 0.1352338)
+    torch.testing.assert_close(o.float(), ref, rtol=2e-2, atol=4e-2)  # (bf16 outputs of magnitude ~1-3)
+
+
 def test_mla_decode_bf16_and_int64_tables(kernels):
     load, device = kernels
     mla = load("mla")
