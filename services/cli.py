@@ -102,6 +102,10 @@ def cmd_up(args) -> int:
         bar.close()
         print("\ninterrupted while starting; stopped what had started", file=sys.stderr)
         return 130
+    except ValueError as e:  # a setting the cluster cannot meet (e.g. GPUs it does not have)
+        bar.close()
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
     bar.close()
     print(f"\nmoe-cluster is up: {cluster.url}  (model {cluster.model_dir})")
     print("try:")

@@ -123,6 +123,22 @@ class ClusterConfig:
                               bucket_seconds=self.balancer_bucket_seconds)  # fmt: skip
 
 
+def check_gpus(cfg: ClusterConfig, available: float, autoscaling: bool) -> None:
+    """The GPUs the workers ask for (attention_gpus / expert_gpus) against the Ray cluster's: on a
+    Ray cluster this process started, too few is an error (the workers would wait forever);
+    on a joined cluster a warning (an autoscaler may add GPU nodes)."""
+    needed = (
+        cfg.attention_workers * cfg.attention_tp * cfg.attention_gpus + cfg.expert_workers * cfg.expert_gpus
+    )
+    if needed <= available + 1e-9:
+        return
+    msg = (f"the workers ask for {needed:g} GPUs (attention_gpus={cfg.attention_gpus:g}, expert_gpus="
+           f"{cfg.expert_gpus:g}) and the Ray cluster has {available:g}")  # fmt: skip
+    if not autoscaling:
+        raise ValueError(msg + ": set attention_gpus / expert_gpus to 0 to compute on CPU")
+    log.warning("%s; the workers wait until GPU nodes join", msg)
+
+
 @dataclass
 class Backend:
     """The Ray actors behind the router: the balancer (owning the expert workers) and the
@@ -274,6 +290,7 @@ class Cluster:
                          include_dashboard=False, log_to_driver=False)  # fmt: skip
         redis = None
         try:
+            check_gpus(cfg, ray.cluster_resources().get("GPU", 0.0), autoscaling=bool(cfg.address))
             redis_url = cfg.redis_url
             if not redis_url and cfg.address:
                 log.warning("joining a Ray cluster with an embedded Redis on 127.0.0.1: attention workers on "

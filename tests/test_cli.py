@@ -31,3 +31,17 @@ def test_gpu_settings_are_flags_and_checked():
     assert ClusterConfig.from_dict({"expert_gpus": 0.5, "attention_gpus": 1}).expert_gpus == 0.5
     with pytest.raises(ValueError, match="expert_gpus"):
         ClusterConfig.from_dict({"expert_gpus": -1})
+
+
+def test_too_few_gpus_is_an_error_on_a_local_ray_and_a_warning_on_a_joined_one(caplog):
+    import pytest
+
+    from services.cluster import check_gpus
+
+    cfg = ClusterConfig.from_dict({"attention_gpus": 1, "expert_workers": 4, "expert_gpus": 0.5})
+    check_gpus(cfg, 3.0, autoscaling=False)  # 1 + 4 x 0.5 = 3: fits
+    with pytest.raises(ValueError, match="ask for 3 GPUs .* has 0"):
+        check_gpus(cfg, 0.0, autoscaling=False)
+    check_gpus(cfg, 1.0, autoscaling=True)
+    assert "wait until GPU nodes join" in caplog.text
+    check_gpus(ClusterConfig(), 0.0, autoscaling=False)  # the CPU default needs none
