@@ -90,3 +90,18 @@ def test_a_step_whose_experts_fail_is_dropped_by_every_rank_and_retried(tiny_mod
     want, _ = generate_with_logits(LocalEngine(engine_cfg), prompts, GREEDY)
     got, _, _ = _tp_run(engine_cfg, 2, prompts, failures=2)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_tp2_deepseek_v4_equals_one_process(tmp_path):
+    """DeepSeek-V4 (tiny-v4: sliding, CSA and HCA layers): heads and output groups split over 2
+    ranks, compressors and indexer replicated; prompts long enough to compress and select."""
+    from services.model.presets import init_model
+
+    path = init_model(tmp_path / "tiny-v4", "tiny-v4", seed=0)
+    engine_cfg = EngineConfig(model=str(path), max_num_batched_tokens=64, num_kv_blocks=64)
+    prompts = _prompts()[:4]
+    want, want_logits = generate_with_logits(LocalEngine(engine_cfg), prompts, GREEDY)
+    got, got_logits, _ = _tp_run(engine_cfg, 2, prompts)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)

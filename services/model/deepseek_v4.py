@@ -32,7 +32,7 @@ from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .layers import swiglu_act
 from .model import ExpertCombine, ExpertDispatch, StepBatch, StepGen, load_layers
-from .v4_attention import V4AttentionWeights, V4Rope, rms_norm_f32, v4_attention
+from .v4_attention import V4AttentionWeights, V4Rope, rms_norm_f32, shard_heads, v4_attention
 
 
 @dataclass
@@ -163,9 +163,14 @@ class DeepseekV4:
         self.cfg, self.embed, self.layers, self.hc_head = cfg, embed, layers, hc_head
         self.norm, self.head, self.dtype, self.device = norm, head, dtype, torch.device(device)
         self.ropes = {"main": V4Rope(cfg, False, self.device), "compress": V4Rope(cfg, True, self.device)}
+        self.attn_reduce = None  # tensor parallelism: sums the ranks' partial attention outputs
 
     def shard_attention(self, rank: int, tp: int, reduce) -> None:
-        raise NotImplementedError("attention tensor parallelism is not implemented for deepseek_v4")
+        """Keep rank `rank` of `tp`'s heads and output groups in every layer (v4_attention.shard_heads;
+        the cache is replicated); `reduce` sums the ranks' partial attention outputs."""
+        for layer in self.layers:
+            layer.attn = shard_heads(layer.attn, self.cfg, rank, tp)
+        self.attn_reduce = reduce
 
     @classmethod
     def load(
@@ -206,6 +211,8 @@ class DeepseekV4:
             post, comb, x = hc_pre(h, layer.hc_attn, cfg)
             x = rms_norm_f32(x, layer.attn_norm, cfg.rms_norm_eps)
             attn = v4_attention(x, layer.attn, cfg, self.ropes, cos_sin, cache[i], batch)
+            if self.attn_reduce is not None:
+                attn = self.attn_reduce(attn)
             h = hc_post(h, attn, post, comb)
 
             post, comb, x = hc_pre(h, layer.hc_ffn, cfg)

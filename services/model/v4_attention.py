@@ -34,7 +34,7 @@ entry columns are filled on the row of each window's last token, when that token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +159,26 @@ class V4AttentionWeights:
         return w
 
 
+def shard_heads(w: V4AttentionWeights, cfg: ModelConfig, rank: int, tp: int) -> V4AttentionWeights:
+    """The attention weights of tensor-parallel rank `rank` of `tp`: a contiguous slice of the
+    query heads (wq_b rows, sinks) and of the output groups they form (wo_a's groups, wo_b's
+    columns), so the ranks' outputs sum to the layer's. The one K=V head, the compressors and
+    the indexer are replicated: every rank writes the same cache rows and picks the same entries."""
+    N, G, D = cfg.num_attention_heads, cfg.o_groups, cfg.head_dim
+    if N % tp or G % tp:
+        raise ValueError(f"attention_tp={tp} must divide num_attention_heads={N} and o_groups={G}")
+    heads = slice(rank * N // tp, (rank + 1) * N // tp)
+    groups = slice(rank * G // tp, (rank + 1) * G // tp)
+    H, width = w.wo_b.shape[0], w.wo_a.shape[1]
+    return replace(
+        w,
+        wq_b=w.wq_b.view(N, D, -1)[heads].reshape(-1, w.wq_b.shape[1]).contiguous(),
+        sinks=w.sinks[heads].contiguous(),
+        wo_a=w.wo_a.view(G, -1, width)[groups].reshape(-1, width).contiguous(),
+        wo_b=w.wo_b.view(H, G, -1)[:, groups].reshape(H, -1).contiguous(),
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Compressed entries
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +297,7 @@ def v4_attention(
         out[s0 : s0 + n] = torch.einsum("nqk,kd->qnd", probs, keys)
 
     out = rope_tail(out, cos, -sin)  # undo the rope the values (= keys) carried
-    G = cfg.o_groups
+    G = cfg.o_groups * N // cfg.num_attention_heads  # (a tensor-parallel rank: its heads' groups)
     grouped = out.reshape(T, G, -1)
     wo_a = w.wo_a.view(G, -1, grouped.shape[-1])  # [G, o_lora, N*D/G]
     return F.linear(torch.einsum("tgi,goi->tgo", grouped, wo_a).reshape(T, -1), w.wo_b)
