@@ -104,6 +104,24 @@ def test_a_failing_kernel_leaves_its_work_to_torch(kernels, monkeypatch, caplog)
     assert triton_kernels.get("norm", x) is None and triton_kernels.get("mla", x) is not None  # only that one
 
 
+def test_mla_decode_over_chosen_rows(kernels):
+    """V3.2's sparse decode: each row attends to its own list of flat cache rows (top-k), the
+    first count[b] of them; the same as model.sparse_decode's torch gather."""
+    from services.model.model import sparse_decode
+
+    load, device = kernels
+    cache, _, _ = paged_context([300], 64 + 16 + 8, torch.float32, device, seed=8)
+    g = torch.Generator().manual_seed(9)
+    rows = torch.stack([torch.randperm(cache.shape[0] * 64, generator=g)[:70] for _ in range(3)]).to(device)
+    count = torch.tensor([70, 1, 33], device=device)
+    q = torch.randn(3, 20, 80, generator=g).to(device)
+    for splits in (None, 2):
+        o = load("mla").mla_decode(q, cache, None, count, 64, 0.2, splits=splits, rows=rows)
+        torch.testing.assert_close(
+            o, sparse_decode(q, cache, rows, count, 64, 0.2, False), rtol=1e-4, atol=1e-5
+        )
+
+
 def test_mla_decode_at_deepseek_v3_head_dims(kernels):
     """128 heads (8 groups of 16), 512 + 64 wide bf16 rows: DeepSeek-V3's shapes, short contexts."""
     load, device = kernels
@@ -151,6 +169,30 @@ def test_kernels_stay_off_on_cpu_unless_asked(monkeypatch):
     finally:
         monkeypatch.undo()
         triton_kernels.reset()
+
+
+def test_deepseek_v32_engine_on_the_triton_kernels_keeps_greedy_outputs(tmp_path, kernels, monkeypatch):
+    """V3.2 (tiny-v32): decode attends to each query's top-k rows through the sparse Triton
+    kernel; the same tokens as the torch gather."""
+    from services.model.engine import EngineConfig, LocalEngine
+    from services.model.presets import init_model
+    from services.model.sampling import SamplingParams
+
+    load, device = kernels
+    path = init_model(tmp_path / "tiny-v32", "tiny-v32", seed=0)
+    sparse_calls = []
+    kernel = load("mla").mla_decode
+    monkeypatch.setattr(load("mla"), "mla_decode",
+                        lambda *a, **kw: sparse_calls.append(kw.get("rows") is not None) or kernel(*a, **kw))  # fmt: skip
+    prompts = [list(range(3, 90)), [0, 5, 6, 7]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOE_TRITON", flag)
+        triton_kernels._enabled.clear()
+        engine = LocalEngine(EngineConfig(model=str(path), device=device, max_num_seqs=4))
+        outs[flag] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert any(sparse_calls) and outs["1"] == outs["0"]
 
 
 def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, monkeypatch):

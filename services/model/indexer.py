@@ -110,6 +110,23 @@ class IndexQueries:
         """
         if keys.shape[-2] <= self.topk:  # nothing to drop: every visible token is among the top-k
             return visible
+        top = self._scores(rows, keys, visible).topk(self.topk, dim=-1).indices
+        return torch.zeros_like(visible).scatter_(-1, top, True) & visible
+
+    def select(
+        self, rows: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`keep`'s tokens as lists, for attention to gather rather than mask (decode): keys [Q,
+        L, Di], visible [Q, L] -> (positions [Q, k] int64 with each row's chosen ones first,
+        count [Q] int64 of them), k = min(topk, L)."""
+        k = min(self.topk, keys.shape[-2])
+        top = self._scores(rows, keys, visible).topk(k, dim=-1).indices  # [Q, k]
+        chosen = visible.gather(1, top)  # (fewer than k visible: the rest are -inf picks)
+        first = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices
+        return top.gather(1, first), chosen.sum(1)
+
+    def _scores(self, rows, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """[Q, L] fp32 index scores of the queries `rows`, -inf where not visible."""
         q = self.q[rows].float()  # [Q, Hi, Di]
         if keys.dim() == 2:
             dots = torch.einsum("qhd,ld->qhl", q, keys.float())
@@ -117,6 +134,4 @@ class IndexQueries:
             dots = torch.einsum("qhd,qld->qhl", q, keys.float())
         scale = q.shape[-1] ** -0.5
         scores = torch.einsum("qh,qhl->ql", self.weights[rows], F.relu(dots * scale))
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(self.topk, dim=-1).indices
-        return torch.zeros_like(visible).scatter_(-1, top, True) & visible
+        return scores.masked_fill(~visible, float("-inf"))

@@ -347,6 +347,23 @@ def shard_heads(w: MLAWeights, cfg: ModelConfig, rank: int, tp: int) -> MLAWeigh
 # ---------------------------------------------------------------------------------------------
 # MLA
 # ---------------------------------------------------------------------------------------------
+def sparse_decode(q, cache, rows, count, C: int, scale: float, triton: bool) -> torch.Tensor:
+    """Decode attention over chosen cache rows (V3.2's top-k): q [Bd, N, C+R], rows [Bd, k] flat
+    cache rows (block * 64 + offset), the first count[b] of them used -> o_lat [Bd, N, C]."""
+    o = (
+        triton_kernels.run("mla", "mla_decode", q, cache, None, count, C, scale, rows=rows)
+        if triton
+        else None
+    )
+    if o is None:
+        ctx = cache.view(-1, cache.shape[-1])[rows]  # [Bd, k, W]
+        scores = torch.bmm(q, ctx[..., : q.shape[-1]].transpose(1, 2)).float() * scale  # [Bd, N, k]
+        unused = torch.arange(rows.shape[1], device=q.device)[None, :] >= count[:, None]
+        probs = scores.masked_fill_(unused[:, None], float("-inf")).softmax(dim=-1).to(q.dtype)
+        o = torch.bmm(probs, ctx[..., :C])
+    return o
+
+
 def mla_forward(
     x: torch.Tensor,
     w: MLAWeights,
@@ -406,19 +423,23 @@ def mla_forward(
         q_nope_d, q_pe_d = (q_nope, q_pe) if only_decodes else (q_nope[dec.rows], q_pe[dec.rows])
         q_lat = torch.bmm(q_nope_d.transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
         q_full = torch.cat((q_lat, q_pe_d), dim=-1)  # [Bd, N, C+R]
-        o_lat = None
-        if index is None:  # (V3.2's top-k selection is a mask over the gathered context below)
-            if triton_mla is not None:
-                o_lat = triton_kernels.run("mla", "mla_decode", q_full, cache, dec.table, dec.lens, C, scale)
-            else:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
-                o_lat = cpu_kernels.mla_decode(q_full, cache, dec.table, dec.lens, C, scale)
+        if index is not None:  # V3.2: score the context, attend to each query's top-k rows only
+            flat = cache.view(-1, W)
+            slots = (dec.table[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=x.device)).view(
+                Bd, -1
+            )
+            pos, count = index.select(dec.rows, flat[slots, C + R :], ~dec.pad[:, 0])
+            o_lat = sparse_decode(
+                q_full, cache, slots.gather(1, pos), count, C, scale, triton_mla is not None
+            )
+        elif triton_mla is not None:
+            o_lat = triton_kernels.run("mla", "mla_decode", q_full, cache, dec.table, dec.lens, C, scale)
+        else:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
+            o_lat = cpu_kernels.mla_decode(q_full, cache, dec.table, dec.lens, C, scale)
         if o_lat is None:
             ctx = cache[dec.table].view(Bd, -1, W)  # [Bd, Lmax, W]
             scores = torch.bmm(q_full, ctx[..., : C + R].transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
-            masked = dec.pad  # [Bd, 1, Lmax]
-            if index is not None:  # V3.2: also every token outside the query's top-k
-                masked = ~index.keep(dec.rows, ctx[..., C + R :], ~dec.pad[:, 0])[:, None]
-            scores.masked_fill_(masked, float("-inf"))
+            scores.masked_fill_(dec.pad, float("-inf"))
             probs = scores.softmax(dim=-1).to(x.dtype)
             o_lat = torch.bmm(probs, ctx[..., :C])  # [Bd, N, C]
         o = torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)  # W_UV: [Bd, N, V]

@@ -29,12 +29,13 @@ from .triton_kernels import INTERPRETED
 @triton.jit
 def _mla_decode_split(
     q_ptr, cache_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    N, C, R, W, stride_q_b, stride_q_n, stride_table_b, scale,
+    N, C, R, W, stride_q_b, stride_q_n, stride_table_b, scale, SPARSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: the softmax of heads [BLOCK_H] of row b over its split's context rows.
-    mid_o [B, N, SPLITS, C] fp32 (normalised by the split's own sum), mid_lse [B, N, SPLITS]."""
+    mid_o [B, N, SPLITS, C] fp32 (normalised by the split's own sum), mid_lse [B, N, SPLITS].
+    SPARSE: table_ptr holds each row's chosen flat cache rows (V3.2's top-k), not block ids."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -57,8 +58,12 @@ def _mla_decode_split(
     for s in range(start, end, BLOCK_N):
         pos = s + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        block = tl.load(table_ptr + b * stride_table_b + pos // PAGE, mask=pos_ok, other=0)
-        rows = cache_ptr + (block.to(tl.int64) * PAGE + pos % PAGE) * W
+        if SPARSE:
+            row = tl.load(table_ptr + b * stride_table_b + pos, mask=pos_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(table_ptr + b * stride_table_b + pos // PAGE, mask=pos_ok, other=0)
+            row = block.to(tl.int64) * PAGE + pos % PAGE
+        rows = cache_ptr + row * W
         kv_c = tl.load(rows[:, None] + c[None, :], mask=pos_ok[:, None] & (c[None, :] < C), other=0.0)
         k_r = tl.load(rows[:, None] + C + r[None, :], mask=pos_ok[:, None] & (r[None, :] < R), other=0.0)
         if UPCAST:
@@ -120,11 +125,14 @@ def mla_decode(
     latent_dim: int,
     scale: float,
     splits: int | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """q [B, N, C+R] (the absorbed latent query: q_nope @ W_UK, then q_pe), cache [blocks, 64, 1,
     W] (rows [c_kv | k_pe | ...]), table [B, max_blocks] int32/int64, lens [B] context lengths
     (>= 1) -> o [B, N, C] in q's dtype: softmax(scale * q . row[:C+R]) weighted sum of row[:C]
     over each sequence's first lens[b] rows. `splits` (a power of two) overrides the heuristic.
+    rows [B, k] int64 (then `table` is not used): each sequence's chosen flat cache rows (block *
+    64 + offset; V3.2's top-k), of which the first lens[b] are attended to.
     None where the kernel does not apply (a cache of another dtype or layout).
     """
     B, N, D = q.shape
@@ -132,17 +140,19 @@ def mla_decode(
     if cache.dtype != q.dtype or D > W or not cache.is_contiguous() or cache.shape[1] != BLOCK_SIZE:
         return None
     q = q if q.stride(-1) == 1 else q.contiguous()
-    table, lens = table.contiguous(), lens.contiguous()
+    table = (table if rows is None else rows).contiguous()
+    lens = lens.contiguous()
     BLOCK_H = 16  # heads per program: the [16, C] fp32 accumulator stays in registers (C = 512: 32 KB)
     groups = triton.cdiv(N, BLOCK_H)
-    splits = splits or _splits(B, groups, table.shape[1], q.device)
+    width = table.shape[1] if rows is None else triton.cdiv(rows.shape[1], BLOCK_SIZE)  # in blocks
+    splits = splits or _splits(B, groups, width, q.device)
     mid_o = torch.empty(B, N, splits, C, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(B, N, splits, dtype=torch.float32, device=q.device)
     fp32 = q.dtype == torch.float32
     BLOCK_C = max(16, triton.next_power_of_2(C))
     _mla_decode_split[(B, groups, splits)](
         q, cache, table, lens, mid_o, mid_lse,
-        N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale,
+        N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale, rows is not None,
         BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_N=16 if fp32 else 32,  # (fp32 tiles are twice the registers)
         PAGE=BLOCK_SIZE, SPLITS=splits, PRECISION="ieee" if fp32 else None,  # fp32: no TF32 rounding
