@@ -266,7 +266,8 @@ class SlotStore:
         self, layer: int, experts: Sequence[int]
     ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(expert, w13 [2I, H], w2 [H, I]) for each distinct expert of `experts` (first-seen
-        order), from the newest loaded version holding it: rows of the packed tensors (no copy; a GPU worker copies them to host memory).
+        order), from the newest loaded version holding it: rows of the packed tensors (no copy;
+        a GPU worker copies them to host memory).
         InvalidRequest for a non-MoE layer or an id out of range; ExpertNotFound when some
         expert is not held by a loaded version."""
         if layer not in self.moe_index:
