@@ -323,14 +323,14 @@ class Engine:
                                         dtype=torch.long, device=self.model.device))  # fmt: skip
         if not chunks:
             return StepResult([], 0, 0, tally.load.cpu(), 0.0, time.perf_counter() - t0)
-        parts = split_micro_batches(chunks, self.engine_cfg.micro_batches)
-        if self.graphs is not None and all(c.num_tokens == 1 and c.wants_logits for c in chunks):
-            parts = [chunks]  # decodes replay one graph (in-process experts: nothing to overlap)
+        # decodes replay one graph, unsplit (in-process experts: no expert wait to overlap)
+        graphed = self.graphs is not None and all(c.num_tokens == 1 and c.wants_logits for c in chunks)
+        parts = [chunks] if graphed else split_micro_batches(chunks, self.engine_cfg.micro_batches)
         try:
             batches = [self._batch(part) for part in parts]
             if self.on_batches is not None:
                 self.on_batches(batches)
-            if self.graphs is not None and len(batches) == 1 and self.graphs.fits(batches[0]):
+            if graphed and self.graphs.fits(batches[0]):
                 replayed, tally.load = self.graphs.run(batches[0])
                 logits = [replayed]
             else:

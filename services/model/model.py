@@ -347,14 +347,11 @@ def shard_heads(w: MLAWeights, cfg: ModelConfig, rank: int, tp: int) -> MLAWeigh
 # ---------------------------------------------------------------------------------------------
 # MLA
 # ---------------------------------------------------------------------------------------------
-def sparse_decode(q, cache, rows, count, C: int, scale: float, triton: bool) -> torch.Tensor:
+def sparse_decode(q, cache, rows, count, C: int, scale: float) -> torch.Tensor:
     """Decode attention over chosen cache rows (V3.2's top-k): q [Bd, N, C+R], rows [Bd, k] flat
-    cache rows (block * 64 + offset), the first count[b] of them used -> o_lat [Bd, N, C]."""
-    o = (
-        triton_kernels.run("mla", "mla_decode", q, cache, None, count, C, scale, rows=rows)
-        if triton
-        else None
-    )
+    cache rows (block * 64 + offset), the first count[b] of them used -> o_lat [Bd, N, C]. The
+    Triton kernel where it runs (CUDA), else a torch gather."""
+    o = triton_kernels.run("mla", "mla_decode", q, cache, None, count, C, scale, rows=rows)
     if o is None:
         ctx = cache.view(-1, cache.shape[-1])[rows]  # [Bd, k, W]
         scores = torch.bmm(q, ctx[..., : q.shape[-1]].transpose(1, 2)).float() * scale  # [Bd, N, k]
@@ -429,9 +426,7 @@ def mla_forward(
                 Bd, -1
             )
             pos, count = index.select(dec.rows, flat[slots, C + R :], ~dec.pad[:, 0])
-            o_lat = sparse_decode(
-                q_full, cache, slots.gather(1, pos), count, C, scale, triton_mla is not None
-            )
+            o_lat = sparse_decode(q_full, cache, slots.gather(1, pos), count, C, scale)
         elif triton_mla is not None:
             o_lat = triton_kernels.run("mla", "mla_decode", q_full, cache, dec.table, dec.lens, C, scale)
         else:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
