@@ -63,7 +63,8 @@ def test_greedy_tokens_and_logits_match_transformers(oracle, chunk):
     engine = _engine(path, max_num_batched_tokens=chunk)
     cfg = engine.cfg
     assert cfg.is_v4 and type(engine.model).__name__ == "DeepseekV4"
-    assert engine.cache.kv.shape[-1] == cfg.v4_row_dim("compressed_sparse_attention") == 32 * 6 + 16 * 5
+    state_dims = [state.shape[-1] for state, _ in engine.cache.kv]
+    assert state_dims[:3] == [32, 32 * 5 + 16 * 4, 32 * 3]  # sliding, CSA, HCA: D = 32, Di = 16
     outs, logits = generate_with_logits(engine, prompts, GREEDY)
     _check(outs, logits, expected, f"chunk {chunk}")
     assert engine.scheduler.num_free_blocks == engine.cache.num_blocks
@@ -101,6 +102,38 @@ def test_prefix_cache_hit_keeps_compressor_state(oracle):
     outs, logits = generate_with_logits(engine, [second], GREEDY)
     _check(outs, logits, [hf_greedy(hf, second, NEW_TOKENS)], "prefix-cached")
     assert engine.scheduler.prefix_hit_tokens == 64
+
+
+def test_few_state_blocks_serve_long_prompts(oracle):
+    """Window state is kept for each sequence's last tokens only: with 3 state blocks (one
+    sequence needs 2) six sequences of up to 300 tokens in 64-token chunks take, release and
+    rewrite state blocks, wait for them and are preempted, and every token still matches."""
+    path, hf, _, _ = oracle
+    prompts = _prompts(hf.config.vocab_size, seed=5, lengths=[300, 190, 130, 60, 61, 62])
+    engine = _engine(path, max_num_batched_tokens=64, num_state_blocks=3)
+    assert engine.cache.num_state_blocks == 3 and engine.cache.num_blocks == 8 * 8
+    outs, logits = generate_with_logits(engine, prompts, GREEDY)
+    _check(outs, logits, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts], "3 state blocks")
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert (stats["state_blocks_total"], stats["state_blocks_used"], stats["kv_blocks_used"]) == (3, 0, 0)
+
+
+@pytest.mark.parametrize("state_blocks, hit", [(None, 128), (2, 0)], ids=["kept", "taken-back"])
+def test_prefix_hit_needs_its_lookback_state(oracle, state_blocks, hit):
+    """A prefix hit resumes from the window state of its last tokens: kept (idle, attached to
+    the cached blocks) it serves the hit; taken back by another request's prefill, the hit is
+    not used and the prompt is computed again. Tokens match either way."""
+    path, hf, prompts, _ = oracle
+    first = _prompts(hf.config.vocab_size, seed=7, lengths=[150])[0]
+    second = first[:140] + _prompts(hf.config.vocab_size, seed=8, lengths=[20])[0]
+    engine = _engine(path, num_state_blocks=state_blocks)
+    engine.generate([first], GREEDY)
+    engine.generate([prompts[3]], GREEDY)  # another request in between
+    before = engine.scheduler.prefix_hit_tokens
+    outs, logits = generate_with_logits(engine, [second], GREEDY)
+    _check(outs, logits, [hf_greedy(hf, second, NEW_TOKENS)], f"state blocks {state_blocks}")
+    assert engine.scheduler.prefix_hit_tokens - before == hit
 
 
 def test_hash_layers_route_by_token_id(oracle):
@@ -233,9 +266,11 @@ def test_v4_config_is_read_as_transformers_reads_it():
         inv_freq, factor = rope_inv_freq(cfg, compress=compress)
         torch.testing.assert_close(inv_freq, theirs, rtol=1e-6, atol=0)
         assert factor == 1.0
-    # cache rows: sliding [kv], HCA [kv | state 2D | entry], CSA [kv | state 4D | entry | indexer 5Di]
-    assert [cfg.v4_row_dim(t) for t in ("sliding_attention", "heavily_compressed_attention")] == [512, 2048]
-    assert cfg.cache_dim == cfg.v4_row_dim("compressed_sparse_attention") == 512 * 6 + 128 * 5
+    # state rows: sliding [kv], HCA [kv | compressor 2D], CSA [kv | compressor 4D | indexer 4Di];
+    # entries: HCA [entry], CSA [entry | indexer entry]
+    kinds = ("sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention")
+    assert [cfg.v4_state_dim(t) for t in kinds] == [512, 512 * 3, 512 * 5 + 128 * 4]
+    assert [cfg.v4_entry_dim(t) for t in kinds] == [0, 512, 512 + 128]
 
 
 def test_transformers_defaults_are_the_published_model():

@@ -49,6 +49,24 @@ def _content_check(sched: Scheduler, chunks, written: dict[int, dict[int, int]])
             written.setdefault(block, {})[p % BLOCK_SIZE] = seq.token_slice(p, p + 1)[0]
 
 
+def _state_check(sched: Scheduler, chunks, states: dict[int, dict[int, tuple[int, int]]]) -> None:
+    """DeepSeek-V4: every chunk finds its lookback rows (from `state_start`) in the state blocks
+    attached to its blocks, still holding those blocks' tokens, and writes its own rows into
+    them; `states` records (block, token) per state block row."""
+    alloc = sched.allocator
+    for c in chunks:
+        seq = c.seq
+        for p in range(sched.state_start(c.start), c.start + c.num_tokens):
+            block = seq.block_ids[p // BLOCK_SIZE]
+            state = alloc.state(block)
+            assert state >= 0, f"position {p}: block {block} has no state block"
+            row = (block, seq.token_slice(p, p + 1)[0])
+            if p < c.start:
+                assert states[state][p % BLOCK_SIZE] == row, "a state row was lost or overwritten"
+            else:
+                states.setdefault(state, {})[p % BLOCK_SIZE] = row
+
+
 def _hit_check(seq: Sequence, written: dict[int, dict[int, int]]) -> None:
     """The rows of every block a sequence reuses hold exactly its own tokens."""
     for i in range(seq.num_computed // BLOCK_SIZE if seq.num_cached_tokens else 0):
@@ -65,15 +83,38 @@ def _accounting(sched: Scheduler) -> None:
     assert held == alloc._refs  # every reference is a running sequence's
     assert len(alloc._free) + len(alloc._cached) + len(alloc._refs) == alloc.num_blocks
     assert not set(alloc._free) & set(alloc._cached)
+    held_states: dict[int, int] = {}
+    for seq in sched.running:
+        for i in seq.state_blocks:
+            held_states[seq.block_ids[i]] = held_states.get(seq.block_ids[i], 0) + 1
+    assert held_states == alloc._state_refs  # every state reference is a running sequence's
+    assert set(alloc._idle_states) == set(alloc._state_of) - set(alloc._state_refs)
+    assert set(alloc._idle_states) <= set(alloc._hash_of)  # only cached prefixes keep idle states
+    pool = set(alloc._state_of.values()) | set(alloc._free_states)  # no state block in two places
+    assert (
+        len(pool)
+        == len(alloc._state_of) + len(alloc._free_states)
+        == alloc.num_free_states + len(held_states)
+    )
 
 
+def _v4_state_start(end: int) -> int:
+    """ModelConfig.v4_state_start of a sliding window of 8, CSA every 4 and HCA every 24 tokens."""
+    return max(0, min(end - 7, (end // 4 - 1) * 4, end // 24 * 24))
+
+
+@pytest.mark.parametrize("v4", [False, True], ids=["v3", "v4-state-blocks"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_schedules_never_leak_or_corrupt_a_block(seed):
+def test_random_schedules_never_leak_or_corrupt_a_block(seed, v4):
+    """Random requests sharing prefixes, aborts and preemptions; with DeepSeek-V4's state blocks
+    (a pool of 2 to 12, 2 being one sequence's need) also: no state row lost while read."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(4, 300) for _ in range(rng.choice([64, 100, 130, 200]))] for _ in range(3)]
+    v4_args = (_v4_state_start, rng.choice([2, 3, 5, 12])) if v4 else ()
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=rng.choice([48, 96, 256])),
-                      num_blocks=rng.choice([12, 20, 40]))  # fmt: skip
+                      rng.choice([12, 20, 40]), (), True, *v4_args)  # fmt: skip
     written: dict[int, dict[int, int]] = {}
+    states: dict[int, dict[int, tuple[int, int]]] = {}
     live: list[Sequence] = []
     hits = 0
     for _ in range(400):
@@ -94,6 +135,8 @@ def test_random_schedules_never_leak_or_corrupt_a_block(seed):
                 _hit_check(c.seq, written)
         hits += sum(1 for c in chunks if c.seq.num_cached_tokens)
         _content_check(sched, chunks, written)
+        if v4:
+            _state_check(sched, chunks, states)
         want = [c for c in chunks if c.wants_logits]
         sched.update(chunks, [rng.randrange(4, 300) for _ in want], [None] * len(want))
         _accounting(sched)
@@ -102,7 +145,9 @@ def test_random_schedules_never_leak_or_corrupt_a_block(seed):
         sched.finish(seq, "abort")
     _accounting(sched)
     assert sched.allocator.num_free == sched.allocator.num_blocks  # nothing leaked
-    assert hits > 0 and sched.prefix_hit_tokens > 0
+    assert sched.allocator.num_free_states == (v4_args[1] if v4 else 0)
+    if not v4 or v4_args[1] >= 5:  # (a pool of two takes every idle state back: no hit is usable)
+        assert hits > 0 and sched.prefix_hit_tokens > 0
 
 
 def _prompts(base):

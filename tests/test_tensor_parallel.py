@@ -62,11 +62,14 @@ def _tp_run(engine_cfg: EngineConfig, tp: int, prompts, failures: int = 0):
 
 def test_step_layout_survives_the_wire():
     a = StepBatch.build([([5, 6, 7], 0, [3], True), ([9], 64, [1, 2], True)])
-    b = StepBatch.build([([1, 2], 5, [7], False)])
+    b = StepBatch.build([([1, 2], 5, [7], False)], state=lambda block: 10 + block)  # DeepSeek-V4's
+    assert a.state_table is None and b.state_table.tolist() == [[17]]
     for got, want in zip(unpack_batches(pack_batches([a, b]), torch.device("cpu")), [a, b], strict=True):
         assert got.query_lens == want.query_lens
         for field in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table", "logits_index"):
             assert torch.equal(getattr(got, field), getattr(want, field)), field
+        assert (got.state_table is None) == (want.state_table is None)
+    assert torch.equal(got.state_table, b.state_table) and b.block_table.tolist() == [[7]]
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])

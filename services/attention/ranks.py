@@ -42,7 +42,7 @@ class AttentionRank:
         return {
             "rank": self.follower.rank,
             "pid": os.getpid(),
-            "kv_cache_bytes": self.follower.cache.kv.nbytes,
+            "kv_cache_bytes": self.follower.cache.nbytes,
         }
 
     def pid(self) -> int:

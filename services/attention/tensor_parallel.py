@@ -145,14 +145,16 @@ _FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table", 
 
 
 def pack_batches(batches: list[StepBatch]) -> torch.Tensor:
-    """Micro-batches -> one int64 tensor: [n, then per batch T, B, max_blocks, n_logits,
-    query_lens (B), then its tensors flattened in _FIELDS order]."""
+    """Micro-batches -> one int64 tensor: [n, then per batch T, B, max_blocks, n_logits, has a
+    state table (V4), query_lens (B), then its tensors flattened in _FIELDS order, then the
+    state table if it has one]."""
     parts = [torch.tensor([len(batches)])]
     for b in batches:
         B, max_blocks = b.block_table.shape
-        head = [b.input_ids.numel(), B, max_blocks, b.logits_index.numel(), *b.query_lens]
+        states = [] if b.state_table is None else [b.state_table]
+        head = [b.input_ids.numel(), B, max_blocks, b.logits_index.numel(), len(states), *b.query_lens]
         parts.append(torch.tensor(head))
-        parts += [getattr(b, f).reshape(-1).to("cpu", torch.long) for f in _FIELDS]
+        parts += [t.reshape(-1).to("cpu", torch.long) for t in [getattr(b, f) for f in _FIELDS] + states]
     return torch.cat(parts)
 
 
@@ -161,15 +163,15 @@ def unpack_batches(packed: torch.Tensor, device: torch.device) -> list[StepBatch
     values = packed.tolist()
     n, pos, batches = values[0], 1, []
     for _ in range(n):
-        T, B, max_blocks, n_logits = values[pos : pos + 4]
-        query_lens = values[pos + 4 : pos + 4 + B]
-        pos += 4 + B
-        sizes = (T, T, T, B, B * max_blocks, n_logits)
+        T, B, max_blocks, n_logits, has_states = values[pos : pos + 5]
+        query_lens = values[pos + 5 : pos + 5 + B]
+        pos += 5 + B
+        sizes = (T, T, T, B, B * max_blocks, n_logits) + (B * max_blocks,) * has_states
         tensors = []
         for size in sizes:
             tensors.append(packed[pos : pos + size])
             pos += size
-        ids, positions, slots, seq_lens, table, logits_index = tensors
+        ids, positions, slots, seq_lens, table, logits_index, *states = tensors
         batches.append(
             StepBatch(
                 input_ids=ids.to(device),
@@ -179,6 +181,7 @@ def unpack_batches(packed: torch.Tensor, device: torch.device) -> list[StepBatch
                 seq_lens=seq_lens.to(device, torch.int32),
                 block_table=table.view(B, max_blocks).to(device, torch.int32),
                 logits_index=logits_index.to(device),
+                state_table=states[0].view(B, max_blocks).to(device, torch.int32) if states else None,
             )
         )
     return batches

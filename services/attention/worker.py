@@ -360,7 +360,7 @@ class AttentionWorker:
 
     async def _ranks(self) -> list[dict]:
         """Each tensor-parallel rank: its pid and latent cache bytes (every rank holds a replica)."""
-        own = {"rank": 0, "pid": os.getpid(), "kv_cache_bytes": self.service.engine.cache.kv.nbytes}
+        own = {"rank": 0, "pid": os.getpid(), "kv_cache_bytes": self.service.engine.cache.nbytes}
         followers = self.ranks.followers if self.ranks else []
         return [own, *await asyncio.gather(*[f.info.remote() for f in followers])]
 

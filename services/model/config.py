@@ -206,10 +206,10 @@ class ModelConfig:
     @property
     def cache_dim(self) -> int:
         """Width of one paged-cache row: the latent row [c_kv | k_pe], then for V3.2 the
-        indexer's key (index_head_dim), so one block table addresses both. DeepSeek-V4: the
-        widest row of its layer types (`v4_row_dim`)."""
+        indexer's key (index_head_dim), so one block table addresses both. (DeepSeek-V4 has no
+        uniform row: `v4_state_dim` / `v4_entry_dim`.)"""
         if self.is_v4:
-            return max(self.v4_row_dim(t) for t in self.layer_types)
+            raise ValueError("a DeepSeek-V4 cache has no uniform row width (see kv_cache.V4Cache)")
         return self.latent_dim + (self.index_head_dim if self.has_indexer else 0)
 
     def compress_ratio(self, layer: int) -> int:
@@ -219,18 +219,38 @@ class ModelConfig:
             return self.compress_ratio_csa
         return self.compress_ratio_hca if kind == "heavily_compressed_attention" else 0
 
-    def v4_row_dim(self, layer_type: str) -> int:
-        """Width of a DeepSeek-V4 cache row (one token, one layer) of `layer_type`:
+    def v4_state_dim(self, layer_type: str) -> int:
+        """Width of a DeepSeek-V4 window-state row (one recent token, one layer) of `layer_type`:
         sliding: [kv (head_dim)];
-        HCA: [kv | compressor kv (D) | compressor gate (D) | compressed entry (D)], D = head_dim;
-        CSA: [kv | compressor kv (2D) | gate (2D) | entry (D) | indexer kv (2Di) | gate (2Di) |
-        indexer entry (Di)], Di = index_head_dim (two overlapping series). See v4_attention.py."""
+        HCA: [kv | compressor kv (D) | compressor gate (D)], D = head_dim;
+        CSA: [kv | compressor kv (2D) | gate (2D) | indexer kv (2Di) | gate (2Di)],
+        Di = index_head_dim (two overlapping series). See v4_attention.py."""
         D, Di = self.head_dim, self.index_head_dim
         if layer_type == "sliding_attention":
             return D
         if layer_type == "heavily_compressed_attention":
-            return D + 3 * D
-        return D + 5 * D + 5 * Di
+            return D + 2 * D
+        return D + 4 * D + 4 * Di
+
+    def v4_entry_dim(self, layer_type: str) -> int:
+        """Width of a DeepSeek-V4 compressed entry (one per compress ratio tokens): HCA [entry (D)],
+        CSA [entry (D) | indexer key (Di)], sliding layers none (0)."""
+        if layer_type == "sliding_attention":
+            return 0
+        if layer_type == "heavily_compressed_attention":
+            return self.head_dim
+        return self.head_dim + self.index_head_dim
+
+    def v4_state_start(self, end: int) -> int:
+        """DeepSeek-V4: the first position whose window-state row (kv, compressor state) a step
+        computing tokens from position `end` on still reads: its first query's sliding window,
+        and the source tokens of the first compressed entry it can complete (CSA's two
+        overlapping series reach one window further back). Non-decreasing in `end`."""
+        start = end - self.sliding_window + 1
+        for r, overlap in ((self.compress_ratio_csa, True), (self.compress_ratio_hca, False)):
+            if r:
+                start = min(start, (end // r - overlap) * r)
+        return max(0, start)
 
     @property
     def softmax_scale(self) -> float:

@@ -199,8 +199,8 @@ class DeepseekV4:
             self.ropes = {"main": V4Rope(self.cfg, False, device), "compress": V4Rope(self.cfg, True, device)}
         return self
 
-    def forward(self, batch: StepBatch, cache: torch.Tensor) -> StepGen:
-        """One step. cache [layers, blocks, 64, 1, cfg.cache_dim] (rows: v4_attention.py). Yields
+    def forward(self, batch: StepBatch, cache: list[tuple[torch.Tensor, torch.Tensor | None]]) -> StepGen:
+        """One step. cache: per layer (state, entries) (kv_cache.V4Cache.kv, v4_attention.py). Yields
         expert messages at every layer; returns fp32 logits [len(batch.logits_index), vocab]."""
         cfg = self.cfg
         ids = batch.input_ids

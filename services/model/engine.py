@@ -21,7 +21,7 @@ from .config import ModelConfig, parse_dtype
 from .decode_graphs import DecodeGraphs
 from .deepseek_v4 import DeepseekV4
 from .grammar import GrammarCompiler, GrammarError, Matcher
-from .kv_cache import PagedLatentCache, blocks_needed
+from .kv_cache import PagedLatentCache, V4Cache, blocks_needed
 from .model import DeepseekV3, ExpertBackend, ExpertTally, StepBatch, run_interleaved
 from .moe import LocalExperts
 from .sampling import SamplingParams, TokenLogprobs, sample
@@ -40,6 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
     num_kv_blocks: int | None = None  # default: enough for max_num_seqs full-length sequences
+    num_state_blocks: int | None = None  # DeepSeek-V4's window-state blocks (default: state_blocks)
     kv_cache_gib: float = 2.0  # upper bound for the default num_kv_blocks
     max_waiting: int = 1024
     num_threads: int | None = None  # torch intra-op threads (None: leave torch's default)
@@ -58,17 +59,39 @@ class EngineConfig:
     def kv_blocks(self, cfg: ModelConfig, max_model_len: int) -> int:
         if self.num_kv_blocks:
             return self.num_kv_blocks
-        per_block = PagedLatentCache.bytes_per_block(
-            cfg.num_hidden_layers, cfg.cache_dim, parse_dtype(self.dtype)
-        )
+        budget = int(self.kv_cache_gib * 2**30)
+        if cfg.is_v4:  # the state blocks first (the working set), then entry blocks
+            per_block, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype))
+            budget -= per_state * self.state_blocks(cfg, max_model_len)
+        else:
+            per_block = PagedLatentCache.bytes_per_block(
+                cfg.num_hidden_layers, cfg.cache_dim, parse_dtype(self.dtype)
+            )
         wanted = self.max_num_seqs * blocks_needed(max_model_len)
-        return max(1, min(wanted, int(self.kv_cache_gib * 2**30) // per_block))
+        return max(1, min(wanted, budget // max(per_block, 1)))
 
-    def latent_cache(self, cfg: ModelConfig, model: DeepseekV3) -> PagedLatentCache:
+    def state_blocks(self, cfg: ModelConfig, max_model_len: int) -> int:
+        """DeepSeek-V4's state blocks: `num_state_blocks`, by default enough for every sequence's
+        lookback while max_num_batched_tokens of prefill run, twice over (room for prefix hits),
+        in at most half of kv_cache_gib (at least one sequence's)."""
+        per_seq = V4Cache.state_blocks_per_seq(cfg, max_model_len)
+        if self.num_state_blocks:
+            if self.num_state_blocks < per_seq:
+                raise ValueError(f"num_state_blocks={self.num_state_blocks}: one sequence needs {per_seq}")
+            return self.num_state_blocks
+        wanted = 2 * (self.max_num_seqs * per_seq + blocks_needed(self.max_num_batched_tokens))
+        _, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype))
+        return max(per_seq, min(wanted, int(self.kv_cache_gib * 2**29) // per_state))
+
+    def latent_cache(self, cfg: ModelConfig, model: DeepseekV3) -> PagedLatentCache | V4Cache:
         """The paged latent cache this config gives `model` (every tensor-parallel rank gets the
         same one, a replica). Rows are `cfg.cache_dim` wide: [c_kv | k_pe], plus the indexer key
-        for DeepSeek-V3.2."""
-        blocks = self.kv_blocks(cfg, self.scheduler_config(cfg).max_model_len)
+        for DeepSeek-V3.2; DeepSeek-V4 has its entry blocks and state blocks (V4Cache)."""
+        max_model_len = self.scheduler_config(cfg).max_model_len
+        blocks = self.kv_blocks(cfg, max_model_len)
+        if cfg.is_v4:
+            states = self.state_blocks(cfg, max_model_len)
+            return V4Cache(cfg, blocks, states, model.dtype, model.device)
         return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.cache_dim, model.dtype, model.device)
 
 
@@ -176,7 +199,8 @@ class Engine:
         self.tokenizer, self.on_batches = tokenizer, on_batches
         self.cache = engine_cfg.latent_cache(cfg, model)
         self.scheduler = Scheduler(engine_cfg.scheduler_config(cfg), self.cache.num_blocks, cfg.eos_token_ids,
-                                   engine_cfg.prefix_caching)  # fmt: skip
+                                   engine_cfg.prefix_caching, cfg.v4_state_start if cfg.is_v4 else None,
+                                   self.cache.num_state_blocks)  # fmt: skip
         self._detok: dict[str, Detokenizer] = {}
         self._matchers: dict[str, Matcher] = {}  # requests with structured output: their grammar state
         self._grammar: GrammarCompiler | None = None
@@ -303,6 +327,8 @@ class Engine:
             "waiting": len(sched.waiting),
             "kv_blocks_total": sched.allocator.num_blocks,  # (less a reserved scratch block)
             "kv_blocks_used": sched.allocator.num_blocks - sched.num_free_blocks,
+            "state_blocks_total": self.cache.num_state_blocks,  # DeepSeek-V4's window state (0 otherwise)
+            "state_blocks_used": self.cache.num_state_blocks - sched.allocator.num_free_states,
             "preemptions": sched.num_preemptions,
             "prefix_cache": {
                 "queried_tokens": sched.prefix_queried_tokens,
@@ -353,12 +379,14 @@ class Engine:
         )
 
     def _batch(self, chunks: list[Chunk]) -> StepBatch:
+        state = self.scheduler.allocator.state if self.cfg.is_v4 else None
         return StepBatch.build(
             [
                 (c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.seq.block_ids, c.wants_logits)
                 for c in chunks
             ],
             self.model.device,
+            state,
         )
 
     def _held_back(self, seq: Sequence, eos: set[int]) -> set[int]:

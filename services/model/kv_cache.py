@@ -6,8 +6,13 @@ indexer's key (index_head_dim, see indexer.py), so one block table addresses bot
 cache is `[num_blocks, BLOCK_SIZE, 1, row_dim]` (one latent "KV head"; row_dim is
 `ModelConfig.cache_dim`), addressed through an int32 block table `[batch, max_blocks]` and int32
 seqlens, exactly what FlashMLA's `flash_mla_with_kvcache` takes for V3 (576-wide rows), so that
-kernel drops in on Hopper. DeepSeek-V4 keeps its own rows here (window K=V, compressor state,
-compressed entries: see v4_attention.py).
+kernel drops in on Hopper.
+
+DeepSeek-V4 (`V4Cache`) splits what it keeps by lifetime: compressed entries, a few per block and
+needed for ever, live in blocks addressed by the block table like the rows above; each token's
+window state (its K=V row and compressor inputs), needed only while it is among a sequence's
+last few dozen tokens, lives in *state blocks*: a second, much smaller pool, attached to a block
+while some sequence still reads that block's recent tokens (`BlockAllocator.hold_state`).
 
 Blocks are shared between requests with a common prompt prefix (automatic prefix caching,
 `BlockAllocator`): a full block's identity is the chained hash of its tokens and everything
@@ -36,12 +41,21 @@ class BlockAllocator:
     needed (least recently freed first). Only full blocks whose rows are all computed are ever
     registered, and a registered block is never written again: shared blocks are immutable.
     With `caching` off, freed blocks go straight back to the free list.
+
+    DeepSeek-V4's state blocks (`num_state_blocks` > 0) are attached to blocks: a block holds one
+    while sequences hold it (`hold_state`, reference counted), keeps it after they let go while
+    the block is cached (least recently released first, taken back when the pool runs out) so a
+    prefix hit can resume from it, and loses it when the block itself is freed or evicted.
     """
 
-    def __init__(self, num_blocks: int, caching: bool = True):
+    def __init__(self, num_blocks: int, caching: bool = True, num_state_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks, self.caching = num_blocks, caching
+        self._free_states = list(range(num_state_blocks - 1, -1, -1))
+        self._state_of: dict[int, int] = {}  # block -> its state block
+        self._state_refs: dict[int, int] = {}  # block -> sequences holding its state
+        self._idle_states: OrderedDict[int, None] = OrderedDict()  # cached blocks' unheld states, LRU first
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._refs: dict[int, int] = {}  # block in use -> sequences holding it
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, LRU first
@@ -74,6 +88,7 @@ class BlockAllocator:
             else:
                 b, _ = self._cached.popitem(last=False)
                 del self._by_hash[self._hash_of.pop(b)]
+                self._drop_state(b)
                 self.evictions += 1
             self._refs[b] = 1
             blocks.append(b)
@@ -104,6 +119,7 @@ class BlockAllocator:
             if b in self._hash_of:
                 self._cached[b] = None
             else:
+                self._drop_state(b)
                 self._free.append(b)
 
     # ---- prefix caching -----------------------------------------------------------------
@@ -132,6 +148,57 @@ class BlockAllocator:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash
 
+    # ---- DeepSeek-V4 state blocks ----------------------------------------------------------
+    @property
+    def num_free_states(self) -> int:
+        """State blocks `hold_state` can attach: free ones and cached blocks' unheld ones."""
+        return len(self._free_states) + len(self._idle_states)
+
+    def state(self, block: int) -> int:
+        """The state block attached to `block` (-1: none)."""
+        return self._state_of.get(block, -1)
+
+    def hold_state(self, blocks: list[int]) -> None:
+        """Take a reference to each block's state block, attaching a fresh one (taken from the
+        least recently released cached block when none is free) where it has none. The caller
+        checks `num_free_states` first for the blocks that have none."""
+        for b in blocks:  # first the blocks that have one: taking back states spares these
+            if b in self._state_of:
+                self._idle_states.pop(b, None)
+                self._state_refs[b] = self._state_refs.get(b, 0) + 1
+        for b in blocks:
+            if b in self._state_of:
+                continue
+            if not self._free_states:
+                if not self._idle_states:
+                    raise MemoryError("KV cache: no state block free")
+                self._drop_state(next(iter(self._idle_states)))
+            self._state_of[b] = self._free_states.pop()
+            self._state_refs[b] = 1
+
+    def release_state(self, blocks: list[int]) -> None:
+        """Drop one reference to each block's state block; an unheld one stays attached (idle) if
+        its block is registered, for prefix hits, and goes back to the pool otherwise."""
+        for b in blocks:
+            refs = self._state_refs.get(b)
+            if refs is None:
+                raise ValueError(f"KV cache: state of block {b} released twice or never held")
+            if refs > 1:
+                self._state_refs[b] = refs - 1
+                continue
+            del self._state_refs[b]
+            if b in self._hash_of:
+                self._idle_states[b] = None
+            else:
+                self._free_states.append(self._state_of.pop(b))
+
+    def _drop_state(self, block: int) -> None:
+        """Detach an unheld state block from `block` (freed, evicted, or its state taken back)."""
+        if block in self._state_of:
+            assert block not in self._state_refs, f"block {block} dropped while its state is held"
+            self._idle_states.pop(block, None)
+            self._free_states.append(self._state_of.pop(block))
+
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
 
@@ -156,6 +223,8 @@ class PagedLatentCache:
     """`kv[layer]` is `[num_blocks, BLOCK_SIZE, 1, latent_dim]`, all layers in one tensor
     (`latent_dim` here is the whole row: `ModelConfig.cache_dim`)."""
 
+    num_state_blocks = 0
+
     def __init__(
         self,
         num_layers: int,
@@ -170,9 +239,58 @@ class PagedLatentCache:
     def num_blocks(self) -> int:
         return self.kv.shape[1]
 
-    def layer(self, i: int) -> torch.Tensor:
-        return self.kv[i]
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
 
     @staticmethod
     def bytes_per_block(num_layers: int, latent_dim: int, dtype: torch.dtype) -> int:
         return num_layers * BLOCK_SIZE * latent_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class V4Cache:
+    """DeepSeek-V4's paged cache. Per layer i, `kv[i]` = (state, entries):
+    state [num_state_blocks, BLOCK_SIZE, state_dim]: the window-state rows of recent tokens
+        (`ModelConfig.v4_state_dim`), addressed through `StepBatch.state_table`;
+    entries [num_blocks, entries_per_block(r), entry_dim] (None for sliding layers): the
+        compressed entries (`ModelConfig.v4_entry_dim`), entry w in the block of its window's
+        last token (`v4_attention.entry_rows`), addressed through the block table.
+    """
+
+    def __init__(self, cfg, num_blocks: int, num_state_blocks: int, dtype: torch.dtype, device="cpu"):
+        self.num_blocks, self.num_state_blocks = num_blocks, num_state_blocks
+        self.kv = []
+        for i, kind in enumerate(cfg.layer_types):
+            state = torch.zeros(
+                num_state_blocks, BLOCK_SIZE, cfg.v4_state_dim(kind), dtype=dtype, device=device
+            )
+            r, width = cfg.compress_ratio(i), cfg.v4_entry_dim(kind)
+            entries = None
+            if r:
+                entries = torch.zeros(num_blocks, entries_per_block(r), width, dtype=dtype, device=device)
+            self.kv.append((state, entries))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self.kv for t in layer if t is not None)
+
+    @staticmethod
+    def bytes_per_block(cfg, dtype: torch.dtype) -> tuple[int, int]:
+        """(bytes of one block's entries, bytes of one state block), all layers."""
+        size = torch.empty((), dtype=dtype).element_size()
+        entries = sum(entries_per_block(cfg.compress_ratio(i)) * cfg.v4_entry_dim(kind)
+                      for i, kind in enumerate(cfg.layer_types) if cfg.compress_ratio(i))  # fmt: skip
+        state = sum(BLOCK_SIZE * cfg.v4_state_dim(kind) for kind in cfg.layer_types)
+        return entries * size, state * size
+
+    @staticmethod
+    def state_blocks_per_seq(cfg, max_model_len: int) -> int:
+        """State blocks one sequence holds at most while decoding: its lookback
+        (`ModelConfig.v4_state_start`) plus the new token, across a block boundary."""
+        lookback = max(cfg.sliding_window - 1, 2 * cfg.compress_ratio_csa - 1, cfg.compress_ratio_hca - 1)
+        return blocks_needed(min(lookback, max_model_len) + 1) + 1
+
+
+def entries_per_block(ratio: int) -> int:
+    """Compressed entries (one per `ratio` tokens) whose window ends in one 64-token block, at most."""
+    return -(-BLOCK_SIZE // ratio)

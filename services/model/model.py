@@ -158,6 +158,8 @@ class StepBatch:
     block*64+offset each token's latent is written to), query_lens [B] (python ints, tokens of
     each sequence in this step), seq_lens [B] int32 (context length after this step),
     block_table [B, max_blocks] int32, logits_index [B'] int64 (rows of T to compute logits for).
+    DeepSeek-V4: state_table [B, max_blocks] int32, the state block attached to each block (-1:
+    none; kv_cache.V4Cache).
     """
 
     input_ids: torch.Tensor
@@ -167,6 +169,15 @@ class StepBatch:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     logits_index: torch.Tensor
+    state_table: torch.Tensor | None = None
+
+    @cached_property
+    def state_slot_mapping(self) -> torch.Tensor:
+        """[T] int64: the flat state row (state block * 64 + offset) of each token (V4)."""
+        lens = torch.tensor(self.query_lens, device=self.positions.device)
+        seq = torch.repeat_interleave(torch.arange(len(self.query_lens), device=lens.device), lens)
+        p = self.positions
+        return self.state_table[seq, p // BLOCK_SIZE].long() * BLOCK_SIZE + p % BLOCK_SIZE
 
     @cached_property
     def query_starts(self) -> list[int]:
@@ -190,10 +201,12 @@ class StepBatch:
 
     @staticmethod
     def build(
-        chunks: list[tuple[list[int], int, list[int], bool]], device: torch.device | str = "cpu"
+        chunks: list[tuple[list[int], int, list[int], bool]],
+        device: torch.device | str = "cpu",
+        state: Callable[[int], int] | None = None,
     ) -> StepBatch:
         """chunks: per sequence (token_ids of this step, start position, cache block ids,
-        wants_logits)."""
+        wants_logits); state (V4): a block's state block (-1: none), for `state_table`."""
         ids, pos, slots, qlens, slens, logits_index = [], [], [], [], [], []
         max_blocks = max(len(c[2]) for c in chunks)
         table = torch.zeros(len(chunks), max(max_blocks, 1), dtype=torch.int32)
@@ -221,6 +234,7 @@ class StepBatch:
             seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
             block_table=table.to(device),
             logits_index=as_long(logits_index),
+            state_table=None if state is None else table.clone().apply_(state).to(device),
         )
 
 

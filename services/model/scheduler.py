@@ -13,6 +13,12 @@ Prefix caching: at admission a sequence takes the cached blocks of its longest k
 (full blocks only, and never its last token: at least one token is always computed, into a
 private block) and starts computing after them; each block a sequence fills completely is
 registered under its chained hash for later requests. Shared blocks are never written.
+
+DeepSeek-V4 (`state_start` set): a sequence also holds *state blocks* (its recent tokens' window
+state, kv_cache.V4Cache) for the blocks from `state_start(num_computed)` on, taken as chunks
+reach new blocks and released once its tokens move past them. A prefill chunk is cut to the
+state blocks there are room for (a decode preempts like for blocks), and a prefix hit counts only
+up to the last block whose lookback still has its state blocks attached.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -61,6 +68,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, computed blocks
     num_computed: int = 0  # tokens whose latent rows are in the cache
+    state_blocks: range = range(0)  # DeepSeek-V4: indices of the blocks whose state blocks it holds
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     num_resumed: int = 0  # the last prompt tokens are this request's own earlier output (failover)
     prefix_hashes: tuple[int, list[int]] | None = field(default=None, repr=False)  # (num_tokens, hashes) memo
@@ -115,10 +123,14 @@ class Scheduler:
         num_blocks: int,
         eos_token_ids: tuple[int, ...] = (),
         prefix_caching: bool = True,
+        state_start: Callable[[int], int] | None = None,
+        num_state_blocks: int = 0,
     ):
+        """state_start (DeepSeek-V4, `ModelConfig.v4_state_start`): the first position whose
+        window state a step computing from a given position reads; `num_state_blocks` the pool."""
         cfg.validate()
-        self.cfg = cfg
-        self.allocator = BlockAllocator(num_blocks, caching=prefix_caching)
+        self.cfg, self.state_start = cfg, state_start
+        self.allocator = BlockAllocator(num_blocks, prefix_caching, num_state_blocks)
         self.prefix_queried_tokens = 0  # prompt tokens looked up at first admissions
         self.prefix_hit_tokens = 0  # of which found in the cache
         self.eos_token_ids = set(eos_token_ids)
@@ -168,6 +180,8 @@ class Scheduler:
         self._by_id.pop(seq.request_id, None)
 
     def _free(self, seq: Sequence) -> None:
+        self.allocator.release_state([seq.block_ids[i] for i in seq.state_blocks][::-1])
+        seq.state_blocks = range(0)
         # last block first: a cached prefix is evicted from its tail, its head stays reusable
         self.allocator.free(seq.block_ids[::-1])
         seq.block_ids, seq.block_hashes = [], []
@@ -191,10 +205,15 @@ class Scheduler:
             budget -= 1
 
         # 2. prefills already running (chunked)
-        for seq in self.running:
+        for seq in list(self.running):
             remaining = seq.num_tokens - seq.num_computed
-            if remaining > 1 and budget > 0:
-                n = min(remaining, budget)
+            if seq.status is SeqStatus.RUNNING and remaining > 1 and budget > 0:
+                n = min(remaining, budget, self._state_room(seq))
+                if n < 1:  # no state block free (V4): wait, unless nothing else can run
+                    if chunks or not self._ensure_blocks(seq, seq.num_computed + 1):
+                        continue
+                    n = 1
+                self._hold_state(seq, seq.num_computed + n)
                 chunks.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
 
@@ -202,22 +221,30 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             hashes = self._prefix_hashes(seq)
-            hit = self.allocator.lookup(hashes)
+            hit = self._usable(self.allocator.lookup(hashes))
             need = blocks_needed(seq.num_tokens) - len(hit)
             if not self.allocator.can_allocate(need):
                 self.allocator.free(hit[::-1])
                 break
-            self.waiting.popleft()
             seq.block_ids = hit + self.allocator.allocate(need)
             seq.block_hashes = hashes[: len(hit)]
             seq.num_computed = len(hit) * BLOCK_SIZE
+            if self.state_start is not None:  # the hit's lookback keeps its attached state blocks
+                first = self._first_state_block(len(hit))
+                seq.state_blocks = range(first, first)
+                self._hold_state(seq, seq.num_computed)
+            n = min(seq.num_tokens - seq.num_computed, budget, self._state_room(seq))
+            if n < 1:
+                self._free(seq)
+                break
+            self.waiting.popleft()
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = seq.num_computed
                 self.prefix_queried_tokens += seq.num_tokens
                 self.prefix_hit_tokens += seq.num_computed
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            self._hold_state(seq, seq.num_computed + n)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
@@ -246,17 +273,57 @@ class Scheduler:
             seq.block_hashes.append(h)
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow seq's blocks to hold num_tokens, preempting newer sequences if needed.
-        Returns False if seq itself had to be preempted."""
-        need = blocks_needed(num_tokens) - len(seq.block_ids)
-        while need > 0 and not self.allocator.can_allocate(need):
+        """Grow seq's blocks (and DeepSeek-V4 state blocks) to hold num_tokens, preempting newer
+        sequences if needed. Returns False if seq itself had to be preempted."""
+        need = max(0, blocks_needed(num_tokens) - len(seq.block_ids))
+        new_tokens = num_tokens - seq.num_computed
+        while not self.allocator.can_allocate(need) or self._state_room(seq) < new_tokens:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        if need > 0:
-            seq.block_ids += self.allocator.allocate(need)
+        seq.block_ids += self.allocator.allocate(need)
+        self._hold_state(seq, num_tokens)
         return True
+
+    # ---- DeepSeek-V4 state blocks -------------------------------------------------------
+    def _state_room(self, seq: Sequence) -> int:
+        """How many tokens past num_computed the free state blocks let seq compute now."""
+        if self.state_start is None:
+            return seq.num_tokens
+        held_to = (seq.state_blocks.stop + self.allocator.num_free_states) * BLOCK_SIZE
+        return held_to - seq.num_computed
+
+    def _hold_state(self, seq: Sequence, num_tokens: int) -> None:
+        """Hold the state blocks of seq's blocks up to the one of token num_tokens - 1."""
+        if self.state_start is None:
+            return
+        lo, hi = seq.state_blocks.start, seq.state_blocks.stop
+        end = max(hi, blocks_needed(num_tokens))
+        self.allocator.hold_state(seq.block_ids[hi:end])
+        seq.state_blocks = range(lo, end)
+
+    def _release_state(self, seq: Sequence) -> None:
+        """Let go of the state blocks of seq's blocks that no later step reads."""
+        lo, hi = seq.state_blocks.start, seq.state_blocks.stop
+        first = min(self.state_start(seq.num_computed) // BLOCK_SIZE, hi)
+        self.allocator.release_state(seq.block_ids[lo:first])
+        seq.state_blocks = range(max(lo, first), hi)
+
+    def _usable(self, hit: list[int]) -> list[int]:
+        """The longest head of a prefix hit whose lookback blocks all still have state blocks
+        (DeepSeek-V4; all of it otherwise); the references to the rest are dropped."""
+        keep = len(hit)
+        if self.state_start is not None:
+            state = self.allocator.state
+            while keep and any(state(b) < 0 for b in hit[self._first_state_block(keep) : keep]):
+                keep -= 1
+            self.allocator.free(hit[keep:][::-1])
+        return hit[:keep]
+
+    def _first_state_block(self, num_blocks: int) -> int:
+        """The first block whose state a sequence with num_blocks full blocks computed reads."""
+        return self.state_start(num_blocks * BLOCK_SIZE) // BLOCK_SIZE
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -283,6 +350,8 @@ class Scheduler:
             seq.num_computed += c.num_tokens
             if self.allocator.caching:
                 self._register_full_blocks(seq)
+            if self.state_start is not None:
+                self._release_state(seq)
             if not wanted:
                 continue
             token, lp = next(sampled)

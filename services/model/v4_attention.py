@@ -24,12 +24,16 @@ q_idx = rope(wq_b of the q_lora query). Each query attends, in one softmax with 
 logit, to its last `sliding_window` tokens' kv and its visible (CSA: selected) entries; the
 output's rope dims are rotated back by the query's position, then `wo_b(wo_a per group)`.
 
-Cache rows (one per token per layer, `ModelConfig.v4_row_dim`) hold everything that is needed
-later, so prefix caching, chunked prefill, preemption and failover resume work unchanged:
-    [kv (D) | compressor kv (S*d) | compressor gate (S*d) | entry (d) | same for the indexer]
-(S = 2 for CSA's two series, 1 for HCA). A token's compressor kv / gate are raw projections; the
-entry columns are filled on the row of each window's last token, when that token is computed
-(an entry depends only on its window's tokens, so a cached block carries exact entries).
+The cache (kv_cache.V4Cache) keeps, per layer, two things with their own lifetimes:
+    state rows, one per recent token, in state blocks (`StepBatch.state_table`):
+        [kv (D) | compressor kv (S*d) | compressor gate (S*d) | same for the indexer]
+    compressed entries, one per window, in the block of the window's last token (`entry_rows`):
+        [entry (d) | the indexer's entry (Di), CSA]
+(S = 2 for CSA's two overlapping series, 1 for HCA). A token's compressor kv / gate are raw
+projections; a window's entry is pooled from them when a step computes the window's last token
+(the earlier tokens' states read from the cache, so windows straddle chunks and blocks). An entry
+depends only on its window's tokens, so a cached block carries exact entries; the scheduler keeps
+state rows only as far back as `ModelConfig.v4_state_start` reads.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig, rope_inv_freq
-from .kv_cache import BLOCK_SIZE
+from .kv_cache import BLOCK_SIZE, entries_per_block
 from .model import StepBatch
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -89,7 +93,8 @@ class CompressorWeights:
     ape: torch.Tensor  # [r, S*d] fp32 position bias of the gate
     norm: torch.Tensor  # [d] fp32
     ratio: int  # r
-    offset: int  # first cache-row column of [kv (S*d) | gate (S*d) | entry (d)]
+    offset: int  # first state-row column of its [kv (S*d) | gate (S*d)]
+    entry_offset: int  # first entry-row column of its entry (d)
 
     @property
     def dim(self) -> int:
@@ -105,19 +110,18 @@ class CompressorWeights:
 
     @property
     def entry_cols(self) -> slice:
-        start = self.offset + 2 * self.width
-        return slice(start, start + self.dim)
+        return slice(self.entry_offset, self.entry_offset + self.dim)
 
     @property
-    def end(self) -> int:
-        return self.offset + 2 * self.width + self.dim
+    def state_end(self) -> int:
+        return self.offset + 2 * self.width
 
     @classmethod
-    def load(cls, get, prefix: str, ratio: int, offset: int, dtype: torch.dtype) -> CompressorWeights:
+    def load(cls, get, prefix: str, ratio: int, offset: int, entry_offset: int, dtype: torch.dtype):
         """prefix ends with 'compressor.'; get(name, dtype) reads a checkpoint tensor."""
         return cls(get(prefix + "wkv.weight", dtype), get(prefix + "wgate.weight", dtype),
                    get(prefix + "ape", torch.float32), get(prefix + "norm.weight", torch.float32),
-                   ratio, offset)  # fmt: skip
+                   ratio, offset, entry_offset)  # fmt: skip
 
 
 @dataclass
@@ -149,10 +153,13 @@ class V4AttentionWeights:
                 get(a + "wkv.weight", dtype), get(a + "norm.weight", f32), get(a + "wo_a.weight", dtype),
                 get(a + "wo_b.weight", dtype), get(a + "attn_sink", f32))  # fmt: skip
         if kind != SLIDING:
-            w.compressor = CompressorWeights.load(get, a + "compressor.", cfg.compress_ratio(layer), D, dtype)
+            w.compressor = CompressorWeights.load(
+                get, a + "compressor.", cfg.compress_ratio(layer), D, 0, dtype
+            )
         if kind == CSA:
+            main = w.compressor
             comp = CompressorWeights.load(
-                get, a + "indexer.compressor.", cfg.compress_ratio_csa, w.compressor.end, dtype
+                get, a + "indexer.compressor.", cfg.compress_ratio_csa, main.state_end, main.dim, dtype
             )
             w.indexer = V4IndexerWeights(get(a + "indexer.wq_b.weight", dtype),
                                          get(a + "indexer.weights_proj.weight", dtype), comp)  # fmt: skip
@@ -183,16 +190,30 @@ def shard_heads(w: V4AttentionWeights, cfg: ModelConfig, rank: int, tp: int) -> 
 # Compressed entries
 # ---------------------------------------------------------------------------------------------
 def _slots(batch: StepBatch, b: int, positions: torch.Tensor) -> torch.Tensor:
-    """Flat cache rows (block * 64 + offset) of sequence b's tokens at `positions` (any shape)."""
-    table = batch.block_table[b].long()
+    """Flat state rows (state block * 64 + offset) of sequence b's tokens at `positions` (any shape)."""
+    table = batch.state_table[b].long()
     return table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
+def entry_rows(block_table: torch.Tensor, w: torch.Tensor, r: int) -> torch.Tensor:
+    """Flat entry rows (block * entries_per_block(r) + slot) of windows w (any shape) of one
+    sequence, block_table [max_blocks]: entry w sits in the block of its last token w*r + r - 1,
+    after the entries of the earlier windows ending there (the first is (64 * block) // r)."""
+    block = (w * r + r - 1) // BLOCK_SIZE
+    return block_table.long()[block] * entries_per_block(r) + w - (block * BLOCK_SIZE) // r
+
+
 def emit_entries(
-    c: CompressorWeights, rows: torch.Tensor, batch: StepBatch, rope: V4Rope, eps: float
+    c: CompressorWeights,
+    rows: torch.Tensor,
+    entries: torch.Tensor,
+    batch: StepBatch,
+    rope: V4Rope,
+    eps: float,
 ) -> None:
     """Compute the entries of the windows this step's tokens complete, from the compressor
-    states in `rows` [blocks*64, W] (this step's included), into their last tokens' rows."""
+    states in the state rows `rows` [state blocks*64, Ws] (this step's included), into
+    `entries` [blocks*entries_per_block, We]."""
     r, d, device = c.ratio, c.dim, rows.device
     for b, n in enumerate(batch.query_lens):
         end = batch.context_lens[b]
@@ -202,9 +223,7 @@ def emit_entries(
         w = torch.arange(first, last, device=device)  # [nw]
         span = 2 * r if c.overlap else r
         pos = (w[:, None] - (1 if c.overlap else 0)) * r + torch.arange(span, device=device)  # [nw, span]
-        src = rows[:, c.offset : c.offset + 2 * c.width][
-            _slots(batch, b, pos.clamp(min=0))
-        ]  # [nw, span, 2Sd]
+        src = rows[:, c.offset : c.state_end][_slots(batch, b, pos.clamp(min=0))]  # [nw, span, 2Sd]
         kv, gate = src[..., : c.width], src[..., c.width :].float()
         if c.overlap:  # slots 0..r-1: window w-1's Ca series; r..2r-1: window w's Cb series
             kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)  # [nw, 2r, d]
@@ -215,15 +234,15 @@ def emit_entries(
             gate = gate + c.ape
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [nw, d]
         entry = rope_tail(rms_norm_f32(pooled, c.norm, eps), *rope.cos_sin(w * r))
-        rows[_slots(batch, b, w * r + r - 1), c.entry_cols] = entry.to(rows.dtype)
+        entries[entry_rows(batch.block_table[b], w, r), c.entry_cols] = entry.to(entries.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------
 def _compressor_states(c: CompressorWeights, x: torch.Tensor) -> list[torch.Tensor]:
-    """This step's row columns of one compressor: [kv | gate | entry (zeros until emitted)]."""
-    return [F.linear(x, c.wkv), F.linear(x, c.wgate), x.new_zeros(x.shape[0], c.dim)]
+    """This step's state-row columns of one compressor: [kv | gate]."""
+    return [F.linear(x, c.wkv), F.linear(x, c.wgate)]
 
 
 def _indexer_keep(
@@ -245,12 +264,13 @@ def v4_attention(
     cfg: ModelConfig,
     ropes: dict[str, V4Rope],
     cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    cache: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor | None],
     batch: StepBatch,
 ) -> torch.Tensor:
-    """x [T, H] (the layer's normed attention input) -> [T, H]. Writes this step's rows into
-    `cache` [blocks, 64, 1, W] (and the entries of the windows the step completes), then each
-    sequence's queries attend to their window rows and compressed entries."""
+    """x [T, H] (the layer's normed attention input) -> [T, H]. cache = (state [state blocks, 64,
+    Ws], entries [blocks, entries_per_block, We] or None; kv_cache.V4Cache). Writes this step's
+    state rows (and the entries of the windows the step completes), then each sequence's queries
+    attend to their window rows and compressed entries."""
     T, D, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
     rope_kind = "main" if w.kind == SLIDING else "compress"
     cos, sin = cos_sin[rope_kind]
@@ -261,10 +281,13 @@ def v4_attention(
 
     compressors = [c for c in (w.compressor, w.indexer and w.indexer.compressor) if c is not None]
     new = torch.cat([kv] + [col for c in compressors for col in _compressor_states(c, x)], dim=-1)
-    rows = cache.view(-1, cache.shape[-1])  # [blocks*64, W]
-    rows[batch.slot_mapping, : new.shape[1]] = new.to(rows.dtype)
+    state, entries = cache
+    rows = state.view(-1, state.shape[-1])  # [state blocks*64, Ws]
+    rows[batch.state_slot_mapping] = new.to(rows.dtype)
+    if entries is not None:
+        entries = entries.view(-1, entries.shape[-1])  # [blocks*entries_per_block, We]
     for c in compressors:
-        emit_entries(c, rows, batch, ropes["compress"], eps)
+        emit_entries(c, rows, entries, batch, ropes["compress"], eps)
     if w.indexer is not None:
         Hi = w.indexer.weights_proj.shape[0]
         q_idx = rope_tail(F.linear(q_lora, w.indexer.wq_b).view(T, Hi, -1), *cos_sin["compress"])
@@ -280,15 +303,15 @@ def v4_attention(
         visible = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - window)  # [n, Lw]
         c = w.compressor
         if c is not None and end >= c.ratio:
-            e = torch.arange(end // c.ratio, device=device)  # the entries so far ...
-            at = _slots(batch, b, e * c.ratio + c.ratio - 1)  # ... on their windows' last rows
+            e = torch.arange(end // c.ratio, device=device)  # the entries so far
+            at = entry_rows(batch.block_table[b], e, c.ratio)
             seen = e[None] < ((qpos + 1) // c.ratio)[:, None]  # [n, E] complete windows only
             if w.indexer is not None:
-                index_keys = rows[:, w.indexer.compressor.entry_cols][at]  # [E, Di]
+                index_keys = entries[at, w.indexer.compressor.entry_cols]  # [E, Di]
                 seen = _indexer_keep(
                     q_idx[s0 : s0 + n], idx_weights[s0 : s0 + n], index_keys, seen, cfg.index_topk
                 )
-            keys = torch.cat((keys, rows[:, c.entry_cols][at]), dim=0)
+            keys = torch.cat((keys, entries[at, c.entry_cols]), dim=0)
             visible = torch.cat((visible, seen), dim=1)
         logits = torch.einsum("qnd,kd->nqk", q[s0 : s0 + n], keys).float() * D**-0.5  # [N, n, K]
         logits = logits.masked_fill(~visible[None], float("-inf"))
