@@ -180,7 +180,7 @@ def main() -> None:
             experts, on_batches = lead(tp_group, model, experts)
             engines[name] = (Engine(cfg, model, experts, ecfg, tok, on_batches), args.attention_threads)
             rows[name] = []
-            kv_cache_bytes_per_rank = engines[name][0].cache.kv.nbytes
+            kv_cache_bytes_per_rank = engines[name][0].cache.nbytes
         # the three engines take turns, `--rounds` times per batch size, so slow drifts of this
         # shared machine hit all of them alike; each row is the round with the median step time
         for b in batches:
