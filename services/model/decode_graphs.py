@@ -126,7 +126,8 @@ class DecodeGraphs:
             block_table=table,
             logits_index=self.rows[:bucket],
         )
-        batch.__dict__["decode"] = DecodeRows(self.rows[:bucket], table.long(), seq_lens.long())
+        rows = self.rows[:bucket]  # (one row per sequence: rows and sequences coincide)
+        batch.__dict__["decode"] = DecodeRows(rows, rows, table.long(), seq_lens.long())
         return batch
 
     def _step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:

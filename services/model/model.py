@@ -139,6 +139,7 @@ def run_interleaved(
 @dataclass
 class DecodeRows:
     rows: torch.Tensor  # [Bd] rows of the flattened tokens that are decodes
+    seqs: torch.Tensor  # [Bd] int64 their sequences' index in the batch
     table: torch.Tensor  # [Bd, max_blocks] int64 block table of those sequences
     lens: torch.Tensor  # [Bd] int64 context length of each sequence (this step's token included)
 
@@ -197,7 +198,7 @@ class StepBatch:
         device = self.input_ids.device
         sel = torch.tensor(seqs, device=device)
         rows = torch.tensor([self.query_starts[b] for b in seqs], device=device)
-        return DecodeRows(rows, self.block_table[sel].long(), self.seq_lens[sel].long())
+        return DecodeRows(rows, sel, self.block_table[sel].long(), self.seq_lens[sel].long())
 
     @staticmethod
     def build(

@@ -196,11 +196,12 @@ def _slots(batch: StepBatch, b: int, positions: torch.Tensor) -> torch.Tensor:
 
 
 def entry_rows(block_table: torch.Tensor, w: torch.Tensor, r: int) -> torch.Tensor:
-    """Flat entry rows (block * entries_per_block(r) + slot) of windows w (any shape) of one
-    sequence, block_table [max_blocks]: entry w sits in the block of its last token w*r + r - 1,
-    after the entries of the earlier windows ending there (the first is (64 * block) // r)."""
+    """Flat entry rows (block * entries_per_block(r) + slot) of windows w [E] of one sequence,
+    block_table [max_blocks] -> [E], or of several, block_table [B, max_blocks] -> [B, E]: entry
+    w sits in the block of its last token w*r + r - 1, after the entries of the earlier windows
+    ending there (the first is (64 * block) // r)."""
     block = (w * r + r - 1) // BLOCK_SIZE
-    return block_table.long()[block] * entries_per_block(r) + w - (block * BLOCK_SIZE) // r
+    return block_table.long()[..., block] * entries_per_block(r) + w - (block * BLOCK_SIZE) // r
 
 
 def emit_entries(
@@ -248,14 +249,60 @@ def _compressor_states(c: CompressorWeights, x: torch.Tensor) -> list[torch.Tens
 def _indexer_keep(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int
 ) -> torch.Tensor:
-    """Which visible entries the queries keep: q [n, Hi, Di], weights [n, Hi] (fp32, Hi^-0.5 in),
-    keys [E, Di] indexer entries, visible [n, E] -> [n, E] bool (the `topk` best-scoring)."""
-    if keys.shape[0] <= topk:
+    """Which visible entries the queries keep: q [..., n, Hi, Di], weights [..., n, Hi] (fp32,
+    Hi^-0.5 in), keys [..., E, Di] indexer entries, visible [..., n, E] -> [..., n, E] bool (the
+    `topk` best-scoring; `...` is a batch of sequences or nothing)."""
+    if keys.shape[-2] <= topk:
         return visible
-    dots = torch.einsum("qhd,ed->qhe", q.float(), keys.float())
-    scores = torch.einsum("qh,qhe->qe", weights, F.relu(dots) * q.shape[-1] ** -0.5)
+    dots = torch.einsum("...qhd,...ed->...qhe", q.float(), keys.float())
+    scores = torch.einsum("...qh,...qhe->...qe", weights, F.relu(dots) * q.shape[-1] ** -0.5)
     top = scores.masked_fill(~visible, float("-inf")).topk(topk, dim=-1).indices
     return torch.zeros_like(visible).scatter_(-1, top, True) & visible
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """One softmax over the visible keys and a per-head sink logit, the keys also the values:
+    q [..., n, N, D], keys [..., K, D], visible [..., n, K], sinks [N] -> [..., n, N, D]."""
+    logits = torch.einsum("...qnd,...kd->...nqk", q, keys).float() * q.shape[-1] ** -0.5  # [..., N, n, K]
+    logits = logits.masked_fill(~visible.unsqueeze(-3), float("-inf"))
+    sink = sinks.view(-1, 1, 1).expand(logits.shape[:-1] + (1,))
+    probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)
+    return torch.einsum("...nqk,...kd->...qnd", probs, keys)
+
+
+def _decode_context(
+    w: V4AttentionWeights,
+    cfg: ModelConfig,
+    rows: torch.Tensor,
+    entries: torch.Tensor | None,
+    batch: StepBatch,
+    q_idx: torch.Tensor | None,
+    idx_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and their visibility of every decode sequence at once (padded to the longest):
+    keys [Bd, window + E, D] (its window's rows, then its entries, E the most any has), visible
+    [Bd, 1, window + E]. Padding reads other rows and entries of the cache, masked."""
+    d, D, window = batch.decode, cfg.head_dim, cfg.sliding_window
+    kpos = d.lens[:, None] - window + torch.arange(window, device=rows.device)  # [Bd, window]
+    at = kpos.clamp(min=0)
+    state_table = batch.state_table[d.seqs].long()
+    state_blocks = state_table.gather(1, at // BLOCK_SIZE).clamp(min=0)  # (released ones: masked)
+    keys = rows[state_blocks * BLOCK_SIZE + at % BLOCK_SIZE, :D]
+    visible = kpos >= 0
+    c = w.compressor
+    num = None if c is None else d.lens // c.ratio  # [Bd] complete windows (= entries) of each
+    if num is not None and (most := int(num.max())) > 0:
+        e = torch.arange(most, device=rows.device)
+        at = entry_rows(d.table, e, c.ratio)  # [Bd, E] (the longest sequence's blocks hold them all)
+        seen = e[None] < num[:, None]  # [Bd, E]
+        if w.indexer is not None:
+            index_keys = entries[at, w.indexer.compressor.entry_cols]  # [Bd, E, Di]
+            seen = _indexer_keep(
+                q_idx[d.rows, None], idx_weights[d.rows, None], index_keys, seen[:, None], cfg.index_topk
+            )[:, 0]
+        keys = torch.cat((keys, entries[at, c.entry_cols]), dim=1)
+        visible = torch.cat((visible, seen), dim=1)
+    return keys, visible[:, None]
 
 
 def v4_attention(
@@ -288,14 +335,20 @@ def v4_attention(
         entries = entries.view(-1, entries.shape[-1])  # [blocks*entries_per_block, We]
     for c in compressors:
         emit_entries(c, rows, entries, batch, ropes["compress"], eps)
+    q_idx = idx_weights = None
     if w.indexer is not None:
         Hi = w.indexer.weights_proj.shape[0]
         q_idx = rope_tail(F.linear(q_lora, w.indexer.wq_b).view(T, Hi, -1), *cos_sin["compress"])
         idx_weights = F.linear(x, w.indexer.weights_proj).float() * Hi**-0.5
 
     out = torch.empty(T, N, D, dtype=x.dtype, device=x.device)
+    if batch.decode is not None:  # all decode rows in one padded batch
+        keys, visible = _decode_context(w, cfg, rows, entries, batch, q_idx, idx_weights)
+        out[batch.decode.rows] = _attend(q[batch.decode.rows, None], keys, visible, w.sinks)[:, 0]
     window, device = cfg.sliding_window, x.device
-    for b, n in enumerate(batch.query_lens):
+    for b, n in enumerate(batch.query_lens):  # prefill chunks one sequence at a time
+        if n == 1:
+            continue
         end, s0 = batch.context_lens[b], batch.query_starts[b]
         qpos = torch.arange(end - n, end, device=device)  # [n]
         kpos = torch.arange(max(0, end - n - window + 1), end, device=device)  # the queries' windows
@@ -313,11 +366,7 @@ def v4_attention(
                 )
             keys = torch.cat((keys, entries[at, c.entry_cols]), dim=0)
             visible = torch.cat((visible, seen), dim=1)
-        logits = torch.einsum("qnd,kd->nqk", q[s0 : s0 + n], keys).float() * D**-0.5  # [N, n, K]
-        logits = logits.masked_fill(~visible[None], float("-inf"))
-        sinks = w.sinks.view(N, 1, 1).expand(N, n, 1)
-        probs = torch.cat((logits, sinks), dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)
-        out[s0 : s0 + n] = torch.einsum("nqk,kd->qnd", probs, keys)
+        out[s0 : s0 + n] = _attend(q[s0 : s0 + n], keys, visible, w.sinks)
 
     out = rope_tail(out, cos, -sin)  # undo the rope the values (= keys) carried
     G = cfg.o_groups * N // cfg.num_attention_heads  # (a tensor-parallel rank: its heads' groups)
