@@ -6,6 +6,7 @@ Prompts cross the window, the compression ratios and index_topk; whole and chunk
 prefix-cache hit, the expert worker's store, and configs (published / DeepSeek's own key names)."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -321,16 +322,23 @@ def test_v4_options_are_refused_on_other_models(key, value):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.cluster
 def test_cluster_api_serves_v4_like_the_local_engine(oracle):
+    import httpx
     import openai
 
     from .clusters import tiny_cluster
 
     path, _, prompts, _ = oracle
     want = _engine(path).generate(prompts[2:], GREEDY)
+    want_states = EngineConfig(model=str(path), max_num_seqs=8, max_num_batched_tokens=32).state_blocks(
+        ModelConfig.from_hf(json.loads((path / "config.json").read_text())), 4096
+    )
     with tiny_cluster(path, expert_workers=2, max_num_seqs=8, max_num_batched_tokens=32,
                       balancer_period_s=0) as cluster:  # fmt: skip
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=120)
         r = client.completions.create(model="tiny", prompt=prompts[2:], max_tokens=NEW_TOKENS, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
         got = [c.token_ids for c in sorted(r.choices, key=lambda c: c.index)]
+        metrics = httpx.get(f"{cluster.url}/metrics", timeout=30).text
     assert got == [w.token_ids for w in want]
+    total = re.search(r'^moe_state_blocks_total\{worker="[^"]+"\} (\S+)$', metrics, re.M)
+    assert total and float(total.group(1)) == want_states
