@@ -120,6 +120,66 @@ def test_few_state_blocks_serve_long_prompts(oracle):
     assert (stats["state_blocks_total"], stats["state_blocks_used"], stats["kv_blocks_used"]) == (3, 0, 0)
 
 
+def _poison_unheld(engine, value: float) -> None:
+    """Before every step fill each state block no sequence holds and each block nobody references
+    with `value`, and restore them after: nothing a step may not read reaches its outputs."""
+    forward, alloc = engine.model.forward, engine.scheduler.allocator
+
+    def poisoned(batch, kv):
+        held = {alloc.state(b) for b in alloc._state_refs}
+        states = [i for i in range(engine.cache.num_state_blocks) if i not in held]
+        blocks = [b for b in range(engine.cache.num_blocks) if alloc.refs(b) == 0]
+        saved = [(state[states].clone(), None if ent is None else ent[blocks].clone()) for state, ent in kv]
+        for state, ent in kv:
+            state[states] = value
+            if ent is not None:
+                ent[blocks] = value
+        out = yield from forward(batch, kv)
+        for (state, ent), (old_state, old_ent) in zip(kv, saved, strict=True):
+            state[states] = old_state
+            if ent is not None:
+                ent[blocks] = old_ent
+        return out
+
+    engine.model.forward = poisoned
+
+
+@pytest.mark.parametrize("value", [1e3, float("nan")], ids=["garbage", "nan"])
+def test_unheld_cache_rows_never_reach_the_outputs(oracle, value):
+    """Freed and released cache rows are poisoned before every step (NaN too: a masked padding
+    row times NaN would be NaN): tokens still match. Decode rows of very different lengths (1,216
+    vs 80 tokens) attend in separate padded groups."""
+    path, hf, _, _ = oracle
+    prompts = _prompts(hf.config.vocab_size, seed=11, lengths=[1200, 300, 170, 64, 65, 3])
+    engine = LocalEngine(EngineConfig(model=str(path), max_num_seqs=8, max_model_len=2048,
+                                      max_num_batched_tokens=64, num_state_blocks=3))  # fmt: skip
+    _poison_unheld(engine, value)
+    outs, logits = generate_with_logits(engine, prompts, GREEDY)
+    _check(outs, logits, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts], f"poisoned with {value}")
+
+
+def test_decode_groups_bound_the_padding():
+    from services.model.model import DecodeRows
+    from services.model.v4_attention import _decode_groups
+
+    lens = torch.tensor([40, 6000, 2000, 1500, 30, 900])
+    d = DecodeRows(torch.arange(6) * 3, torch.arange(6), torch.zeros(6, 80, dtype=torch.long), lens)
+    groups = _decode_groups(d)
+    assert [g.lens.tolist() for g in groups] == [[6000], [2000, 1500, 900], [40, 30]]
+    assert [g.seqs.tolist() for g in groups] == [[1], [2, 3, 5], [0, 4]]
+    assert torch.equal(groups[1].rows, torch.tensor([6, 9, 15]))
+    d.lens = torch.tensor([100, 1000, 3])
+    assert _decode_groups(d) == [d]  # within 2x + 1,024 tokens: one batch
+
+
+def test_v4_cache_too_small_for_one_sequence_is_a_clear_error(oracle):
+    path = oracle[0]
+    with pytest.raises(ValueError, match="DeepSeek-V4 cache.*raise kv_cache_gib"):
+        _engine(path, kv_cache_gib=1e-4)
+    with pytest.raises(ValueError, match="one 512-token sequence needs 8 and 2"):
+        _engine(path, num_state_blocks=1)
+
+
 @pytest.mark.parametrize("state_blocks, hit", [(None, 128), (2, 0)], ids=["kept", "taken-back"])
 def test_prefix_hit_needs_its_lookback_state(oracle, state_blocks, hit):
     """A prefix hit resumes from the window state of its last tokens: kept (idle, attached to

@@ -37,6 +37,32 @@ def test_allocator_shares_caches_and_evicts_least_recently_freed():
     assert off.lookup([5]) == [] and off.num_cached == 0
 
 
+def test_a_cached_copy_without_state_gives_way_to_one_with_it():
+    """DeepSeek-V4: a cached block whose state block was taken back is replaced, in the prefix
+    cache, by a recomputed copy that has its state (else the prefix would never hit again)."""
+    a = BlockAllocator(4, num_state_blocks=2)
+    (x,) = a.allocate(1)
+    a.hold_state([x])
+    a.register(x, 11)
+    a.release_state([x])
+    a.free([x])  # cached, its state idle
+    assert a.state(x) >= 0 and a.num_free_states == 2
+    y, z = a.allocate(2)
+    a.hold_state([y, z])  # the second takes x's idle state back
+    assert a.state(x) == -1 and a.lookup([11]) == [x]
+    a.free([x])
+    a.register(y, 11)  # y recomputed x's tokens and holds its state: it takes the hash
+    a.release_state([y])  # (idle now, kept: y is registered)
+    assert a.lookup([11]) == [y] and a.num_cached == 1 and a.block_states[x] == -1 and a.state(y) >= 0
+    a.free([y, y])
+    assert a.num_free == 3 and a.lookup([11]) == [y]  # x went back to the free list, z is held
+    v3 = BlockAllocator(2)  # without state blocks nothing changes: the first copy stays
+    p, q = v3.allocate(2)
+    v3.register(p, 5)
+    v3.register(q, 5)
+    assert v3.lookup([5]) == [p]
+
+
 def _content_check(sched: Scheduler, chunks, written: dict[int, dict[int, int]]) -> None:
     """Play the model's cache writes for `chunks`: every written row must land in a block that
     its sequence alone holds and nobody registered; record what each row holds."""

@@ -62,7 +62,9 @@ def _tp_run(engine_cfg: EngineConfig, tp: int, prompts, failures: int = 0):
 
 def test_step_layout_survives_the_wire():
     a = StepBatch.build([([5, 6, 7], 0, [3], True), ([9], 64, [1, 2], True)])
-    b = StepBatch.build([([1, 2], 5, [7], False)], state=lambda block: 10 + block)  # DeepSeek-V4's
+    b = StepBatch.build(
+        [([1, 2], 5, [7], False)], block_states=torch.arange(10, 20, dtype=torch.int32)
+    )  # V4's
     assert a.state_table is None and b.state_table.tolist() == [[17]]
     for got, want in zip(unpack_batches(pack_batches([a, b]), torch.device("cpu")), [a, b], strict=True):
         assert got.query_lens == want.query_lens

@@ -57,31 +57,44 @@ class EngineConfig:
         )
 
     def kv_blocks(self, cfg: ModelConfig, max_model_len: int) -> int:
+        if cfg.is_v4:
+            return self._v4_sizes(cfg, max_model_len)[0]
         if self.num_kv_blocks:
             return self.num_kv_blocks
-        budget = int(self.kv_cache_gib * 2**30)
-        if cfg.is_v4:  # the state blocks first (the working set), then entry blocks
-            per_block, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype))
-            budget -= per_state * self.state_blocks(cfg, max_model_len)
-        else:
-            per_block = PagedLatentCache.bytes_per_block(
-                cfg.num_hidden_layers, cfg.cache_dim, parse_dtype(self.dtype)
-            )
+        per_block = PagedLatentCache.bytes_per_block(
+            cfg.num_hidden_layers, cfg.cache_dim, parse_dtype(self.dtype)
+        )
         wanted = self.max_num_seqs * blocks_needed(max_model_len)
-        return max(1, min(wanted, budget // max(per_block, 1)))
+        return max(1, min(wanted, int(self.kv_cache_gib * 2**30) // per_block))
 
     def state_blocks(self, cfg: ModelConfig, max_model_len: int) -> int:
-        """DeepSeek-V4's state blocks: `num_state_blocks`, by default enough for every sequence's
-        lookback while max_num_batched_tokens of prefill run, twice over (room for prefix hits),
-        in at most half of kv_cache_gib (at least one sequence's)."""
+        """DeepSeek-V4's window-state blocks (see `_v4_sizes`)."""
+        return self._v4_sizes(cfg, max_model_len)[1]
+
+    def _v4_sizes(self, cfg: ModelConfig, max_model_len: int) -> tuple[int, int]:
+        """DeepSeek-V4's (entry blocks, state blocks): `num_kv_blocks` / `num_state_blocks` where
+        set; otherwise what max_num_seqs full-length sequences want (their entries; their
+        lookback's state blocks plus a max_num_batched_tokens prefill, twice over for prefix
+        hits), scaled down together to fit kv_cache_gib. Too little for one sequence: an error."""
+        per_block, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype))
         per_seq = V4Cache.state_blocks_per_seq(cfg, max_model_len)
-        if self.num_state_blocks:
-            if self.num_state_blocks < per_seq:
-                raise ValueError(f"num_state_blocks={self.num_state_blocks}: one sequence needs {per_seq}")
-            return self.num_state_blocks
-        wanted = 2 * (self.max_num_seqs * per_seq + blocks_needed(self.max_num_batched_tokens))
-        _, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype))
-        return max(per_seq, min(wanted, int(self.kv_cache_gib * 2**29) // per_state))
+        want = (
+            self.num_kv_blocks or self.max_num_seqs * blocks_needed(max_model_len),
+            self.num_state_blocks
+            or 2 * (self.max_num_seqs * per_seq + blocks_needed(self.max_num_batched_tokens)),
+        )
+        fixed = (self.num_kv_blocks or 0) * per_block + (self.num_state_blocks or 0) * per_state
+        flexible = want[0] * per_block + want[1] * per_state - fixed
+        scale = min(1.0, max(0.0, self.kv_cache_gib * 2**30 - fixed) / flexible) if flexible else 1.0
+        blocks = self.num_kv_blocks or int(want[0] * scale)
+        states = self.num_state_blocks or int(want[1] * scale)
+        if states < per_seq or blocks < blocks_needed(max_model_len):
+            raise ValueError(
+                f"DeepSeek-V4 cache: {blocks} entry blocks and {states} state blocks; one {max_model_len}-token "
+                f"sequence needs {blocks_needed(max_model_len)} and {per_seq} ({per_state / 2**20:.1f} MiB each): "
+                "raise kv_cache_gib (or num_state_blocks / num_kv_blocks) or lower max_model_len"
+            )
+        return blocks, states
 
     def latent_cache(self, cfg: ModelConfig, model: DeepseekV3) -> PagedLatentCache | V4Cache:
         """The paged latent cache this config gives `model` (every tensor-parallel rank gets the
@@ -379,14 +392,14 @@ class Engine:
         )
 
     def _batch(self, chunks: list[Chunk]) -> StepBatch:
-        state = self.scheduler.allocator.state if self.cfg.is_v4 else None
+        block_states = self.scheduler.allocator.block_states if self.cfg.is_v4 else None
         return StepBatch.build(
             [
                 (c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.seq.block_ids, c.wants_logits)
                 for c in chunks
             ],
             self.model.device,
-            state,
+            block_states,
         )
 
     def _held_back(self, seq: Sequence, eos: set[int]) -> set[int]:

@@ -54,6 +54,9 @@ class BlockAllocator:
         self.num_blocks, self.caching = num_blocks, caching
         self._free_states = list(range(num_state_blocks - 1, -1, -1))
         self._state_of: dict[int, int] = {}  # block -> its state block
+        self.block_states = torch.full(
+            (num_blocks if num_state_blocks else 0,), -1, dtype=torch.int32
+        )  # the same
         self._state_refs: dict[int, int] = {}  # block -> sequences holding its state
         self._idle_states: OrderedDict[int, None] = OrderedDict()  # cached blocks' unheld states, LRU first
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
@@ -143,8 +146,19 @@ class BlockAllocator:
 
     def register(self, block: int, block_hash: int) -> None:
         """Record that in-use `block` now holds the full, computed prefix `block_hash` (a prefix
-        already cached elsewhere keeps its first block; this one stays private)."""
-        if self.caching and block_hash not in self._by_hash and block not in self._hash_of:
+        already cached elsewhere keeps its first block; this one stays private). DeepSeek-V4: a
+        cached copy whose state block was taken back gives way to this one, which has its state,
+        so that prefix hits can resume there again."""
+        if not self.caching or block in self._hash_of:
+            return
+        old = self._by_hash.get(block_hash)
+        if old is not None and old not in self._state_of and block in self._state_of:
+            del self._hash_of[old]  # the old copy: private to its holders, or free
+            if old in self._cached:
+                del self._cached[old]
+                self._free.append(old)
+            old = None
+        if old is None:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash
 
@@ -155,7 +169,7 @@ class BlockAllocator:
         return len(self._free_states) + len(self._idle_states)
 
     def state(self, block: int) -> int:
-        """The state block attached to `block` (-1: none)."""
+        """The state block attached to `block` (-1: none; `block_states[block]` as a tensor)."""
         return self._state_of.get(block, -1)
 
     def hold_state(self, blocks: list[int]) -> None:
@@ -174,6 +188,7 @@ class BlockAllocator:
                     raise MemoryError("KV cache: no state block free")
                 self._drop_state(next(iter(self._idle_states)))
             self._state_of[b] = self._free_states.pop()
+            self.block_states[b] = self._state_of[b]
             self._state_refs[b] = 1
 
     def release_state(self, blocks: list[int]) -> None:
@@ -190,7 +205,7 @@ class BlockAllocator:
             if b in self._hash_of:
                 self._idle_states[b] = None
             else:
-                self._free_states.append(self._state_of.pop(b))
+                self._drop_state(b)
 
     def _drop_state(self, block: int) -> None:
         """Detach an unheld state block from `block` (freed, evicted, or its state taken back)."""
@@ -198,6 +213,7 @@ class BlockAllocator:
             assert block not in self._state_refs, f"block {block} dropped while its state is held"
             self._idle_states.pop(block, None)
             self._free_states.append(self._state_of.pop(block))
+            self.block_states[block] = -1
 
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)

@@ -204,10 +204,11 @@ class StepBatch:
     def build(
         chunks: list[tuple[list[int], int, list[int], bool]],
         device: torch.device | str = "cpu",
-        state: Callable[[int], int] | None = None,
+        block_states: torch.Tensor | None = None,
     ) -> StepBatch:
         """chunks: per sequence (token_ids of this step, start position, cache block ids,
-        wants_logits); state (V4): a block's state block (-1: none), for `state_table`."""
+        wants_logits); block_states (V4) [num_blocks] int32: each block's state block (-1: none,
+        `BlockAllocator.block_states`), for `state_table`."""
         ids, pos, slots, qlens, slens, logits_index = [], [], [], [], [], []
         max_blocks = max(len(c[2]) for c in chunks)
         table = torch.zeros(len(chunks), max(max_blocks, 1), dtype=torch.int32)
@@ -235,7 +236,7 @@ class StepBatch:
             seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
             block_table=table.to(device),
             logits_index=as_long(logits_index),
-            state_table=None if state is None else table.clone().apply_(state).to(device),
+            state_table=None if block_states is None else block_states[table.long()].to(device),
         )
 
 

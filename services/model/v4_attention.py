@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig, rope_inv_freq
 from .kv_cache import BLOCK_SIZE, entries_per_block
-from .model import StepBatch
+from .model import DecodeRows, StepBatch
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -270,19 +270,38 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: t
     return torch.einsum("...nqk,...kd->...qnd", probs, keys)
 
 
+def _decode_groups(d: DecodeRows) -> list[DecodeRows]:
+    """The decode rows in groups of similar context length (longest first; a group's longest is
+    at most twice its shortest plus 1,024 tokens), so that padding each group to its longest costs
+    little more than its rows' own context."""
+    lens = d.lens.tolist()
+    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
+    groups, start = [], 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or lens[order[start]] > 2 * lens[order[i]] + 1024:
+            groups.append(order[start:i])
+            start = i
+    if len(groups) == 1:
+        return [d]
+    picks = [torch.tensor(g, device=d.lens.device) for g in groups]
+    return [DecodeRows(d.rows[g], d.seqs[g], d.table[g], d.lens[g]) for g in picks]
+
+
 def _decode_context(
     w: V4AttentionWeights,
     cfg: ModelConfig,
     rows: torch.Tensor,
     entries: torch.Tensor | None,
     batch: StepBatch,
+    d: DecodeRows,
     q_idx: torch.Tensor | None,
     idx_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and their visibility of every decode sequence at once (padded to the longest):
-    keys [Bd, window + E, D] (its window's rows, then its entries, E the most any has), visible
-    [Bd, 1, window + E]. Padding reads other rows and entries of the cache, masked."""
-    d, D, window = batch.decode, cfg.head_dim, cfg.sliding_window
+    """The keys and their visibility of decode rows `d` at once, padded to the longest: keys
+    [Bd, window + E, D] (each row's window rows, then its entries, E the most any has), visible
+    [Bd, 1, window + E]. Padding reads other rows and entries of the cache; they are masked and
+    zeroed (a non-finite value left in a freed block must not reach this step)."""
+    D, window = cfg.head_dim, cfg.sliding_window
     kpos = d.lens[:, None] - window + torch.arange(window, device=rows.device)  # [Bd, window]
     at = kpos.clamp(min=0)
     state_table = batch.state_table[d.seqs].long()
@@ -296,13 +315,13 @@ def _decode_context(
         at = entry_rows(d.table, e, c.ratio)  # [Bd, E] (the longest sequence's blocks hold them all)
         seen = e[None] < num[:, None]  # [Bd, E]
         if w.indexer is not None:
-            index_keys = entries[at, w.indexer.compressor.entry_cols]  # [Bd, E, Di]
+            index_keys = entries[at, w.indexer.compressor.entry_cols].masked_fill(~seen[..., None], 0)
             seen = _indexer_keep(
                 q_idx[d.rows, None], idx_weights[d.rows, None], index_keys, seen[:, None], cfg.index_topk
             )[:, 0]
         keys = torch.cat((keys, entries[at, c.entry_cols]), dim=1)
         visible = torch.cat((visible, seen), dim=1)
-    return keys, visible[:, None]
+    return keys.masked_fill(~visible[..., None], 0), visible[:, None]
 
 
 def v4_attention(
@@ -342,9 +361,10 @@ def v4_attention(
         idx_weights = F.linear(x, w.indexer.weights_proj).float() * Hi**-0.5
 
     out = torch.empty(T, N, D, dtype=x.dtype, device=x.device)
-    if batch.decode is not None:  # all decode rows in one padded batch
-        keys, visible = _decode_context(w, cfg, rows, entries, batch, q_idx, idx_weights)
-        out[batch.decode.rows] = _attend(q[batch.decode.rows, None], keys, visible, w.sinks)[:, 0]
+    if batch.decode is not None:  # the decode rows in padded batches of similar lengths
+        for d in _decode_groups(batch.decode):
+            keys, visible = _decode_context(w, cfg, rows, entries, batch, d, q_idx, idx_weights)
+            out[d.rows] = _attend(q[d.rows, None], keys, visible, w.sinks)[:, 0]
     window, device = cfg.sliding_window, x.device
     for b, n in enumerate(batch.query_lens):  # prefill chunks one sequence at a time
         if n == 1:
