@@ -222,21 +222,18 @@ class Scheduler:
             seq = self.waiting[0]
             hashes = self._prefix_hashes(seq)
             hit = self._usable(self.allocator.lookup(hashes))
-            need = blocks_needed(seq.num_tokens) - len(hit)
-            if not self.allocator.can_allocate(need):
-                self.allocator.free(hit[::-1])
-                break
-            seq.block_ids = hit + self.allocator.allocate(need)
-            seq.block_hashes = hashes[: len(hit)]
-            seq.num_computed = len(hit) * BLOCK_SIZE
+            seq.block_ids, seq.num_computed = hit, len(hit) * BLOCK_SIZE
             if self.state_start is not None:  # the hit's lookback keeps its attached state blocks
                 first = self._first_state_block(len(hit))
                 seq.state_blocks = range(first, first)
                 self._hold_state(seq, seq.num_computed)
+            need = blocks_needed(seq.num_tokens) - len(hit)
             n = min(seq.num_tokens - seq.num_computed, budget, self._state_room(seq))
-            if n < 1:
-                self._free(seq)
+            if n < 1 or not self.allocator.can_allocate(need):
+                self._free(seq)  # (gives the hit back)
                 break
+            seq.block_ids = hit + self.allocator.allocate(need)
+            seq.block_hashes = hashes[: len(hit)]
             self.waiting.popleft()
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = seq.num_computed
