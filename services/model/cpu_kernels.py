@@ -65,11 +65,22 @@ def _build():
         tag = f"torch{torch.__version__.replace('+', '_')}_{_cpu_tag()}"
         build_dir = cache_root() / "torch_extensions" / f"cpu_kernels_{tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        return load_inline("moe_cpu_kernels", cpp_sources=_SOURCE, functions=FUNCTIONS,
-                           extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], build_directory=str(build_dir))  # fmt: skip
-    except Exception as e:  # no compiler, no ninja, an unsupported CPU: torch's own ops
+    except Exception as e:  # no torch.utils.cpp_extension
         log.warning("CPU kernels unavailable (%s: %s); using torch ops", type(e).__name__, e)
         return None
+    # -fopenmp: at::parallel_for is an inline template that only splits work over torch's
+    # threads when the extension itself is compiled with OpenMP (without it every kernel runs on
+    # one thread). Linking it loads no second runtime: torch's bundled libgomp.so.1 is the one
+    # already loaded under that name. A compiler without OpenMP gets the one-thread build.
+    for omp in (["-fopenmp"], []):
+        try:
+            return load_inline("moe_cpu_kernels", cpp_sources=_SOURCE, functions=FUNCTIONS,
+                               extra_cflags=["-O3", "-march=native", "-ffp-contract=off", *omp],
+                               extra_ldflags=omp, build_directory=str(build_dir))  # fmt: skip
+        except Exception as e:  # no compiler, no ninja, an unsupported CPU: torch's own ops
+            error = e
+    log.warning("CPU kernels unavailable (%s: %s); using torch ops", type(error).__name__, error)
+    return None
 
 
 def _cpu_tag() -> str:
