@@ -112,13 +112,8 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; unreferenced ones become cached (if registered) or free."""
         for b in blocks:
-            refs = self._refs.get(b)
-            if refs is None:
-                raise ValueError(f"KV cache: block {b} freed twice or never allocated")
-            if refs > 1:
-                self._refs[b] = refs - 1
+            if not _last_ref(self._refs, b, "KV cache: block {} freed twice or never allocated"):
                 continue
-            del self._refs[b]
             if b in self._hash_of:
                 self._cached[b] = None
             else:
@@ -195,13 +190,8 @@ class BlockAllocator:
         """Drop one reference to each block's state block; an unheld one stays attached (idle) if
         its block is registered, for prefix hits, and goes back to the pool otherwise."""
         for b in blocks:
-            refs = self._state_refs.get(b)
-            if refs is None:
-                raise ValueError(f"KV cache: state of block {b} released twice or never held")
-            if refs > 1:
-                self._state_refs[b] = refs - 1
+            if not _last_ref(self._state_refs, b, "KV cache: state of block {} released twice or never held"):
                 continue
-            del self._state_refs[b]
             if b in self._hash_of:
                 self._idle_states[b] = None
             else:
@@ -220,6 +210,19 @@ class BlockAllocator:
 
     def is_registered(self, block: int) -> bool:
         return block in self._hash_of
+
+
+def _last_ref(refs: dict[int, int], block: int, error: str) -> bool:
+    """Drop one of `block`'s references in `refs`; whether it was the last (ValueError `error`
+    when it holds none)."""
+    n = refs.get(block)
+    if n is None:
+        raise ValueError(error.format(block))
+    if n > 1:
+        refs[block] = n - 1
+        return False
+    del refs[block]
+    return True
 
 
 def blocks_needed(num_tokens: int) -> int:
