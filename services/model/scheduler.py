@@ -285,7 +285,8 @@ class Scheduler:
 
     # ---- DeepSeek-V4 state blocks -------------------------------------------------------
     def _state_room(self, seq: Sequence) -> int:
-        """How many tokens past num_computed the free state blocks let seq compute now."""
+        """How many tokens past num_computed the free state blocks let seq compute now (without
+        state blocks: all of its tokens)."""
         if self.state_start is None:
             return seq.num_tokens
         held_to = (seq.state_blocks.stop + self.allocator.num_free_states) * BLOCK_SIZE
