@@ -189,19 +189,23 @@ def shard_heads(w: V4AttentionWeights, cfg: ModelConfig, rank: int, tp: int) -> 
 # ---------------------------------------------------------------------------------------------
 # Compressed entries
 # ---------------------------------------------------------------------------------------------
-def _slots(batch: StepBatch, b: int, positions: torch.Tensor) -> torch.Tensor:
-    """Flat state rows (state block * 64 + offset) of sequence b's tokens at `positions` (any shape)."""
-    table = batch.state_table[b].long()
-    return table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+def _state_rows(state_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Flat state rows (state block * 64 + offset) of `positions` [..., P] through `state_table`
+    [..., max_blocks] (StepBatch.state_table rows: one sequence's, or one per leading index). A
+    block without a state block (-1: only where the caller masks) reads state block 0."""
+    blocks = state_table.long().gather(-1, positions // BLOCK_SIZE).clamp(min=0)
+    return blocks * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
 def entry_rows(block_table: torch.Tensor, w: torch.Tensor, r: int) -> torch.Tensor:
-    """Flat entry rows (block * entries_per_block(r) + slot) of windows w [E] of one sequence,
-    block_table [max_blocks] -> [E], or of several, block_table [B, max_blocks] -> [B, E]: entry
-    w sits in the block of its last token w*r + r - 1, after the entries of the earlier windows
-    ending there (the first is (64 * block) // r)."""
+    """Flat entry rows (block * entries_per_block(r) + slot) of windows w through `block_table`
+    [..., max_blocks]: w [E] with one sequence's table -> [E], with tables [B, max_blocks] ->
+    [B, E] (the same windows of each), or w [B, 1] -> [B, 1] (one window of each). Entry w sits
+    in the block of its last token w*r + r - 1, after the entries of the earlier windows ending
+    there (the first is (64 * block) // r)."""
     block = (w * r + r - 1) // BLOCK_SIZE
-    return block_table.long()[..., block] * entries_per_block(r) + w - (block * BLOCK_SIZE) // r
+    blocks = block_table.long().gather(-1, block.expand(*block_table.shape[:-1], block.shape[-1]))
+    return blocks * entries_per_block(r) + w - (block * BLOCK_SIZE) // r
 
 
 def emit_entries(
@@ -212,30 +216,34 @@ def emit_entries(
     rope: V4Rope,
     eps: float,
 ) -> None:
-    """Compute the entries of the windows this step's tokens complete, from the compressor
-    states in the state rows `rows` [state blocks*64, Ws] (this step's included), into
-    `entries` [blocks*entries_per_block, We]."""
+    """Compute the entries of the windows this step's tokens complete (of every sequence at
+    once), from the compressor states in the state rows `rows` [state blocks*64, Ws] (this
+    step's included), into `entries` [blocks*entries_per_block, We]."""
     r, d, device = c.ratio, c.dim, rows.device
+    seqs, windows = [], []
     for b, n in enumerate(batch.query_lens):
         end = batch.context_lens[b]
         first, last = (end - n) // r, end // r  # windows first .. last-1 close in this step
-        if last <= first:
-            continue
-        w = torch.arange(first, last, device=device)  # [nw]
-        span = 2 * r if c.overlap else r
-        pos = (w[:, None] - (1 if c.overlap else 0)) * r + torch.arange(span, device=device)  # [nw, span]
-        src = rows[:, c.offset : c.state_end][_slots(batch, b, pos.clamp(min=0))]  # [nw, span, 2Sd]
-        kv, gate = src[..., : c.width], src[..., c.width :].float()
-        if c.overlap:  # slots 0..r-1: window w-1's Ca series; r..2r-1: window w's Cb series
-            kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)  # [nw, 2r, d]
-            gate = torch.cat((gate[:, :r, :d] + c.ape[:, :d], gate[:, r:, d:] + c.ape[:, d:]), dim=1)
-            before = (pos < 0)[..., None]  # window -1 does not exist: weight 0
-            kv, gate = kv.masked_fill(before, 0.0), gate.masked_fill(before, float("-inf"))
-        else:
-            gate = gate + c.ape
-        pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [nw, d]
-        entry = rope_tail(rms_norm_f32(pooled, c.norm, eps), *rope.cos_sin(w * r))
-        entries[entry_rows(batch.block_table[b], w, r), c.entry_cols] = entry.to(entries.dtype)
+        seqs += [b] * (last - first)
+        windows += range(first, last)
+    if not windows:
+        return
+    b, w = torch.tensor(seqs, device=device), torch.tensor(windows, device=device)  # [nw]
+    span = 2 * r if c.overlap else r
+    pos = (w[:, None] - (1 if c.overlap else 0)) * r + torch.arange(span, device=device)  # [nw, span]
+    src = rows[_state_rows(batch.state_table[b], pos.clamp(min=0)), c.offset : c.state_end]  # [nw, span, 2Sd]
+    kv, gate = src[..., : c.width], src[..., c.width :].float()
+    if c.overlap:  # slots 0..r-1: window w-1's Ca series; r..2r-1: window w's Cb series
+        kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)  # [nw, 2r, d]
+        gate = torch.cat((gate[:, :r, :d] + c.ape[:, :d], gate[:, r:, d:] + c.ape[:, d:]), dim=1)
+        before = (pos < 0)[..., None]  # window -1 does not exist: weight 0
+        kv, gate = kv.masked_fill(before, 0.0), gate.masked_fill(before, float("-inf"))
+    else:
+        gate = gate + c.ape
+    pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [nw, d]
+    entry = rope_tail(rms_norm_f32(pooled, c.norm, eps), *rope.cos_sin(w * r))
+    at = entry_rows(batch.block_table[b], w[:, None], r)[:, 0]  # [nw]
+    entries[at, c.entry_cols] = entry.to(entries.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,12 +309,9 @@ def _decode_context(
     [Bd, window + E, D] (each row's window rows, then its entries, E the most any has), visible
     [Bd, 1, window + E]. Padding reads other rows and entries of the cache; they are masked and
     zeroed (a non-finite value left in a freed block must not reach this step)."""
-    D, window = cfg.head_dim, cfg.sliding_window
+    D, window = cfg.head_dim, min(cfg.sliding_window, int(d.lens.max()))  # (no row sees further)
     kpos = d.lens[:, None] - window + torch.arange(window, device=rows.device)  # [Bd, window]
-    at = kpos.clamp(min=0)
-    state_table = batch.state_table[d.seqs].long()
-    state_blocks = state_table.gather(1, at // BLOCK_SIZE).clamp(min=0)  # (released ones: masked)
-    keys = rows[state_blocks * BLOCK_SIZE + at % BLOCK_SIZE, :D]
+    keys = rows[_state_rows(batch.state_table[d.seqs], kpos.clamp(min=0)), :D]  # (released rows: masked)
     visible = kpos >= 0
     c = w.compressor
     num = None if c is None else d.lens // c.ratio  # [Bd] complete windows (= entries) of each
@@ -372,7 +377,7 @@ def v4_attention(
         end, s0 = batch.context_lens[b], batch.query_starts[b]
         qpos = torch.arange(end - n, end, device=device)  # [n]
         kpos = torch.arange(max(0, end - n - window + 1), end, device=device)  # the queries' windows
-        keys = rows[:, :D][_slots(batch, b, kpos)]  # [Lw, D]
+        keys = rows[_state_rows(batch.state_table[b], kpos), :D]  # [Lw, D]
         visible = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - window)  # [n, Lw]
         c = w.compressor
         if c is not None and end >= c.ratio:
