@@ -101,10 +101,9 @@ class EngineConfig:
         same one, a replica). Rows are `cfg.cache_dim` wide: [c_kv | k_pe], plus the indexer key
         for DeepSeek-V3.2; DeepSeek-V4 has its entry blocks and state blocks (V4Cache)."""
         max_model_len = self.scheduler_config(cfg).max_model_len
-        blocks = self.kv_blocks(cfg, max_model_len)
         if cfg.is_v4:
-            states = self.state_blocks(cfg, max_model_len)
-            return V4Cache(cfg, blocks, states, model.dtype, model.device)
+            return V4Cache(cfg, *self._v4_sizes(cfg, max_model_len), model.dtype, model.device)
+        blocks = self.kv_blocks(cfg, max_model_len)
         return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.cache_dim, model.dtype, model.device)
 
 
