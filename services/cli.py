@@ -39,7 +39,11 @@ def cmd_generate(args) -> int:
     from services.model.scheduler import RequestError
 
     model = args.model or default_model_dir()
-    engine = LocalEngine(EngineConfig(model=str(model), dtype=args.dtype, num_threads=args.threads))
+    engine = LocalEngine(
+        EngineConfig(
+            model=str(model), dtype=args.dtype, weight_dtype=args.weight_dtype, num_threads=args.threads
+        )
+    )
     prompts: list[list[int]] = list(args.prompt_token_ids or [])
     text_mode = bool(args.prompt)
     if text_mode:
@@ -244,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--dtype", default="float32")
+    s.add_argument("--weight-dtype", default=None, help="bfloat16: weights in bf16 under float32 (CPU)")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     s.set_defaults(fn=cmd_generate)

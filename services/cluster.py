@@ -52,6 +52,9 @@ class ClusterConfig:
     redis_url: str | None = _setting(None, "external Redis (default: an embedded redis-server)")
     key_prefix: str = _setting("moe", "prefix of every Redis key")
     dtype: str = _setting("float32", "weights and activations: float32, bfloat16, float16")
+    weight_dtype: str | None = _setting(
+        None, "bfloat16: hold linear and expert weights in bf16 under float32 on CPU (half the memory)"
+    )
     max_num_seqs: int = _setting(64, "sequences per step, per attention worker")
     max_num_batched_tokens: int = _setting(2048, "tokens per step, per attention worker")
     max_model_len: int | None = _setting(None, "context length (default: min(model's, 4096))")
@@ -200,6 +203,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             window_buckets=cfg.balancer_window_buckets,
             min_gain=cfg.balancer_min_gain,
             expert_dtype=cfg.dtype,
+            expert_weight_dtype=cfg.weight_dtype,
             expert_threads=cfg.expert_threads,
             expert_resources=cfg.expert_resources,
             expert_gpus=cfg.expert_gpus,
@@ -212,6 +216,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
     engine = EngineConfig(
         model=model_dir,
         dtype=cfg.dtype,
+        weight_dtype=cfg.weight_dtype,
         device="cuda" if cfg.attention_gpus > 0 else "cpu",
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -201,3 +201,24 @@ def test_a_gpu_store_matches_the_cpu_store(model):
         torch.testing.assert_close(got, cpu.forward(version, layer, x, slot, weight), rtol=1e-4, atol=1e-5)
     (_, w13, w2), (_, c13, c2) = gpu.expert_weights(layer, [9])[0], cpu.expert_weights(layer, [9])[0]
     assert not w13.is_cuda and torch.equal(w13, c13) and torch.equal(w2, c2)
+
+
+def test_bf16_held_experts_compute_in_fp32(model):
+    """weight_dtype bf16: half the bytes held, fp32 hidden states in and out, the results of the
+    in-process experts held in bf16."""
+    path, cfg, _ = model
+    reader = CheckpointReader.for_config(path, cfg)
+    everything = LocalExperts.load_all(reader, cfg, torch.bfloat16)
+    store = SlotStore(cfg, path, torch.float32, weight_dtype=torch.bfloat16)
+    experts = [3, 7, 0, 15]
+    store.load(1, _layout(cfg, experts))
+    assert store._versions[1].packed.nbytes() == _expert_bytes(cfg, len(experts), itemsize=2)
+    for layer in cfg.moe_layers:
+        x, slot, weight, logical = _request(cfg, experts, seed=layer)
+        got = store.forward(1, layer, x, slot, weight)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(
+            got, everything.packed.forward(layer, x, logical, weight), rtol=1e-5, atol=1e-6
+        )
+    with pytest.raises(InvalidRequest, match="computes in torch.float32"):
+        store.forward(1, cfg.moe_layers[0], x.bfloat16(), slot, weight)

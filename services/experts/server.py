@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from services.model.config import ModelConfig, parse_dtype
+from services.model.engine import check_weight_dtype
 from services.rpc import wire
 
 from .servicer import ExpertServicer, add_expert_service
@@ -34,6 +35,7 @@ class ExpertWorkerConfig:
     # `model_config` is given.
     model: str
     dtype: str = "float32"  # compute dtype; Dispatch hidden states must come in this dtype
+    weight_dtype: str | None = None  # experts held narrower than dtype: "bfloat16" under float32 on CPU
     device: str = "cpu"  # where the experts are held and computed ("cuda": the GPU Ray gave the worker)
     num_threads: int | None = 1  # torch intra-op threads in the worker process (None: leave as is)
     host: str | None = None  # None: the Ray node's IP inside an actor, else 127.0.0.1
@@ -67,8 +69,10 @@ class ExpertServer:
         self.cfg = cfg
         self.host = cfg.host or host
         hf = cfg.model_config if cfg.model_config is not None else read_model_config(cfg.model)
-        self.store = SlotStore(ModelConfig.from_hf(hf), cfg.model, parse_dtype(cfg.dtype), cfg.max_versions,
-                               cfg.device)  # fmt: skip
+        dtype = parse_dtype(cfg.dtype)
+        weight_dtype = check_weight_dtype(cfg.weight_dtype, dtype, cfg.device)
+        self.store = SlotStore(ModelConfig.from_hf(hf), cfg.model, dtype, cfg.max_versions, cfg.device,
+                               weight_dtype)  # fmt: skip
         self.servicer = ExpertServicer(
             self.store, peer_timeout_s=cfg.peer_timeout_s, max_message_bytes=cfg.max_message_bytes
         )
@@ -117,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weight-dtype", default=None, help="hold the experts in bfloat16 (float32 dtype, CPU)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
@@ -126,7 +131,12 @@ def main(argv: list[str] | None = None) -> None:
 
     server = ExpertServer(
         ExpertWorkerConfig(
-            model=args.model, dtype=args.dtype, device=args.device, host=args.host, port=args.port
+            model=args.model,
+            dtype=args.dtype,
+            weight_dtype=args.weight_dtype,
+            device=args.device,
+            host=args.host,
+            port=args.port,
         )
     )
     print(server.start(), flush=True)

@@ -106,8 +106,12 @@ class SlotStore:
         dtype: torch.dtype,
         max_versions: int = 3,
         device: str | torch.device = "cpu",
+        weight_dtype: torch.dtype | None = None,
     ):
+        """dtype: what Dispatch computes in; weight_dtype: how the experts are held when narrower
+        (bf16 under fp32 on CPU: engine.check_weight_dtype); None: dtype."""
         self.cfg, self.model_dir, self.dtype, self.max_versions = cfg, Path(model_dir), dtype, max_versions
+        self.weight_dtype = weight_dtype or dtype
         self.device = torch.device(device)  # where the packed experts live and compute
         self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
         self._versions: dict[int, SlotVersion] = {}
@@ -206,7 +210,7 @@ class SlotStore:
         single experts are copied from memory, the rest is read from the checkpoint, and what
         the checkpoint here lacks comes from `fetch`."""
         packed, report = PackedExperts(swiglu_limit=self.cfg.swiglu_limit), LoadReport(0)
-        checkpoint = _Checkpoint(self.model_dir, self.cfg, self.dtype)
+        checkpoint = _Checkpoint(self.model_dir, self.cfg, self.weight_dtype)
         try:
             for layer, experts in layout.items():
                 same = next((d.packed for d in donors if d.packed.logical[layer] == experts), None)
@@ -230,7 +234,7 @@ class SlotStore:
                     report.bytes_from_peers += sum(_nbytes(*fetched[e]) for e in missing)
                     held.update(
                         {
-                            e: (w13.to(self.device, self.dtype), w2.to(self.device, self.dtype))
+                            e: (w13.to(self.device, self.weight_dtype), w2.to(self.device, self.weight_dtype))
                             for e, (w13, w2) in fetched.items()
                         }
                     )

@@ -1,19 +1,29 @@
 // CPU kernels for decode-sized work (fp32, AVX2-friendly vector extensions), compiled on first
 // use by services/model/cpu_kernels.py, which documents them and holds their Python wrappers.
+// The linears and the experts also take bf16 weights (fp32 inputs, outputs and sums): a weight
+// loaded as bf16 is widened to fp32 in registers, exactly (its 16 bits shifted up), so the results
+// are those of the fp32 kernel on the bf16-rounded weights, bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
 #define NO_GIL pybind11::gil_scoped_release no_gil  // entry points: other Python threads run meanwhile
 typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 static inline v8 ld(const float* p) { v8 v; __builtin_memcpy(&v, p, 32); return v; }
+static inline v8 ld(const at::BFloat16* p) {  // 8 bf16 weights, widened
+  u16x8 h; __builtin_memcpy(&h, p, 16);
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  v8 v; __builtin_memcpy(&v, &w, 32); return v;
+}
 static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 // Dot products of one weight row wr [K] with N rows xs[i] [K] (K % 8 == 0), the rows' chains of
 // adds side by side (one weight load each step); each row is summed in the same order whatever N
 // is: a row's result does not depend on the rows beside it.
-template <int N>
-static inline void dots_n(const float* wr, const float* const* xs, int64_t K, float* out) {
+template <int N, typename W>
+static inline void dots_n(const W* wr, const float* const* xs, int64_t K, float* out) {
   v8 a[N];
   for (int i = 0; i < N; ++i) a[i] = v8{0};
   for (int64_t k = 0; k < K; k += 8) {
@@ -26,7 +36,8 @@ static inline void dots_n(const float* wr, const float* const* xs, int64_t K, fl
 // dots_n<4> of two weight rows at once: 8 chains, each x load used twice (same sums, same order);
 // the rows 4 ahead are prefetched (a hint, never a fault: it pays here, where each weight load
 // feeds 8 chains, and costs up to half the speed in dots_n's 1-3 row loops).
-static inline void dots_4x2(const float* w0, const float* w1, const float* const* xs, int64_t K, float* o0, float* o1) {
+template <typename W>
+static inline void dots_4x2(const W* w0, const W* w1, const float* const* xs, int64_t K, float* o0, float* o1) {
   v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
   for (int64_t k = 0; k < K; k += 8) {
     const v8 u = ld(w0 + k), v = ld(w1 + k);
@@ -40,7 +51,8 @@ static inline void dots_4x2(const float* w0, const float* w1, const float* const
   o1[0] = hsum(b0); o1[1] = hsum(b1); o1[2] = hsum(b2); o1[3] = hsum(b3);
 }
 
-static inline void dots(const float* wr, const float* const* xs, int n, int64_t K, float* out) {
+template <typename W>
+static inline void dots(const W* wr, const float* const* xs, int n, int64_t K, float* out) {
   switch (n) {
     case 4: dots_n<4>(wr, xs, K, out); break;
     case 3: dots_n<3>(wr, xs, K, out); break;
@@ -53,15 +65,24 @@ static inline void dots(const float* wr, const float* const* xs, int n, int64_t 
 // 16-lane vectors, two chains per (weight row, x row) over alternate halves of each 32 values,
 // out[r * N + i]. Each result is summed in the same order whatever N and R are.
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 static inline v16 ld16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
-template <int R, int N>
-static inline void dots16(const float* const* ws, const float* const* xs, int64_t K, float* out) {
+static inline v16 ld16(const at::BFloat16* p) {  // 16 bf16 weights, widened
+  u16x16 h; __builtin_memcpy(&h, p, 32);
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 v; __builtin_memcpy(&v, &w, 64); return v;
+}
+template <int R, int N, typename W>
+static inline void dots16(const W* const* ws, const float* const* xs, int64_t K, float* out) {
   v16 a[R][N], b[R][N];
   for (int r = 0; r < R; ++r) for (int i = 0; i < N; ++i) a[r][i] = b[r][i] = v16{0};
   for (int64_t k = 0; k < K; k += 32) {
+    v16 w0[R], w1[R];  // each weight loaded (and widened) once for the N rows
+    for (int r = 0; r < R; ++r) { w0[r] = ld16(ws[r] + k); w1[r] = ld16(ws[r] + k + 16); }
     for (int i = 0; i < N; ++i) {
       const v16 x0 = ld16(xs[i] + k), x1 = ld16(xs[i] + k + 16);
-      for (int r = 0; r < R; ++r) { a[r][i] += x0 * ld16(ws[r] + k); b[r][i] += x1 * ld16(ws[r] + k + 16); }
+      for (int r = 0; r < R; ++r) { a[r][i] += x0 * w0[r]; b[r][i] += x1 * w1[r]; }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -73,8 +94,8 @@ static inline void dots16(const float* const* ws, const float* const* xs, int64_
 }
 
 // R (1 or 2) weight rows against n <= 4 rows: dots16 where K % 32 == 0, else `dots` per row.
-template <int R>
-static inline void expert_dots(const float* const* ws, const float* const* xs, int n, int64_t K, float* out) {
+template <int R, typename W>
+static inline void expert_dots(const W* const* ws, const float* const* xs, int n, int64_t K, float* out) {
   if (K % 32) { for (int r = 0; r < R; ++r) dots(ws[r], xs, n, K, out + r * n); return; }
   switch (n) {
     case 4: dots16<R, 4>(ws, xs, K, out); break;
@@ -84,12 +105,14 @@ static inline void expert_dots(const float* const* ws, const float* const* xs, i
   }
 }
 
-// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0, fp32, contiguous.
-static torch::Tensor small_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0, x / bias / y fp32, w fp32 or bf16
+// (W), contiguous.
+template <typename W>
+static torch::Tensor small_linear_w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && K % 8 == 0 && (!bias.has_value() || bias->numel() == N), "small_linear: shapes");
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>(); const W* wp = w.data_ptr<W>(); float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     const float* xs[4]; float d[4], e[4];
@@ -120,6 +143,13 @@ static torch::Tensor small_linear_impl(const torch::Tensor& x, const torch::Tens
   return y;
 }
 
+static torch::Tensor small_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (!bias.has_value() || bias->scalar_type() == at::kFloat), "small_linear: fp32 x and bias");
+  if (w.scalar_type() == at::kBFloat16) return small_linear_w<at::BFloat16>(x, w, bias);
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "small_linear: fp32 or bf16 weights, got ", w.scalar_type());
+  return small_linear_w<float>(x, w, bias);
+}
+
 // RMSNorm of x [M, K] (fp32): weight * (x * rsqrt(mean(x^2) + eps)).
 // x's rows may be strided (a column slice), its last dim contiguous.
 static torch::Tensor rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -142,11 +172,12 @@ static torch::Tensor rms_norm_impl(const torch::Tensor& x, const torch::Tensor& 
 // Routed experts of a few tokens, whole: out[T, H] (fp32) = sum over k of weight[t, k] *
 // FFN_{slot[t, k]}(x[t]) with FFN_s(x) = w2[s] (silu(g) * u), [g | u] = w13[s] x (g clamped to
 // <= limit, u to [-limit, limit] when limit > 0). x [T, H], slot [T, K] int64 (-1: none),
-// weight [T, K], w13 [S, 2I, H], w2 [S, H, I]; H, I % 8 == 0. Each expert weight row is read
-// once for all of its slot's tokens; a token's choices are summed in slot order.
-torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
-                         const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
-  NO_GIL;
+// weight [T, K], w13 [S, 2I, H], w2 [S, H, I] (both fp32 or both bf16: W); H, I % 8 == 0. Each
+// expert weight row is read once for all of its slot's tokens; a token's choices are summed in
+// slot order.
+template <typename W>
+static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
+                                  const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
   const int64_t T = x.size(0), H = x.size(1), K = slot.size(1), S = w13.size(0), I = w2.size(2);
   TORCH_CHECK(slot.size(0) == T && weight.numel() == T * K && w13.size(1) == 2 * I && w13.size(2) == H &&
               w2.size(0) == S && w2.size(1) == H && H % 8 == 0 && I % 8 == 0, "expert_ffn: shapes");
@@ -165,14 +196,14 @@ torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, cons
   const int64_t B = busy.size();
   auto act = torch::empty({std::max<int64_t>(P, 1), I}, x.options());
   auto ys = torch::empty({std::max<int64_t>(P, 1), H}, x.options());
-  const float* xp = x.data_ptr<float>(); const float* w13p = w13.data_ptr<float>(); const float* w2p = w2.data_ptr<float>();
+  const float* xp = x.data_ptr<float>(); const W* w13p = w13.data_ptr<W>(); const W* w2p = w2.data_ptr<W>();
   float* ap = act.data_ptr<float>(); float* yp = ys.data_ptr<float>();
   const float lim = (float)limit;
   at::parallel_for(0, B * I, 32, [&](int64_t i0, int64_t i1) {  // (busy slot, intermediate column)
     const float* xs[4]; float gu[8];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = busy[i / I], j = i % I;
-      const float* ws[2] = {w13p + (s * 2 * I + j) * H, w13p + (s * 2 * I + I + j) * H};  // gate, up rows
+      const W* ws[2] = {w13p + (s * 2 * I + j) * H, w13p + (s * 2 * I + I + j) * H};  // gate, up rows
       for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
         const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
         for (int r = 0; r < c; ++r) xs[r] = xp + (pair[p + r] / K) * H;
@@ -189,7 +220,7 @@ torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, cons
     const float* as[4]; float d[4];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = busy[i / H], n = i % H;
-      const float* dw[1] = {w2p + (s * H + n) * I};
+      const W* dw[1] = {w2p + (s * H + n) * I};
       for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
         const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
         for (int r = 0; r < c; ++r) as[r] = ap + (p + r) * I;
@@ -213,6 +244,16 @@ torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, cons
       }
   });
   return out;
+}
+
+torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
+                         const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
+  NO_GIL;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && w13.scalar_type() == w2.scalar_type(),
+              "expert_ffn: fp32 x and weight, w13 and w2 of one dtype");
+  if (w13.scalar_type() == at::kBFloat16) return expert_ffn_w<at::BFloat16>(x, slot, weight, w13, w2, limit);
+  TORCH_CHECK(w13.scalar_type() == at::kFloat, "expert_ffn: fp32 or bf16 expert weights, got ", w13.scalar_type());
+  return expert_ffn_w<float>(x, slot, weight, w13, w2, limit);
 }
 
 // Interleaved-pair rope: x [T, N, R] (last dim contiguous) -> out [T, N, R] with, for c = cos[t, i],
@@ -360,9 +401,10 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
 // ops in the same order, called from C++: ~35 torch calls from Python cost more than their work
 // at batch 1). x [T, H] -> [T, H]; writes each token's [c_kv | k_pe] row at slot_mapping [T].
 // Weights as model.MLAWeights (q via q_a/q_b or q_proj; optional biases); cos / sin [T, R/2].
-// cpu_kernels.linear from C++: the small-batch kernel up to MAX_ROWS = 8 rows, ATen's linear beyond.
+// cpu_kernels.linear from C++: the small-batch kernel up to MAX_ROWS = 8 rows, ATen's linear beyond
+// (on a widened copy of bf16 weights).
 static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
-  if (x.size(0) > 8 || x.size(1) % 8) return at::linear(x, w, b);
+  if (x.size(0) > 8 || x.size(1) % 8) return at::linear(x, w.to(x.scalar_type()), b);
   const auto bias = b.has_value() ? c10::optional<torch::Tensor>(b->contiguous()) : c10::nullopt;
   return small_linear_impl(x.contiguous(), w.contiguous(), bias);
 }

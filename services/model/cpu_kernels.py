@@ -15,6 +15,12 @@
   layer of a decode-only step in one call (the ops of model.mla_forward, run from C++).
 - `route_sigmoid` (the V3 router), `rope_interleaved`, `rms_norm`: one op instead of 6-20.
 
+`linear` and `expert_ffn` also take bf16 weights with fp32 inputs (`EngineConfig.weight_dtype`,
+as llama.cpp's f16/bf16 files: weights stored in 16 bits, everything else fp32): each weight is
+widened in registers, exactly, so the result is the fp32 kernel's on the bf16-rounded weights,
+bit for bit, from half the memory. Beyond MAX_ROWS rows, and without the kernels, the weight is
+widened by torch for the call (MKL on the widened copy beats the kernel there).
+
 Every output element is one dot product or sum in a fixed order (no FMA contraction, which the
 compiler would apply differently to the 4-row and the 1-row loop), so a token's result does not
 depend on how many tokens share the call (batch invariance).
@@ -115,6 +121,11 @@ def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype is torch.float32 and t.is_cpu) for t in tensors)
 
 
+def _weights_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Linear weights the kernels take: fp32 or bf16 on CPU."""
+    return all(t is None or (t.dtype in (torch.float32, torch.bfloat16) and t.is_cpu) for t in tensors)
+
+
 def _paged_cache_ok(cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> bool:
     """An fp32 CPU cache the kernels can address directly, with int64 block tables / lengths."""
     return (
@@ -126,10 +137,11 @@ def _paged_cache_ok(cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias); x [M, K] with M <= MAX_ROWS, fp32 on CPU, goes through the kernel."""
+    """F.linear(x, w, bias), computed in x's dtype (w may be stored narrower, e.g. bf16 under fp32
+    x); fp32 x [M <= MAX_ROWS, K] on CPU with fp32 or bf16 w goes through the kernel."""
     if (  # (spelled out: this runs ~60 times per decode step)
         x.dtype is torch.float32
-        and w.dtype is torch.float32
+        and (w.dtype is torch.float32 or w.dtype is torch.bfloat16)
         and x.is_cpu
         and x.dim() == 2
         and x.shape[0] <= MAX_ROWS
@@ -141,7 +153,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
             return module.small_linear(
                 x.contiguous(), w.contiguous(), None if bias is None else bias.contiguous()
             )
-    return F.linear(x, w, bias)
+    return F.linear(x, w if w.dtype is x.dtype else w.to(x.dtype), bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -165,10 +177,12 @@ def expert_ffn(
     swiglu_limit: float | None = None,
 ) -> torch.Tensor | None:
     """The routed experts of a few tokens in one call: x [T, H], slot [T, K] int64 (-1 = none),
-    weight [T, K] fp32, w13 [S, 2I, H], w2 [S, H, I] -> fp32 [T, H] (see layers.grouped_expert_ffn
-    for the math). None where the kernel does not apply."""
+    weight [T, K] fp32, w13 [S, 2I, H], w2 [S, H, I] (fp32, or both bf16) -> fp32 [T, H] (see
+    layers.grouped_expert_ffn for the math). None where the kernel does not apply."""
     H, I = x.shape[1], w2.shape[2]
-    if H % 8 or I % 8 or slot.dtype != torch.int64 or not _fp32_cpu(x, weight, w13, w2):
+    if H % 8 or I % 8 or slot.dtype != torch.int64 or not _fp32_cpu(x, weight):
+        return None
+    if not (w13.is_cpu and w13.dtype is w2.dtype and w13.dtype in (torch.float32, torch.bfloat16)):
         return None
     if swiglu_limit is not None and swiglu_limit <= 0:  # (the kernel reads 0 as "no clamp")
         return None
@@ -247,7 +261,8 @@ def mla_decode_layer(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: 
         or cache.shape[-1] != C + R
         or (C + R) % 8
         or C % 8
-        or not _fp32_cpu(x, w.kv_a, w.kv_b, w.o, w.q_a, w.q_b, w.q_proj, w.kv_a_norm, w.q_a_norm)
+        or not _fp32_cpu(x, w.kv_b, w.kv_a_norm, w.q_a_norm)
+        or not _weights_cpu(w.kv_a, w.o, w.q_a, w.q_b, w.q_proj)
         or not _fp32_cpu(w.q_a_bias, w.kv_a_bias, w.o_bias, *cos_sin)
         or (w.q_a_norm is not None and w.q_a_norm.numel() % 8)  # (its RMSNorm runs in the kernel)
         or not _paged_cache_ok(cache, table, lens)

@@ -36,6 +36,9 @@ class EngineConfig:
     model: str
     dtype: str = "float32"
     device: str = "cpu"
+    # storage of the linear and routed-expert weights when narrower than `dtype`: "bfloat16"
+    # under a float32 CPU engine (half the memory; the fp32 math on bf16-rounded weights)
+    weight_dtype: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
@@ -485,6 +488,24 @@ class Engine:
         return [acc[rid] for rid in ids]
 
 
+def check_weight_dtype(
+    weight_dtype: str | None, dtype: torch.dtype, device: str, cfg: ModelConfig | None = None
+) -> torch.dtype | None:
+    """The weights' storage dtype for `EngineConfig.weight_dtype` (None: the compute dtype); a
+    clear error for a combination no kernel serves."""
+    if weight_dtype is None or parse_dtype(weight_dtype) == dtype:
+        return None
+    wd = parse_dtype(weight_dtype)
+    if wd != torch.bfloat16 or dtype != torch.float32 or torch.device(device).type != "cpu":
+        raise ValueError(
+            f"weight_dtype {weight_dtype} under dtype {dtype} on {device}: weights narrower than the "
+            "compute dtype are bfloat16 under float32 on CPU only"
+        )
+    if cfg is not None and cfg.is_v4:
+        raise ValueError("weight_dtype bfloat16 is not supported for DeepSeek-V4 checkpoints yet")
+    return wd
+
+
 def load_engine(
     engine_cfg: EngineConfig,
     make_experts: Callable[[ModelConfig, CheckpointReader, torch.dtype], ExpertBackend] | None = None,
@@ -498,13 +519,18 @@ def load_engine(
     model_dir = Path(engine_cfg.model)
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(engine_cfg.dtype)
+    weight_dtype = check_weight_dtype(engine_cfg.weight_dtype, dtype, engine_cfg.device, cfg)
     reader = CheckpointReader.for_config(model_dir, cfg)
-    model_cls = DeepseekV4 if cfg.is_v4 else DeepseekV3  # same forward(batch, cache) contract
-    model = model_cls.load(reader, cfg, dtype, engine_cfg.device)
-    if make_experts is None:
-        experts = LocalExperts.load_all(reader, cfg, dtype).to(engine_cfg.device)
+    if cfg.is_v4:
+        model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device)  # same forward(batch, cache) contract
     else:
-        experts = make_experts(cfg, reader, dtype)
+        model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device, weight_dtype=weight_dtype)
+    if make_experts is None:
+        experts = LocalExperts.load_all(reader, cfg, weight_dtype or dtype).to(engine_cfg.device)
+    else:
+        experts = make_experts(
+            cfg, reader, weight_dtype or dtype
+        )  # (the dtype in-process experts are held in)
     reader.close()
     return cfg, model, experts, Tokenizer.from_dir(model_dir)
 

@@ -131,7 +131,9 @@ def swiglu_act(g: torch.Tensor, u: torch.Tensor, limit: float | None = None) -> 
 
 
 def _expert_mlp_grouped_mm(xs, offs, w13, w2, limit=None):
-    """One grouped matmul per projection over all experts (torch >= 2.9, CPU and GPU)."""
+    """One grouped matmul per projection over all experts (torch >= 2.9, CPU and GPU); weights
+    stored narrower than xs (bf16 under fp32) are widened for the call."""
+    w13, w2 = w13.to(xs.dtype), w2.to(xs.dtype)
     g, u = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     return F.grouped_mm(swiglu_act(g, u, limit), w2.transpose(1, 2), offs=offs)
 

@@ -14,6 +14,7 @@ Dispatch RPC); "moe_layer" its index among the MoE layers (placements, load coun
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Generator
@@ -280,25 +281,36 @@ class LayerWeights:
         return self.moe_layer is not None
 
 
-def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
+def _load_layer(
+    reader: CheckpointReader,
+    cfg: ModelConfig,
+    i: int,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None = None,
+) -> LayerWeights:
+    """Layer i's weights in `dtype`; the matrices that only go through `linear` (q_a, q_b / q_proj,
+    kv_a, o, the dense MLP or shared experts) in `weight_dtype` when given (bf16 under fp32: see
+    cpu_kernels.linear). kv_b (the absorbed attention's bmm), the indexer and the router stay in
+    `dtype` (the router in fp32)."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
     get, opt = reader.get, reader.get_optional
+    lw = weight_dtype or dtype
     attn = MLAWeights(
-        kv_a=get(a + "kv_a_proj_with_mqa.weight", dtype),
+        kv_a=get(a + "kv_a_proj_with_mqa.weight", lw),
         kv_a_norm=get(a + "kv_a_layernorm.weight", dtype),
         kv_b=get(a + "kv_b_proj.weight", dtype),
-        o=get(a + "o_proj.weight", dtype),
+        o=get(a + "o_proj.weight", lw),
         kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias", dtype),
         o_bias=opt(a + "o_proj.bias", dtype),
     )
     if cfg.q_lora_rank:
-        attn.q_a = get(a + "q_a_proj.weight", dtype)
+        attn.q_a = get(a + "q_a_proj.weight", lw)
         attn.q_a_norm = get(a + "q_a_layernorm.weight", dtype)
-        attn.q_b = get(a + "q_b_proj.weight", dtype)
+        attn.q_b = get(a + "q_b_proj.weight", lw)
         attn.q_a_bias = opt(a + "q_a_proj.bias", dtype)
     else:
-        attn.q_proj = get(a + "q_proj.weight", dtype)
+        attn.q_proj = get(a + "q_proj.weight", lw)
     if cfg.has_indexer:
         attn.indexer = IndexerWeights.load(get, a + "indexer.", dtype)
     layer = LayerWeights(
@@ -312,9 +324,9 @@ def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch
         layer.router = get(p + "mlp.gate.weight", dtype).float()  # (once here, not per step)
         layer.router_bias = opt(p + "mlp.gate.e_score_correction_bias", torch.float32)
     if not layer.is_moe or cfg.n_shared_experts:
-        layer.mlp_gate = get(mlp + "gate_proj.weight", dtype)
-        layer.mlp_up = get(mlp + "up_proj.weight", dtype)
-        layer.mlp_down = get(mlp + "down_proj.weight", dtype)
+        layer.mlp_gate = get(mlp + "gate_proj.weight", lw)
+        layer.mlp_up = get(mlp + "up_proj.weight", lw)
+        layer.mlp_down = get(mlp + "down_proj.weight", lw)
     return layer
 
 
@@ -520,14 +532,17 @@ class DeepseekV3:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         progress=None,
+        weight_dtype: torch.dtype | None = None,
     ) -> DeepseekV3:
-        """Read the attention-side weights; no routed-expert tensor is touched."""
-        layers = load_layers(_load_layer, reader, cfg, dtype, progress)
+        """Read the attention-side weights; no routed-expert tensor is touched. weight_dtype: the
+        linears' and the LM head's storage (see `_load_layer`); None: `dtype`."""
+        layers = load_layers(
+            functools.partial(_load_layer, weight_dtype=weight_dtype), reader, cfg, dtype, progress
+        )
         embed = reader.get("model.embed_tokens.weight", dtype)
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        model = cls(
-            cfg, embed, layers, reader.get("model.norm.weight", dtype), reader.get(head_name, dtype), dtype
-        )
+        head = reader.get(head_name, weight_dtype or dtype)
+        model = cls(cfg, embed, layers, reader.get("model.norm.weight", dtype), head, dtype)
         return model.to(device)
 
     def to(self, device: torch.device | str) -> DeepseekV3:
