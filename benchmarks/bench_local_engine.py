@@ -11,7 +11,7 @@ by llama.cpp's convert_hf_to_gguf.py, see docs/benchmarks.md), each row also get
 decode tokens/s (`S_TG`, same threads, f32 KV cache, flash attention off). Never run in CI.
 
     python -m benchmarks.bench_local_engine [--model DIR] [--llama-bench BIN --gguf FILE]
-                                            [--device cuda --dtype bfloat16]
+                                            [--device cuda --dtype bfloat16] [--weight-dtype bfloat16]
                                             [--out benchmarks/results/local_engine.json]
 """
 
@@ -89,20 +89,23 @@ def llama_cpp_tps(
     return rows
 
 
-def active_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-    """Weight bytes one decode token must read: attention side + shared + top-k routed experts."""
+def active_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, weight_bytes: int | None = None) -> int:
+    """Weight bytes one decode token must read: attention side + shared + top-k routed experts.
+    weight_bytes: the bytes of a linear / expert weight when narrower (EngineConfig.weight_dtype;
+    kv_b and the router stay at dtype_bytes)."""
     H, N = cfg.hidden_size, cfg.num_attention_heads
     D, R, V, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    wb = weight_bytes or dtype_bytes
     q = (H * cfg.q_lora_rank + cfg.q_lora_rank * N * (D + R)) if cfg.q_lora_rank else H * N * (D + R)
-    attn = q + H * (C + R) + N * (D + V) * C + N * V * H
-    expert = 3 * H * cfg.moe_intermediate_size
-    total = cfg.num_hidden_layers * attn + H * cfg.vocab_size  # + LM head (embedding is a row gather)
+    attn = (q + H * (C + R) + N * V * H) * wb + N * (D + V) * C * dtype_bytes
+    expert = 3 * H * cfg.moe_intermediate_size * wb
+    total = cfg.num_hidden_layers * attn + H * cfg.vocab_size * wb  # + LM head (embedding is a row gather)
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(layer):
-            total += (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert + cfg.n_routed_experts * H
+            total += (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert + cfg.n_routed_experts * H * 4
         else:
-            total += 3 * H * cfg.intermediate_size
-    return total * dtype_bytes
+            total += 3 * H * cfg.intermediate_size * wb
+    return total
 
 
 def memcpy_bandwidth() -> float:
@@ -128,6 +131,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both engines)")
+    ap.add_argument(
+        "--weight-dtype", help="bfloat16: LocalEngine holds its weights in bf16 (transformers: --dtype)"
+    )
     ap.add_argument("--out", default="benchmarks/results/local_engine.json")
     ap.add_argument("--llama-bench", help="llama.cpp's llama-batched-bench binary (adds a llama.cpp column)")
     ap.add_argument("--gguf", help="the same checkpoint as llama.cpp f32 GGUF (with --llama-bench)")
@@ -141,7 +147,13 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(args.device)  # sdpa
     engine = LocalEngine(
-        EngineConfig(model=str(model_dir), max_num_seqs=64, device=args.device, dtype=args.dtype)
+        EngineConfig(
+            model=str(model_dir),
+            max_num_seqs=64,
+            device=args.device,
+            dtype=args.dtype,
+            weight_dtype=args.weight_dtype,
+        )  # fmt: skip
     )
     rows = []
     batches = [int(x) for x in args.batches.split(",")]
@@ -163,12 +175,15 @@ def main() -> None:
                   flush=True)  # fmt: skip
 
     step_s = 1.0 / rows[0]["local_engine_tok_s"] if rows[0]["batch"] == 1 else None  # shortest prompt
-    active = active_bytes_per_token(cfg, dtype.itemsize)
+    weight_bytes = getattr(torch, args.weight_dtype).itemsize if args.weight_dtype else None
+    active = active_bytes_per_token(cfg, dtype.itemsize, weight_bytes)
     bw = memcpy_bandwidth()
     result = {
         "benchmark": "local_engine_vs_transformers",
         "model": "small preset" if not args.model else str(model_dir),
         "dtype": args.dtype,
+        "weight_dtype": args.weight_dtype or args.dtype,
+        "llama_cpp_gguf": Path(args.gguf).name if args.llama_bench else None,
         "cuda_graphs": engine.graphs is not None,
         "new_tokens": NEW_TOKENS,
         "prompt_lens": args.prompt_lens,
