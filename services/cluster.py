@@ -113,6 +113,11 @@ class ClusterConfig:
             raise ValueError("redundant_experts must be >= 0")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
+        from services.model.config import parse_dtype  # (torch: not at import time)
+        from services.model.engine import check_weight_dtype
+
+        for gpus in (self.attention_gpus, self.expert_gpus):
+            check_weight_dtype(self.weight_dtype, parse_dtype(self.dtype), "cuda" if gpus > 0 else "cpu")
         shared = self.shared(None)  # checks the shared settings
         if self.balancer_window_buckets * shared.bucket_seconds > shared.ttl_seconds:
             raise ValueError(

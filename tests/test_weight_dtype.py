@@ -103,3 +103,12 @@ def test_unserved_weight_dtypes_are_refused():
                               ("bfloat16", torch.float32, "cuda")]:  # fmt: skip
         with pytest.raises(ValueError, match="weight_dtype"):
             check_weight_dtype(wd, dtype, device)
+
+
+def test_cluster_config_refuses_unserved_weight_dtypes():
+    from services.cluster import ClusterConfig
+
+    ClusterConfig(weight_dtype="bfloat16").validate()
+    for settings in [dict(weight_dtype="float16"), dict(weight_dtype="bfloat16", expert_gpus=1)]:
+        with pytest.raises(ValueError, match="weight_dtype"):
+            ClusterConfig(**settings).validate()

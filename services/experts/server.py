@@ -69,9 +69,9 @@ class ExpertServer:
         self.cfg = cfg
         self.host = cfg.host or host
         hf = cfg.model_config if cfg.model_config is not None else read_model_config(cfg.model)
-        dtype = parse_dtype(cfg.dtype)
-        weight_dtype = check_weight_dtype(cfg.weight_dtype, dtype, cfg.device)
-        self.store = SlotStore(ModelConfig.from_hf(hf), cfg.model, dtype, cfg.max_versions, cfg.device,
+        dtype, model_cfg = parse_dtype(cfg.dtype), ModelConfig.from_hf(hf)
+        weight_dtype = check_weight_dtype(cfg.weight_dtype, dtype, cfg.device, model_cfg)
+        self.store = SlotStore(model_cfg, cfg.model, dtype, cfg.max_versions, cfg.device,
                                weight_dtype)  # fmt: skip
         self.servicer = ExpertServicer(
             self.store, peer_timeout_s=cfg.peer_timeout_s, max_message_bytes=cfg.max_message_bytes

@@ -528,9 +528,7 @@ def load_engine(
     if make_experts is None:
         experts = LocalExperts.load_all(reader, cfg, weight_dtype or dtype).to(engine_cfg.device)
     else:
-        experts = make_experts(
-            cfg, reader, weight_dtype or dtype
-        )  # (the dtype in-process experts are held in)
+        experts = make_experts(cfg, reader, weight_dtype or dtype)  # (their dtype, when held in process)
     reader.close()
     return cfg, model, experts, Tokenizer.from_dir(model_dir)
 
