@@ -9,14 +9,21 @@
 #include <vector>
 #define NO_GIL pybind11::gil_scoped_release no_gil  // entry points: other Python threads run meanwhile
 typedef float v8 __attribute__((vector_size(32)));
+typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-static inline v8 ld(const float* p) { v8 v; __builtin_memcpy(&v, p, 32); return v; }
-static inline v8 ld(const at::BFloat16* p) {  // 8 bf16 weights, widened
-  u16x8 h; __builtin_memcpy(&h, p, 16);
-  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  v8 v; __builtin_memcpy(&v, &w, 32); return v;
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+// bf16 weights at p widened to the fp32 vector V (each value's 16 bits shifted up: exact); H / W
+// are V's lanes as uint16 / uint32.
+template <typename V, typename H, typename W>
+static inline V widen_bf16(const at::BFloat16* p) {
+  H h; __builtin_memcpy(&h, p, sizeof(H));
+  const W w = __builtin_convertvector(h, W) << 16;
+  V v; __builtin_memcpy(&v, &w, sizeof(V)); return v;
 }
+static inline v8 ld(const float* p) { v8 v; __builtin_memcpy(&v, p, 32); return v; }
+static inline v8 ld(const at::BFloat16* p) { return widen_bf16<v8, u16x8, u32x8>(p); }
 static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 // Dot products of one weight row wr [K] with N rows xs[i] [K] (K % 8 == 0), the rows' chains of
@@ -64,15 +71,8 @@ static inline void dots(const W* wr, const float* const* xs, int n, int64_t K, f
 // The experts' dot products: R weight rows ws[r] [K] with N rows xs[i] [K] (K % 32 == 0) in
 // 16-lane vectors, two chains per (weight row, x row) over alternate halves of each 32 values,
 // out[r * N + i]. Each result is summed in the same order whatever N and R are.
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
 static inline v16 ld16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
-static inline v16 ld16(const at::BFloat16* p) {  // 16 bf16 weights, widened
-  u16x16 h; __builtin_memcpy(&h, p, 32);
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  v16 v; __builtin_memcpy(&v, &w, 64); return v;
-}
+static inline v16 ld16(const at::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
 template <int R, int N, typename W>
 static inline void dots16(const W* const* ws, const float* const* xs, int64_t K, float* out) {
   v16 a[R][N], b[R][N];

@@ -182,7 +182,7 @@ def expert_ffn(
     H, I = x.shape[1], w2.shape[2]
     if H % 8 or I % 8 or slot.dtype != torch.int64 or not _fp32_cpu(x, weight):
         return None
-    if not (w13.is_cpu and w13.dtype is w2.dtype and w13.dtype in (torch.float32, torch.bfloat16)):
+    if not _weights_cpu(w13, w2) or w13.dtype is not w2.dtype:
         return None
     if swiglu_limit is not None and swiglu_limit <= 0:  # (the kernel reads 0 as "no clamp")
         return None

@@ -493,9 +493,9 @@ def check_weight_dtype(
 ) -> torch.dtype | None:
     """The weights' storage dtype for `EngineConfig.weight_dtype` (None: the compute dtype); a
     clear error for a combination no kernel serves."""
-    if weight_dtype is None or parse_dtype(weight_dtype) == dtype:
+    wd = None if weight_dtype is None else parse_dtype(weight_dtype)
+    if wd is None or wd == dtype:
         return None
-    wd = parse_dtype(weight_dtype)
     if wd != torch.bfloat16 or dtype != torch.float32 or torch.device(device).type != "cpu":
         raise ValueError(
             f"weight_dtype {weight_dtype} under dtype {dtype} on {device}: weights narrower than the "
