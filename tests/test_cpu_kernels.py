@@ -134,6 +134,25 @@ def test_expert_ffn_matches_torch_and_is_batch_invariant(torch_path, limit):
 
 
 @needs_kernels
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_dense_ffn_is_the_swiglu_mlp_and_batch_invariant(torch_path, weight_dtype):
+    from services.model.layers import dense_ffn
+
+    g = torch.Generator().manual_seed(3)
+    T, H, I = 8, 48, 24  # H: a 32-wide block and a 16-wide tail
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(2 * I, H, generator=g).to(weight_dtype), torch.randn(H, I, generator=g).to(weight_dtype)
+    y = dense_ffn(x, w13, w2)
+    gate, up = x @ w13[:I].float().T, x @ w13[I:].float().T
+    torch.testing.assert_close(y, (F.silu(gate) * up) @ w2.float().T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y, _reference(torch_path, dense_ffn, x, w13, w2), rtol=1e-5, atol=1e-4)
+    assert cpu_kernels.dense_ffn(x, w13, w2) is not None  # the kernel ran
+    for t in range(T):  # each token alone gives the same bits
+        assert torch.equal(dense_ffn(x[t : t + 1], w13, w2), y[t : t + 1])
+    assert cpu_kernels.dense_ffn(torch.randn(cpu_kernels.MAX_ROWS + 1, H), w13, w2) is None  # MKL's
+
+
+@needs_kernels
 def test_mla_decode_reads_the_paged_cache_in_place():
     g = torch.Generator().manual_seed(2)
     B, N, C, R, blocks = 3, 6, 32, 8, 7  # 6 heads: a group of 4 and one of 2

@@ -2,10 +2,15 @@
 // use by services/model/cpu_kernels.py, which documents them and holds their Python wrappers.
 // The linears and the experts also take bf16 weights (fp32 inputs, outputs and sums): a weight
 // loaded as bf16 is widened to fp32 in registers, exactly (its 16 bits shifted up), so the results
-// are those of the fp32 kernel on the bf16-rounded weights, bit for bit.
+// are those of the fp32 kernel on the bf16-rounded weights, bit for bit. Products are summed
+// with explicit FMAs (`fma`), the same in every loop (the build contracts nothing itself).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <type_traits>
 #include <vector>
 #define NO_GIL pybind11::gil_scoped_release no_gil  // entry points: other Python threads run meanwhile
 typedef float v8 __attribute__((vector_size(32)));
@@ -24,6 +29,13 @@ static inline V widen_bf16(const at::BFloat16* p) {
 }
 static inline v8 ld(const float* p) { v8 v; __builtin_memcpy(&v, p, 32); return v; }
 static inline v8 ld(const at::BFloat16* p) { return widen_bf16<v8, u16x8, u32x8>(p); }
+static inline v8 fma(v8 a, v8 b, v8 c) {  // a * b + c, rounded once
+#if defined(__FMA__)
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  v8 r; for (int l = 0; l < 8; ++l) r[l] = std::fma(a[l], b[l], c[l]); return r;
+#endif
+}
 static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 // Dot products of one weight row wr [K] with N rows xs[i] [K] (K % 8 == 0), the rows' chains of
@@ -35,7 +47,7 @@ static inline void dots_n(const W* wr, const float* const* xs, int64_t K, float*
   for (int i = 0; i < N; ++i) a[i] = v8{0};
   for (int64_t k = 0; k < K; k += 8) {
     const v8 wv = ld(wr + k);
-    for (int i = 0; i < N; ++i) a[i] += ld(xs[i] + k) * wv;
+    for (int i = 0; i < N; ++i) a[i] = fma(ld(xs[i] + k), wv, a[i]);
   }
   for (int i = 0; i < N; ++i) out[i] = hsum(a[i]);
 }
@@ -49,10 +61,10 @@ static inline void dots_4x2(const W* w0, const W* w1, const float* const* xs, in
   for (int64_t k = 0; k < K; k += 8) {
     const v8 u = ld(w0 + k), v = ld(w1 + k);
     if ((k & 15) == 0) { __builtin_prefetch(w0 + 4 * K + k, 0, 0); __builtin_prefetch(w1 + 4 * K + k, 0, 0); }
-    v8 x = ld(xs[0] + k); a0 += x * u; b0 += x * v;
-    x = ld(xs[1] + k); a1 += x * u; b1 += x * v;
-    x = ld(xs[2] + k); a2 += x * u; b2 += x * v;
-    x = ld(xs[3] + k); a3 += x * u; b3 += x * v;
+    v8 x = ld(xs[0] + k); a0 = fma(x, u, a0); b0 = fma(x, v, b0);
+    x = ld(xs[1] + k); a1 = fma(x, u, a1); b1 = fma(x, v, b1);
+    x = ld(xs[2] + k); a2 = fma(x, u, a2); b2 = fma(x, v, b2);
+    x = ld(xs[3] + k); a3 = fma(x, u, a3); b3 = fma(x, v, b3);
   }
   o0[0] = hsum(a0); o0[1] = hsum(a1); o0[2] = hsum(a2); o0[3] = hsum(a3);
   o1[0] = hsum(b0); o1[1] = hsum(b1); o1[2] = hsum(b2); o1[3] = hsum(b3);
@@ -73,6 +85,13 @@ static inline void dots(const W* wr, const float* const* xs, int n, int64_t K, f
 // out[r * N + i]. Each result is summed in the same order whatever N and R are.
 static inline v16 ld16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
 static inline v16 ld16(const at::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
+static inline v16 fma(v16 a, v16 b, v16 c) {  // a * b + c, rounded once
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  v16 r; for (int l = 0; l < 16; ++l) r[l] = std::fma(a[l], b[l], c[l]); return r;
+#endif
+}
 template <int R, int N, typename W>
 static inline void dots16(const W* const* ws, const float* const* xs, int64_t K, float* out) {
   v16 a[R][N], b[R][N];
@@ -82,7 +101,7 @@ static inline void dots16(const W* const* ws, const float* const* xs, int64_t K,
     for (int r = 0; r < R; ++r) { w0[r] = ld16(ws[r] + k); w1[r] = ld16(ws[r] + k + 16); }
     for (int i = 0; i < N; ++i) {
       const v16 x0 = ld16(xs[i] + k), x1 = ld16(xs[i] + k + 16);
-      for (int r = 0; r < R; ++r) { a[r][i] += x0 * w0[r]; b[r][i] += x1 * w1[r]; }
+      for (int r = 0; r < R; ++r) { a[r][i] = fma(x0, w0[r], a[r][i]); b[r][i] = fma(x1, w1[r], b[r][i]); }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -169,6 +188,15 @@ static torch::Tensor rms_norm_impl(const torch::Tensor& x, const torch::Tensor& 
   return y;
 }
 
+// A hint to fetch the n weights at p into cache, for bf16 weights only (their widening makes the
+// experts compute-bound, and a prefetch ahead keeps memory busy meanwhile; fp32 rows stream at
+// the box's read bandwidth without it).
+template <typename W>
+static inline void prefetch_row(const W* p, int64_t n) {
+  if constexpr (std::is_same_v<W, at::BFloat16>)
+    for (int64_t b = 0; b < n * (int64_t)sizeof(W); b += 64) __builtin_prefetch((const char*)p + b, 0, 3);
+}
+
 // Routed experts of a few tokens, whole: out[T, H] (fp32) = sum over k of weight[t, k] *
 // FFN_{slot[t, k]}(x[t]) with FFN_s(x) = w2[s] (silu(g) * u), [g | u] = w13[s] x (g clamped to
 // <= limit, u to [-limit, limit] when limit > 0). x [T, H], slot [T, K] int64 (-1: none),
@@ -204,6 +232,10 @@ static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& s
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = busy[i / I], j = i % I;
       const W* ws[2] = {w13p + (s * 2 * I + j) * H, w13p + (s * 2 * I + I + j) * H};  // gate, up rows
+      if (i + 4 < i1) {  // the gate and up rows of the item 4 ahead
+        const int64_t s4 = busy[(i + 4) / I], j4 = (i + 4) % I;
+        prefetch_row(w13p + (s4 * 2 * I + j4) * H, H); prefetch_row(w13p + (s4 * 2 * I + I + j4) * H, H);
+      }
       for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
         const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
         for (int r = 0; r < c; ++r) xs[r] = xp + (pair[p + r] / K) * H;
@@ -221,6 +253,7 @@ static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& s
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = busy[i / H], n = i % H;
       const W* dw[1] = {w2p + (s * H + n) * I};
+      if (i + 8 < i1) prefetch_row(w2p + (busy[(i + 8) / H] * H + (i + 8) % H) * I, I);  // the row 8 items ahead
       for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
         const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
         for (int r = 0; r < c; ++r) as[r] = ap + (p + r) * I;

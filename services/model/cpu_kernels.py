@@ -9,7 +9,8 @@
 - `expert_ffn`: a layer's routed experts for a few tokens in one call (gate/up, SwiGLU, down,
   the weighted sum), instead of ~15 torch ops per busy expert; each expert weight row is read
   once for all of its slot's rows (gate and up rows in one pass), which keeps a batch-32 step
-  (~3 rows per slot) near the box's read bandwidth.
+  (~3 rows per slot) near the box's read bandwidth. `dense_ffn`: a dense MLP or the shared
+  experts through the same kernel (one slot).
 - `mla_decode`: MLA decode attention straight from the paged cache (no gather of the padded
   context, no padding, one call instead of ~10 ops per layer); `mla_decode_layer`: a whole MLA
   layer of a decode-only step in one call (the ops of model.mla_forward, run from C++).
@@ -21,9 +22,12 @@ widened in registers, exactly, so the result is the fp32 kernel's on the bf16-ro
 bit for bit, from half the memory. Beyond MAX_ROWS rows, and without the kernels, the weight is
 widened by torch for the call (MKL on the widened copy beats the kernel there).
 
-Every output element is one dot product or sum in a fixed order (no FMA contraction, which the
-compiler would apply differently to the 4-row and the 1-row loop), so a token's result does not
-depend on how many tokens share the call (batch invariance).
+Every output element is one dot product or sum in a fixed order, so a token's result does not
+depend on how many tokens share the call (batch invariance). The dot products use explicit fused
+multiply-adds, the same in every loop; the compiler contracts nothing itself (-ffp-contract=off),
+since it would contract the 4-row and the 1-row loops differently. With bf16 weights (where the
+widening makes the experts compute-bound) the expert kernel also prefetches the weight rows of
+the work item 4 ahead (with fp32 weights the hardware prefetcher does as well alone).
 
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler and
 ninja; ~1 min once, cached under $MOE_CLUSTER_CACHE/torch_extensions). Without them, or with
@@ -192,6 +196,17 @@ def expert_ffn(
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     return module.expert_ffn(x.contiguous(), slot.contiguous(), weight.contiguous(), w13.contiguous(),
                              w2.contiguous(), limit)  # fmt: skip
+
+
+def dense_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
+    """layers.dense_ffn for decode-sized fp32 CPU x [T <= MAX_ROWS, H] through `expert_ffn`
+    (one slot holding w13 [2I, H] / w2 [H, I], weight 1 for every token: the same sums as a
+    dense MLP); None where the kernel does not apply."""
+    T = x.shape[0]
+    if x.dim() != 2 or not 0 < T <= MAX_ROWS or not _fp32_cpu(x):
+        return None
+    one_slot = torch.zeros(T, 1, dtype=torch.int64)
+    return expert_ffn(x, one_slot, torch.ones(T, 1), w13.unsqueeze(0), w2.unsqueeze(0))
 
 
 def mla_decode(

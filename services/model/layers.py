@@ -28,9 +28,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
-    """Dense SwiGLU MLP. x [T, H], gate/up [I, H], down [H, I] -> [T, H]."""
-    return linear(F.silu(linear(x, gate_w)) * linear(x, up_w), down_w)
+def dense_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Dense SwiGLU MLP (a dense layer's MLP, the shared experts): x [T, H], w13 [2I, H] (gate rows,
+    then up rows), w2 [H, I] -> [T, H]. One gate+up projection; at decode sizes on an fp32 CPU,
+    the expert kernel with every token on one slot (MKL's GEMMs beyond MAX_ROWS rows)."""
+    y = cpu_kernels.dense_ffn(x, w13, w2)
+    if y is not None:
+        return y
+    gate, up = linear(x, w13).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2)
 
 
 class Rope:

@@ -31,7 +31,7 @@ from .config import ModelConfig
 from .cpu_kernels import linear
 from .indexer import IndexerWeights, IndexQueries, index_keys
 from .kv_cache import BLOCK_SIZE
-from .layers import Rope, rms_norm, route, swiglu
+from .layers import Rope, dense_ffn, rms_norm, route
 
 NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, DeepSeek)
 
@@ -267,10 +267,9 @@ class LayerWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     attn: MLAWeights
-    # dense MLP (layers < first_k_dense_replace) or MoE shared experts
-    mlp_gate: torch.Tensor | None = None
-    mlp_up: torch.Tensor | None = None
-    mlp_down: torch.Tensor | None = None
+    # dense MLP (layers < first_k_dense_replace) or MoE shared experts: gate and up packed
+    mlp_w13: torch.Tensor | None = None  # [2I, H]: gate_proj rows, then up_proj rows
+    mlp_down: torch.Tensor | None = None  # [H, I]
     # MoE gate
     router: torch.Tensor | None = None  # [E, H] fp32 (the model dtype's values: the gate runs in fp32)
     router_bias: torch.Tensor | None = None  # [E] fp32 e_score_correction_bias
@@ -324,8 +323,7 @@ def _load_layer(
         layer.router = get(p + "mlp.gate.weight", dtype).float()  # (once here, not per step)
         layer.router_bias = opt(p + "mlp.gate.e_score_correction_bias", torch.float32)
     if not layer.is_moe or cfg.n_shared_experts:
-        layer.mlp_gate = get(mlp + "gate_proj.weight", lw)
-        layer.mlp_up = get(mlp + "up_proj.weight", lw)
+        layer.mlp_w13 = torch.cat([get(mlp + "gate_proj.weight", lw), get(mlp + "up_proj.weight", lw)])
         layer.mlp_down = get(mlp + "down_proj.weight", lw)
     return layer
 
@@ -580,14 +578,12 @@ class DeepseekV3:
             h = h + attn
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             if not layer.is_moe:
-                h = h + swiglu(x, layer.mlp_gate, layer.mlp_up, layer.mlp_down)
+                h = h + dense_ffn(x, layer.mlp_w13, layer.mlp_down)
                 continue
             topk_idx, topk_weight = route(x, layer.router, layer.router_bias, cfg)
             msg = ExpertDispatch.routed(i, layer.moe_layer, x, topk_idx, topk_weight, cfg.n_routed_experts)
             handle = yield msg
-            shared = (
-                swiglu(x, layer.mlp_gate, layer.mlp_up, layer.mlp_down) if layer.mlp_gate is not None else 0
-            )
+            shared = dense_ffn(x, layer.mlp_w13, layer.mlp_down) if layer.mlp_w13 is not None else 0
             routed = yield ExpertCombine(handle)
             h = h + (routed + shared)
         last = h[batch.logits_index]
