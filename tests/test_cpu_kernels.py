@@ -141,7 +141,10 @@ def test_dense_ffn_is_the_swiglu_mlp_and_batch_invariant(torch_path, weight_dtyp
     g = torch.Generator().manual_seed(3)
     T, H, I = 8, 48, 24  # H: a 32-wide block and a 16-wide tail
     x = torch.randn(T, H, generator=g)
-    w13, w2 = torch.randn(2 * I, H, generator=g).to(weight_dtype), torch.randn(H, I, generator=g).to(weight_dtype)
+    w13, w2 = (
+        torch.randn(2 * I, H, generator=g).to(weight_dtype),
+        torch.randn(H, I, generator=g).to(weight_dtype),
+    )
     y = dense_ffn(x, w13, w2)
     gate, up = x @ w13[:I].float().T, x @ w13[I:].float().T
     torch.testing.assert_close(y, (F.silu(gate) * up) @ w2.float().T, rtol=1e-5, atol=1e-4)
@@ -150,6 +153,22 @@ def test_dense_ffn_is_the_swiglu_mlp_and_batch_invariant(torch_path, weight_dtyp
     for t in range(T):  # each token alone gives the same bits
         assert torch.equal(dense_ffn(x[t : t + 1], w13, w2), y[t : t + 1])
     assert cpu_kernels.dense_ffn(torch.randn(cpu_kernels.MAX_ROWS + 1, H), w13, w2) is None  # MKL's
+
+
+@needs_kernels
+def test_absorbed_products_match_bmm_and_are_batch_invariant():
+    g = torch.Generator().manual_seed(5)
+    T, N, D, V, C, R = 5, 3, 12, 20, 40, 8
+    kv_b = torch.randn(N, D + V, C, generator=g)
+    q = torch.randn(T, N, D + R, generator=g)[..., :D]  # a strided slice, as mla_forward passes it
+    o_lat = torch.randn(T, N, C, generator=g)
+    q_lat, o = cpu_kernels.absorb(q, kv_b, D, "q"), cpu_kernels.absorb(o_lat, kv_b, D, "o")
+    torch.testing.assert_close(q_lat, torch.einsum("tnd,ndc->tnc", q, kv_b[:, :D]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o, torch.einsum("tnc,nvc->tnv", o_lat, kv_b[:, D:]), rtol=1e-5, atol=1e-5)
+    for t in range(T):
+        assert torch.equal(cpu_kernels.absorb(q[t : t + 1], kv_b, D, "q"), q_lat[t : t + 1])
+        assert torch.equal(cpu_kernels.absorb(o_lat[t : t + 1], kv_b, D, "o"), o[t : t + 1])
+    assert cpu_kernels.absorb(torch.randn(cpu_kernels.MAX_ROWS + 1, N, D), kv_b, D, "q") is None  # bmm's
 
 
 @needs_kernels

@@ -442,6 +442,49 @@ static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c
   return small_linear_impl(x.contiguous(), w.contiguous(), bias);
 }
 
+// The absorbed attention's products with kv_b3 [N, D + V, C] (fp32, contiguous) for a few tokens,
+// per head over the head's rows (at::bmm runs a small GEMM per head, slow at decode sizes):
+// absorb_q: q_lat[t, n] = q[t, n, :D] @ kv_b3[n, :D] (q [T, N, >= D], last dim contiguous) ->
+// [T, N, C], each token's sum over d in order; absorb_o: o[t, n, v] = o_lat[t, n] . kv_b3[n, D + v]
+// (o_lat [T, N, C] contiguous) -> [T, N, V].
+static torch::Tensor absorb_q_impl(const torch::Tensor& q, const torch::Tensor& kv_b3, int64_t D) {
+  const int64_t T = q.size(0), N = q.size(1), C = kv_b3.size(2), W = kv_b3.size(1), st = q.stride(0), sn = q.stride(1);
+  TORCH_CHECK(q.stride(2) == 1 && C % 8 == 0, "absorb_q: layout");
+  auto out = torch::empty({T, N, C}, q.options());
+  const float* qp = q.data_ptr<float>(); const float* kp = kv_b3.data_ptr<float>(); float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t t = 0; t < T; ++t) {
+        float* o = op + (t * N + n) * C; const float* qr = qp + t * st + n * sn;
+        for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qr[d]; const v8 qv = {qd, qd, qd, qd, qd, qd, qd, qd};
+          const float* row = kp + (n * W + d) * C;
+          for (int64_t c = 0; c < C; c += 8) { const v8 v = fma(qv, ld(row + c), ld(o + c)); __builtin_memcpy(o + c, &v, 32); }
+        }
+      }
+  });
+  return out;
+}
+static torch::Tensor absorb_o_impl(const torch::Tensor& o_lat, const torch::Tensor& kv_b3, int64_t D) {
+  const int64_t T = o_lat.size(0), N = o_lat.size(1), C = o_lat.size(2), W = kv_b3.size(1), V = W - D;
+  TORCH_CHECK(o_lat.is_contiguous() && C % 8 == 0, "absorb_o: layout");
+  auto out = torch::empty({T, N, V}, o_lat.options());
+  const float* ap = o_lat.data_ptr<float>(); const float* kp = kv_b3.data_ptr<float>(); float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    const float* xs[4]; float d[4];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t v = 0; v < V; ++v)
+        for (int64_t t = 0; t < T; t += 4) {
+          const int c = (int)std::min<int64_t>(4, T - t);
+          for (int i = 0; i < c; ++i) xs[i] = ap + ((t + i) * N + n) * C;
+          dots(kp + (n * W + D + v) * C, xs, c, C, d);
+          for (int i = 0; i < c; ++i) op[((t + i) * N + n) * V + v] = d[i];
+        }
+  });
+  return out;
+}
+
 torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch::Tensor>& q_a,
                                const c10::optional<torch::Tensor>& q_a_bias, const c10::optional<torch::Tensor>& q_a_norm,
                                const c10::optional<torch::Tensor>& q_b, const c10::optional<torch::Tensor>& q_proj,
@@ -463,9 +506,12 @@ torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch
   const auto k_pe = rope_interleaved_impl(kv.narrow(1, C, R).unsqueeze(1), cos, sin).view({T, R});
   cache.view({-1, W}).index_copy_(0, slot_mapping, at::cat({c_kv, k_pe}, 1));
   const auto kv_b3 = kv_b.view({N, D + V, C});
-  const auto q_lat = at::bmm(q3.narrow(2, 0, D).transpose(0, 1), kv_b3.narrow(1, 0, D)).transpose(0, 1);  // [T, N, C]
+  const bool few = T <= 8 && kv_b.is_contiguous();  // per-head dot products, not one small GEMM per head
+  const auto q_lat = few ? absorb_q_impl(q3, kv_b3, D)
+                         : at::bmm(q3.narrow(2, 0, D).transpose(0, 1), kv_b3.narrow(1, 0, D)).transpose(0, 1);  // [T, N, C]
   const auto o_lat = mla_decode_impl(at::cat({q_lat, q_pe}, 2), cache, table, lens, C, scale);  // [T, N, C]
-  const auto o = at::bmm(o_lat.transpose(0, 1), kv_b3.narrow(1, D, V).transpose(1, 2)).transpose(0, 1);  // [T, N, V]
+  const auto o = few ? absorb_o_impl(o_lat, kv_b3, D)
+                     : at::bmm(o_lat.transpose(0, 1), kv_b3.narrow(1, D, V).transpose(1, 2)).transpose(0, 1);  // [T, N, V]
   return lin(o.reshape({T, N * V}), o_w, o_bias);
 }
 
@@ -485,4 +531,12 @@ torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, con
                          const torch::Tensor& lens, int64_t C, double scale) {
   NO_GIL;
   return mla_decode_impl(q, cache, table, lens, C, scale);
+}
+torch::Tensor absorb_q(const torch::Tensor& q, const torch::Tensor& kv_b3, int64_t D) {
+  NO_GIL;
+  return absorb_q_impl(q, kv_b3, D);
+}
+torch::Tensor absorb_o(const torch::Tensor& o_lat, const torch::Tensor& kv_b3, int64_t D) {
+  NO_GIL;
+  return absorb_o_impl(o_lat, kv_b3, D);
 }

@@ -113,6 +113,8 @@ FUNCTIONS = [
     "rope_interleaved",
     "route_sigmoid",
     "mla_decode_layer",
+    "absorb_q",
+    "absorb_o",
 ]
 
 
@@ -227,6 +229,25 @@ def mla_decode(
     if module is None:
         return None
     return module.mla_decode(q.contiguous(), cache, table.contiguous(), lens.contiguous(), latent_dim, scale)
+
+
+def absorb(x: torch.Tensor, kv_b: torch.Tensor, D: int, side: str) -> torch.Tensor | None:
+    """The absorbed MLA attention's products with kv_b [N, D + V, C] (fp32, contiguous) for up to
+    MAX_ROWS tokens, per head as dot products (torch.bmm runs a small GEMM per head): side "q":
+    x = q_nope [T, N, D] (last dim contiguous) -> q_nope @ kv_b[:, :D] [T, N, C]; side "o": x =
+    o_lat [T, N, C] -> o_lat @ kv_b[:, D:]^T [T, N, V]. None where the kernel does not apply."""
+    if (
+        x.shape[0] > MAX_ROWS
+        or kv_b.shape[-1] % 8
+        or x.stride(-1) != 1
+        or not _fp32_cpu(x, kv_b)
+        or not kv_b.is_contiguous()
+    ):
+        return None
+    module = _module()
+    if module is None:
+        return None
+    return module.absorb_q(x, kv_b, D) if side == "q" else module.absorb_o(x.contiguous(), kv_b, D)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

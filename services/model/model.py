@@ -444,7 +444,9 @@ def mla_forward(
     if dec is not None:
         Bd = dec.rows.shape[0]
         q_nope_d, q_pe_d = (q_nope, q_pe) if only_decodes else (q_nope[dec.rows], q_pe[dec.rows])
-        q_lat = torch.bmm(q_nope_d.transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
+        q_lat = cpu_kernels.absorb(q_nope_d, kv_b, D, "q")  # fp32 CPU decode sizes: per-head dots
+        if q_lat is None:
+            q_lat = torch.bmm(q_nope_d.transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
         q_full = torch.cat((q_lat, q_pe_d), dim=-1)  # [Bd, N, C+R]
         if index is not None:  # V3.2: score the context, attend to each query's top-k rows only
             flat = cache.view(-1, W)
@@ -463,7 +465,9 @@ def mla_forward(
             scores.masked_fill_(dec.pad, float("-inf"))
             probs = scores.softmax(dim=-1).to(x.dtype)
             o_lat = torch.bmm(probs, ctx[..., :C])  # [Bd, N, C]
-        o = torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)  # W_UV: [Bd, N, V]
+        o = cpu_kernels.absorb(o_lat, kv_b, D, "o")  # W_UV: [Bd, N, V]
+        if o is None:
+            o = torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)
         if only_decodes:
             return linear(o.reshape(T, N * V), w.o, w.o_bias)
         out[dec.rows] = o
