@@ -135,11 +135,12 @@ def test_expert_ffn_matches_torch_and_is_batch_invariant(torch_path, limit):
 
 @needs_kernels
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_dense_ffn_is_the_swiglu_mlp_and_batch_invariant(torch_path, weight_dtype):
+@pytest.mark.parametrize("H, I", [(48, 24), (64, 32)])  # the 8-lane loops; the 16-lane ones (% 32)
+def test_dense_ffn_is_the_swiglu_mlp_and_batch_invariant(torch_path, weight_dtype, H, I):
     from services.model.layers import dense_ffn
 
     g = torch.Generator().manual_seed(3)
-    T, H, I = 8, 48, 24  # H: a 32-wide block and a 16-wide tail
+    T = 8
     x = torch.randn(T, H, generator=g)
     w13, w2 = (
         torch.randn(2 * I, H, generator=g).to(weight_dtype),

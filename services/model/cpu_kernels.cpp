@@ -29,12 +29,18 @@ static inline V widen_bf16(const at::BFloat16* p) {
 }
 static inline v8 ld(const float* p) { v8 v; __builtin_memcpy(&v, p, 32); return v; }
 static inline v8 ld(const at::BFloat16* p) { return widen_bf16<v8, u16x8, u32x8>(p); }
-static inline v8 fma(v8 a, v8 b, v8 c) {  // a * b + c, rounded once
-#if defined(__FMA__)
-  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  v8 r; for (int l = 0; l < 8; ++l) r[l] = std::fma(a[l], b[l], c[l]); return r;
+// a * b + c per lane, rounded once (V: v8 or v16): one FMA instruction where the CPU has it.
+template <typename V>
+static inline V fma(V a, V b, V c) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #endif
+#if defined(__FMA__)
+  if constexpr (sizeof(V) == 32) return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+  V r;
+  for (int l = 0; l < (int)(sizeof(V) / sizeof(float)); ++l) r[l] = std::fma(a[l], b[l], c[l]);
+  return r;
 }
 static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
@@ -85,13 +91,6 @@ static inline void dots(const W* wr, const float* const* xs, int n, int64_t K, f
 // out[r * N + i]. Each result is summed in the same order whatever N and R are.
 static inline v16 ld16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
 static inline v16 ld16(const at::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
-static inline v16 fma(v16 a, v16 b, v16 c) {  // a * b + c, rounded once
-#if defined(__AVX512F__)
-  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#else
-  v16 r; for (int l = 0; l < 16; ++l) r[l] = std::fma(a[l], b[l], c[l]); return r;
-#endif
-}
 template <int R, int N, typename W>
 static inline void dots16(const W* const* ws, const float* const* xs, int64_t K, float* out) {
   v16 a[R][N], b[R][N];
