@@ -23,8 +23,25 @@ def test_small_linear_matches_torch_and_is_batch_invariant(rows):
             assert torch.equal(cpu_kernels.linear(x[i : i + 1], w, bias), y[i : i + 1])
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain: F.linear is used")
+@pytest.mark.parametrize("rows", [9, 14, 32])
+def test_small_linear_register_tiles_match_torch_and_are_batch_invariant(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (
+        torch.randn(rows, 272, generator=g),
+        torch.randn(70, 272, generator=g),  # 70 rows: 17 tiles of 4 and 2 rows alone
+        torch.randn(70, generator=g),
+    )
+    y = cpu_kernels.linear(x, w, b)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    for lo, hi in ((0, 9), (rows - 9, rows)):  # the same rows in a smaller tiled call: the same bits
+        assert torch.equal(cpu_kernels.linear(x[lo:hi], w, b), y[lo:hi])
+
+
 def test_shapes_the_kernel_does_not_take_use_torch():
-    x, w = torch.randn(9, 64), torch.randn(32, 64)  # more rows than MAX_ROWS
+    x, w = torch.randn(9, 64), torch.randn(32, 64)  # more rows than MAX_ROWS, K under 256
+    assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    x, w = torch.randn(cpu_kernels.TILE_ROWS + 1, 256), torch.randn(32, 256)  # more rows than TILE_ROWS
     assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
     x, w = torch.randn(2, 60), torch.randn(32, 60)  # K not a multiple of 8
     assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))

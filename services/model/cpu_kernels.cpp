@@ -91,6 +91,10 @@ static inline void dots(const W* wr, const float* const* xs, int n, int64_t K, f
 // out[r * N + i]. Each result is summed in the same order whatever N and R are.
 static inline v16 ld16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
 static inline v16 ld16(const at::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
+static inline float hsum16(v16 c) {
+  v8 lo, hi; __builtin_memcpy(&lo, &c, 32); __builtin_memcpy(&hi, (const char*)&c + 32, 32);
+  return hsum(lo + hi);
+}
 template <int R, int N, typename W>
 static inline void dots16(const W* const* ws, const float* const* xs, int64_t K, float* out) {
   v16 a[R][N], b[R][N];
@@ -103,12 +107,7 @@ static inline void dots16(const W* const* ws, const float* const* xs, int64_t K,
       for (int r = 0; r < R; ++r) { a[r][i] = fma(x0, w0[r], a[r][i]); b[r][i] = fma(x1, w1[r], b[r][i]); }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < N; ++i) {
-      const v16 c = a[r][i] + b[r][i];
-      v8 lo, hi; __builtin_memcpy(&lo, &c, 32); __builtin_memcpy(&hi, (const char*)&c + 32, 32);
-      out[r * N + i] = hsum(lo + hi);
-    }
+  for (int r = 0; r < R; ++r) for (int i = 0; i < N; ++i) out[r * N + i] = hsum16(a[r][i] + b[r][i]);
 }
 
 // R (1 or 2) weight rows against n <= 4 rows: dots16 where K % 32 == 0, else `dots` per row.
@@ -123,15 +122,61 @@ static inline void expert_dots(const W* const* ws, const float* const* xs, int n
   }
 }
 
-// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0, x / bias / y fp32, w fp32 or bf16
-// (W), contiguous.
+// A register tile for 8 < M <= 32 rows: R weight rows w + r * K against NX x rows x + i * K
+// (K % 16 == 0), out[r * NX + i]; one 16-lane FMA chain per (weight row, x row), so each result
+// is summed in the same order whatever M is. Not inlined: inside the callers' loops GCC spills
+// the accumulators to the stack.
+template <int R, int NX, typename W>
+__attribute__((noinline)) static void tile_dots(const W* w, const float* x, int64_t K, float* out) {
+  v16 a[R][NX];
+  for (int r = 0; r < R; ++r) for (int i = 0; i < NX; ++i) a[r][i] = v16{0};
+  for (int64_t k = 0; k < K; k += 16) {
+    v16 wv[R];  // each weight vector loaded (and widened) once for the NX rows
+    for (int r = 0; r < R; ++r) wv[r] = ld16(w + r * K + k);
+    for (int i = 0; i < NX; ++i) {
+      const v16 xv = ld16(x + i * K + k);
+      for (int r = 0; r < R; ++r) a[r][i] = fma(xv, wv[r], a[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) for (int i = 0; i < NX; ++i) out[r * NX + i] = hsum16(a[r][i]);
+}
+template <int R, typename W>
+static inline void tile_rows(const W* w, const float* x, int nx, int64_t K, float* out) {
+  switch (nx) {
+    case 4: tile_dots<R, 4>(w, x, K, out); break;
+    case 3: tile_dots<R, 3>(w, x, K, out); break;
+    case 2: tile_dots<R, 2>(w, x, K, out); break;
+    default: tile_dots<R, 1>(w, x, K, out);
+  }
+}
+
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0 (M <= 8) or K % 16 == 0 (M <= 32), x /
+// bias / y fp32, w fp32 or bf16 (W), contiguous. Up to 8 rows (a weight read) each weight row is
+// streamed once for all rows; beyond (compute), register tiles of 4 weight rows x 4 x rows.
 template <typename W>
 static torch::Tensor small_linear_w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % 8 == 0 && (!bias.has_value() || bias->numel() == N), "small_linear: shapes");
+  TORCH_CHECK(w.size(1) == K && (!bias.has_value() || bias->numel() == N) &&
+              (M <= 8 ? K % 8 == 0 : M <= 32 && K % 16 == 0), "small_linear: shapes");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>(); const W* wp = w.data_ptr<W>(); float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (M > 8) {
+    at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
+      float d[16];
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * 4; const int rows = (int)std::min<int64_t>(4, N - n0);
+        for (int64_t m = 0; m < M; m += 4) {
+          const int nx = (int)std::min<int64_t>(4, M - m);
+          if (rows == 4) tile_rows<4>(wp + n0 * K, xp + m * K, nx, K, d);
+          else for (int r = 0; r < rows; ++r) tile_rows<1>(wp + (n0 + r) * K, xp + m * K, nx, K, d + r * nx);
+          for (int r = 0; r < rows; ++r)
+            for (int i = 0; i < nx; ++i) yp[(m + i) * N + n0 + r] = d[r * nx + i] + (bp ? bp[n0 + r] : 0.0f);
+        }
+      }
+    });
+    return y;
+  }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     const float* xs[4]; float d[4], e[4];
     int64_t n = n0;
@@ -436,7 +481,8 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
 // cpu_kernels.linear from C++: the small-batch kernel up to MAX_ROWS = 8 rows, ATen's linear beyond
 // (on a widened copy of bf16 weights).
 static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
-  if (x.size(0) > 8 || x.size(1) % 8) return at::linear(x, w.to(x.scalar_type()), b);
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M <= 8 ? K % 8 : M > 32 || K % 16 || K < 256) return at::linear(x, w.to(x.scalar_type()), b);
   const auto bias = b.has_value() ? c10::optional<torch::Tensor>(b->contiguous()) : c10::nullopt;
   return small_linear_impl(x.contiguous(), w.contiguous(), bias);
 }

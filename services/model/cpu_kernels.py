@@ -48,7 +48,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # beyond this MKL's blocked GEMM wins (cpu_kernels.cpp's `lin` uses the same bound)
+MAX_ROWS = 8  # small_linear streams each weight row once for up to this many rows (a weight read)
+TILE_ROWS = 32  # and up to this many (K % 16 == 0, K >= 256) in register tiles (1.2-1.8x MKL's
+# small-M GEMMs here); MKL beyond (cpu_kernels.cpp's `lin` uses the same bounds)
 
 _SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()  # the C++ side, beside this file
 
@@ -144,14 +146,18 @@ def _paged_cache_ok(cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias), computed in x's dtype (w may be stored narrower, e.g. bf16 under fp32
-    x); fp32 x [M <= MAX_ROWS, K] on CPU with fp32 or bf16 w goes through the kernel."""
+    x); fp32 x [M, K] on CPU with fp32 or bf16 w goes through the kernel for M <= MAX_ROWS (K %
+    8 == 0) and M <= TILE_ROWS (K % 16 == 0, K >= 256)."""
     if (  # (spelled out: this runs ~60 times per decode step)
         x.dtype is torch.float32
         and (w.dtype is torch.float32 or w.dtype is torch.bfloat16)
         and x.is_cpu
         and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
-        and x.shape[1] % 8 == 0
+        and (
+            x.shape[1] % 8 == 0
+            if x.shape[0] <= MAX_ROWS
+            else x.shape[0] <= TILE_ROWS and x.shape[1] % 16 == 0 and x.shape[1] >= 256
+        )
         and (bias is None or bias.dtype is torch.float32)
     ):
         module = _state.get("module") or _module()
