@@ -478,11 +478,13 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
 // ops in the same order, called from C++: ~35 torch calls from Python cost more than their work
 // at batch 1). x [T, H] -> [T, H]; writes each token's [c_kv | k_pe] row at slot_mapping [T].
 // Weights as model.MLAWeights (q via q_a/q_b or q_proj; optional biases); cos / sin [T, R/2].
-// cpu_kernels.linear from C++: the small-batch kernel up to MAX_ROWS = 8 rows, ATen's linear beyond
-// (on a widened copy of bf16 weights).
+// cpu_kernels.linear from C++: small_linear where it takes the shape (MAX_ROWS = 8 rows with K % 8
+// == 0, TILE_ROWS = 32 rows with K % 16 == 0 and K >= 256), ATen's linear otherwise (on a widened
+// copy of bf16 weights).
 static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (M <= 8 ? K % 8 : M > 32 || K % 16 || K < 256) return at::linear(x, w.to(x.scalar_type()), b);
+  const bool small = M <= 8 ? K % 8 == 0 : M <= 32 && K % 16 == 0 && K >= 256;
+  if (!small) return at::linear(x, w.to(x.scalar_type()), b);
   const auto bias = b.has_value() ? c10::optional<torch::Tensor>(b->contiguous()) : c10::nullopt;
   return small_linear_impl(x.contiguous(), w.contiguous(), bias);
 }
