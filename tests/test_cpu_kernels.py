@@ -97,6 +97,30 @@ def test_rms_norm_and_rope_match_torch(torch_path):
 
 
 @needs_kernels
+def test_add_rms_norm_is_the_add_then_the_norm(torch_path):
+    """The residual update and its norm in one call: the bits of `h + delta` and rms_norm of it,
+    row by row whatever the batch; bf16 activations take torch's ops."""
+    from services.model.layers import add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(5)
+    h, delta, w = (
+        torch.randn(5, 64, generator=g),
+        torch.randn(5, 64, generator=g),
+        torch.randn(64, generator=g),
+    )
+    s, x = add_rms_norm(h, delta, w, 1e-6)
+    assert torch.equal(s, h + delta) and torch.equal(x, rms_norm(h + delta, w, 1e-6))
+    ref_s, ref_x = _reference(torch_path, add_rms_norm, h, delta, w, 1e-6)
+    assert torch.equal(s, ref_s)
+    torch.testing.assert_close(x, ref_x, rtol=1e-6, atol=1e-6)
+    assert torch.equal(add_rms_norm(h[3:4], delta[3:4], w, 1e-6)[1], x[3:4])  # batch invariant
+    assert add_rms_norm(h, None, w, 1e-6)[0] is h  # nothing to add yet: the first layer's norm
+    assert cpu_kernels.add_rms_norm(h.bfloat16(), delta.bfloat16(), w, 1e-6) is None  # torch's ops
+    hb, xb = add_rms_norm(h.bfloat16(), delta.bfloat16(), w.bfloat16(), 1e-6)
+    assert torch.equal(hb, h.bfloat16() + delta.bfloat16())
+
+
+@needs_kernels
 @pytest.mark.parametrize("groups", [1, 4])
 def test_route_matches_torch(torch_path, groups):
     from services.model.config import ModelConfig
@@ -268,6 +292,22 @@ def test_bad_inputs_get_errors_or_the_torch_path_never_wild_reads(torch_path):
         cpu_kernels.mla_decode(q, cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([3]), 32, 0.1)
         is None
     )
+
+    from services.model import model as model_mod
+
+    cfg = ModelConfig.from_hf(PRESETS["tiny"])
+    C, R, H, N = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.hidden_size, cfg.num_attention_heads
+    D, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    mla = model_mod.MLAWeights(
+        kv_a=torch.randn(C + R, H), kv_a_norm=torch.ones(C), kv_b=torch.randn(N * (D + V), C),
+        o=torch.randn(H, N * V), q_proj=torch.randn(N * (D + R), H),
+    )  # fmt: skip
+    cos_sin = model_mod.Rope(cfg).cos_sin(torch.tensor([3]), torch.float32)
+    cache = torch.zeros(2, 64, 1, C + R)
+    with pytest.raises(RuntimeError, match="cache slot 128 outside"):  # the fused layer writes no wild row
+        cpu_kernels.mla_decode_layer(torch.randn(1, H), mla, cos_sin, cache, torch.tensor([128]),
+                                     torch.tensor([[0]]), torch.tensor([4]), cfg, 1e-6)  # fmt: skip
+    assert not cache.any()
 
     w, bias = torch.randn(8, 16, generator=g), torch.arange(16.0)[::2]  # a strided bias
     x = torch.randn(2, 16, generator=g)

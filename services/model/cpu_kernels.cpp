@@ -213,21 +213,23 @@ static torch::Tensor small_linear_impl(const torch::Tensor& x, const torch::Tens
   return small_linear_w<float>(x, w, bias);
 }
 
-// RMSNorm of x [M, K] (fp32): weight * (x * rsqrt(mean(x^2) + eps)).
-// x's rows may be strided (a column slice), its last dim contiguous.
+// RMSNorm of one row xr [K] (K % 8 == 0) into y: w * (xr * rsqrt(mean(xr^2) + eps)).
+static inline void rms_norm_row(const float* xr, const float* w, int64_t K, double eps, float* y) {
+  v8 a = {0};
+  for (int64_t k = 0; k < K; k += 8) { const v8 v = ld(xr + k); a += v * v; }
+  const float r = 1.0f / std::sqrt(hsum(a) / (float)K + (float)eps);
+  for (int64_t k = 0; k < K; ++k) y[k] = w[k] * (xr[k] * r);
+}
+
+// RMSNorm of x [M, K] (fp32), row by row. x's rows may be strided (a column slice), its last dim
+// contiguous.
 static torch::Tensor rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   const int64_t M = x.size(0), K = x.size(1), sx = x.stride(0);
-  TORCH_CHECK(weight.numel() == K && K % 8 == 0 && x.stride(1) == 1, "rms_norm: shapes");
+  TORCH_CHECK(weight.numel() == K && K % 8 == 0 && x.stride(1) == 1 && weight.is_contiguous(), "rms_norm: shapes");
   auto y = torch::empty({M, K}, x.options());
   const float* xp = x.data_ptr<float>(); const float* wp = weight.data_ptr<float>(); float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = xp + m * sx;
-      v8 a = {0};
-      for (int64_t k = 0; k < K; k += 8) { const v8 v = ld(xr + k); a += v * v; }
-      const float r = 1.0f / std::sqrt(hsum(a) / (float)K + (float)eps);
-      for (int64_t k = 0; k < K; ++k) yp[m * K + k] = wp[k] * (xr[k] * r);
-    }
+    for (int64_t m = m0; m < m1; ++m) rms_norm_row(xp + m * sx, wp, K, eps, yp + m * K);
   });
   return y;
 }
@@ -323,18 +325,38 @@ static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& s
   return out;
 }
 
-torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
-                         const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
-  NO_GIL;
+static torch::Tensor expert_ffn_impl(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
+                                     const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && w13.scalar_type() == w2.scalar_type(),
               "expert_ffn: fp32 x and weight, w13 and w2 of one dtype");
   if (w13.scalar_type() == at::kBFloat16) return expert_ffn_w<at::BFloat16>(x, slot, weight, w13, w2, limit);
   TORCH_CHECK(w13.scalar_type() == at::kFloat, "expert_ffn: fp32 or bf16 expert weights, got ", w13.scalar_type());
   return expert_ffn_w<float>(x, slot, weight, w13, w2, limit);
 }
+torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
+                         const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
+  NO_GIL;
+  return expert_ffn_impl(x, slot, weight, w13, w2, limit);
+}
+// A dense SwiGLU MLP (w13 [2I, H]: gate rows then up rows, w2 [H, I]) for a few rows x [T, H]:
+// expert_ffn with every row on one slot at weight 1 (its sums, bit for bit).
+torch::Tensor dense_ffn(const torch::Tensor& x, const torch::Tensor& w13, const torch::Tensor& w2) {
+  NO_GIL;
+  const int64_t T = x.size(0);
+  return expert_ffn_impl(x, torch::zeros({T, 1}, x.options().dtype(torch::kInt64)), torch::ones({T, 1}, x.options()),
+                         w13.unsqueeze(0), w2.unsqueeze(0), 0.0);
+}
 
-// Interleaved-pair rope: x [T, N, R] (last dim contiguous) -> out [T, N, R] with, for c = cos[t, i],
-// s = sin[t, i]: out[2i] = x[2i] c - x[2i+1] s, out[2i+1] = x[2i+1] c + x[2i] s (as layers.Rope).
+// Interleaved-pair rope of one row x [2h] into out, with c = cos[i], s = sin[i]: out[2i] = x[2i] c -
+// x[2i+1] s, out[2i+1] = x[2i+1] c + x[2i] s (as layers.Rope).
+static inline void rope_row(const float* x, const float* cos, const float* sin, int64_t h, float* out) {
+  for (int64_t i = 0; i < h; ++i) {
+    const float x1 = x[2 * i], x2 = x[2 * i + 1], c = cos[i], s = sin[i];
+    out[2 * i] = x1 * c - x2 * s; out[2 * i + 1] = x2 * c + x1 * s;
+  }
+}
+
+// rope_row over x [T, N, R] (last dim contiguous) with cos / sin [T, R/2] -> out [T, N, R].
 static torch::Tensor rope_interleaved_impl(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const int64_t T = x.size(0), N = x.size(1), R = x.size(2), st = x.stride(0), sn = x.stride(1), h = R / 2;
   TORCH_CHECK(x.stride(2) == 1 && R % 2 == 0 && cos.numel() == T * h && sin.numel() == T * h, "rope_interleaved: shapes");
@@ -343,13 +365,7 @@ static torch::Tensor rope_interleaved_impl(const torch::Tensor& x, const torch::
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t n = 0; n < N; ++n) {
-        const float* xr = xp + t * st + n * sn; float* orow = op + (t * N + n) * R;
-        for (int64_t i = 0; i < h; ++i) {
-          const float x1 = xr[2 * i], x2 = xr[2 * i + 1], c = cp[t * h + i], s = sp[t * h + i];
-          orow[2 * i] = x1 * c - x2 * s; orow[2 * i + 1] = x2 * c + x1 * s;
-        }
-      }
+      for (int64_t n = 0; n < N; ++n) rope_row(xp + t * st + n * sn, cp + t * h, sp + t * h, h, op + (t * N + n) * R);
   });
   return out;
 }
@@ -494,15 +510,15 @@ static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c
 // absorb_q: q_lat[t, n] = q[t, n, :D] @ kv_b3[n, :D] (q [T, N, >= D], last dim contiguous) ->
 // [T, N, C], each token's sum over d in order; absorb_o: o[t, n, v] = o_lat[t, n] . kv_b3[n, D + v]
 // (o_lat [T, N, C] contiguous) -> [T, N, V].
-static torch::Tensor absorb_q_impl(const torch::Tensor& q, const torch::Tensor& kv_b3, int64_t D) {
+// (absorb_q writing token t, head n at op + (t * N + n) * so: so >= C)
+static void absorb_q_into(const torch::Tensor& q, const torch::Tensor& kv_b3, int64_t D, float* op, int64_t so) {
   const int64_t T = q.size(0), N = q.size(1), C = kv_b3.size(2), W = kv_b3.size(1), st = q.stride(0), sn = q.stride(1);
-  TORCH_CHECK(q.stride(2) == 1 && C % 8 == 0, "absorb_q: layout");
-  auto out = torch::empty({T, N, C}, q.options());
-  const float* qp = q.data_ptr<float>(); const float* kp = kv_b3.data_ptr<float>(); float* op = out.data_ptr<float>();
+  TORCH_CHECK(q.stride(2) == 1 && C % 8 == 0 && kv_b3.is_contiguous() && kv_b3.size(0) == N, "absorb_q: layout");
+  const float* qp = q.data_ptr<float>(); const float* kp = kv_b3.data_ptr<float>();
   at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t t = 0; t < T; ++t) {
-        float* o = op + (t * N + n) * C; const float* qr = qp + t * st + n * sn;
+        float* o = op + (t * N + n) * so; const float* qr = qp + t * st + n * sn;
         for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
           const float qd = qr[d]; const v8 qv = {qd, qd, qd, qd, qd, qd, qd, qd};
@@ -511,6 +527,10 @@ static torch::Tensor absorb_q_impl(const torch::Tensor& q, const torch::Tensor& 
         }
       }
   });
+}
+static torch::Tensor absorb_q_impl(const torch::Tensor& q, const torch::Tensor& kv_b3, int64_t D) {
+  auto out = torch::empty({q.size(0), q.size(1), kv_b3.size(2)}, q.options());
+  absorb_q_into(q, kv_b3, D, out.data_ptr<float>(), kv_b3.size(2));
   return out;
 }
 static torch::Tensor absorb_o_impl(const torch::Tensor& o_lat, const torch::Tensor& kv_b3, int64_t D) {
@@ -545,18 +565,30 @@ torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch
   TORCH_CHECK(W == C + R, "mla_decode_layer: cache rows of ", W, " values, expected ", C + R);
   const torch::Tensor q = q_proj.has_value() ? lin(x, *q_proj, c10::nullopt)
                                             : lin(rms_norm_impl(lin(x, *q_a, q_a_bias), *q_a_norm, eps), *q_b, c10::nullopt);
-  const int64_t N = q.size(1) / (D + R);
+  const int64_t N = q.size(1) / (D + R), h = R / 2, rows = cache.numel() / W;
   const auto q3 = q.view({T, N, D + R});
-  const auto q_pe = rope_interleaved_impl(q3.narrow(2, D, R), cos, sin);  // [T, N, R]
   const auto kv = lin(x, kv_a, kv_a_bias);  // [T, C+R]
-  const auto c_kv = rms_norm_impl(kv.narrow(1, 0, C), kv_a_norm, eps);
-  const auto k_pe = rope_interleaved_impl(kv.narrow(1, C, R).unsqueeze(1), cos, sin).view({T, R});
-  cache.view({-1, W}).index_copy_(0, slot_mapping, at::cat({c_kv, k_pe}, 1));
+  TORCH_CHECK(slot_mapping.numel() == T && slot_mapping.scalar_type() == torch::kInt64 && cos.numel() == T * h &&
+              sin.numel() == T * h && kv_a_norm.numel() == C && kv_a_norm.is_contiguous() && cache.is_contiguous() &&
+              R % 2 == 0 && C % 8 == 0, "mla_decode_layer: shapes");
+  // q_full [T, N, C+R]: per head the absorbed q_nope (below), then the roped q_pe; each token's
+  // cache row: [normed c_kv | roped k_pe], written in place (the small per-token work in one loop)
+  auto q_full = torch::empty({T, N, C + R}, x.options());
+  const float* qp = q.data_ptr<float>(); const float* kvp = kv.data_ptr<float>(); const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>(); const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  float* qf = q_full.data_ptr<float>(); float* rowp = cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "mla_decode_layer: cache slot ", slot[t], " outside [0, ", rows, ")");
+    float* row = rowp + slot[t] * W; const float* kvt = kvp + t * (C + R);
+    rms_norm_row(kvt, kv_a_norm.data_ptr<float>(), C, eps, row);
+    rope_row(kvt + C, cp + t * h, sp + t * h, h, row + C);
+    for (int64_t n = 0; n < N; ++n) rope_row(qp + (t * N + n) * (D + R) + D, cp + t * h, sp + t * h, h, qf + (t * N + n) * (C + R) + C);
+  }
   const auto kv_b3 = kv_b.view({N, D + V, C});
   const bool few = T <= 8 && kv_b.is_contiguous();  // per-head dot products, not one small GEMM per head
-  const auto q_lat = few ? absorb_q_impl(q3, kv_b3, D)
-                         : at::bmm(q3.narrow(2, 0, D).transpose(0, 1), kv_b3.narrow(1, 0, D)).transpose(0, 1);  // [T, N, C]
-  const auto o_lat = mla_decode_impl(at::cat({q_lat, q_pe}, 2), cache, table, lens, C, scale);  // [T, N, C]
+  if (few) absorb_q_into(q3, kv_b3, D, qf, C + R);
+  else q_full.narrow(2, 0, C).copy_(at::bmm(q3.narrow(2, 0, D).transpose(0, 1), kv_b3.narrow(1, 0, D)).transpose(0, 1));
+  const auto o_lat = mla_decode_impl(q_full, cache, table, lens, C, scale);  // [T, N, C]
   const auto o = few ? absorb_o_impl(o_lat, kv_b3, D)
                      : at::bmm(o_lat.transpose(0, 1), kv_b3.narrow(1, D, V).transpose(1, 2)).transpose(0, 1);  // [T, N, V]
   return lin(o.reshape({T, N * V}), o_w, o_bias);
@@ -569,6 +601,13 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   NO_GIL;
   return rms_norm_impl(x, weight, eps);
+}
+// The residual stream's update and its norm: [h + delta, rms_norm(h + delta)] (h, delta [M, K] fp32).
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& weight,
+                                        double eps) {
+  NO_GIL;
+  const auto sum = at::add(h, delta);
+  return {sum, rms_norm_impl(sum, weight, eps)};
 }
 torch::Tensor rope_interleaved(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   NO_GIL;

@@ -117,6 +117,8 @@ FUNCTIONS = [
     "mla_decode_layer",
     "absorb_q",
     "absorb_o",
+    "dense_ffn",
+    "add_rms_norm",
 ]
 
 
@@ -168,6 +170,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return F.linear(x, w if w.dtype is x.dtype else w.to(x.dtype), bias)
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(h + delta, rms_norm(h + delta)) for fp32 CPU h, delta [M, K] (K % 8 == 0) in one call:
+    the residual stream's update and the next sublayer's input. None where the kernel does not
+    apply."""
+    if (
+        h.dim() != 2
+        or h.shape != delta.shape
+        or h.shape[1] % 8
+        or h.numel() == 0
+        or weight.numel() != h.shape[1]
+        or not _fp32_cpu(h, delta, weight)
+    ):
+        return None
+    module = _state.get("module") or _module()
+    if module is None:
+        return None
+    h, x = module.add_rms_norm(h, delta, weight.contiguous(), eps)
+    return h, x
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of fp32 CPU x [..., K] (K % 8 ==
     0); None where the kernel does not apply (the caller computes it with torch)."""
@@ -210,11 +234,20 @@ def dense_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Ten
     """layers.dense_ffn for decode-sized fp32 CPU x [T <= MAX_ROWS, H] through `expert_ffn`
     (one slot holding w13 [2I, H] / w2 [H, I], weight 1 for every token: the same sums as a
     dense MLP); None where the kernel does not apply."""
-    T = x.shape[0]
-    if x.dim() != 2 or not 0 < T <= MAX_ROWS or not _fp32_cpu(x):
+    if (
+        x.dim() != 2
+        or not 0 < x.shape[0] <= MAX_ROWS
+        or x.shape[1] % 8
+        or w2.shape[1] % 8
+        or not _fp32_cpu(x)
+        or not _weights_cpu(w13, w2)
+        or w13.dtype is not w2.dtype
+    ):
         return None
-    one_slot = torch.zeros(T, 1, dtype=torch.int64)
-    return expert_ffn(x, one_slot, torch.ones(T, 1), w13.unsqueeze(0), w2.unsqueeze(0))
+    module = _state.get("module") or _module()
+    if module is None:
+        return None
+    return module.dense_ffn(x.contiguous(), w13.contiguous(), w2.contiguous())
 
 
 def mla_decode(

@@ -28,6 +28,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream h [T, H] plus a sublayer's output delta [T, H] (None: nothing to add
+    yet), and its RMSNorm: (h + delta, rms_norm(h + delta)); one op on an fp32 CPU (as vLLM's
+    fused_add_rms_norm)."""
+    if delta is None:
+        return h, rms_norm(h, weight, eps)
+    fused = cpu_kernels.add_rms_norm(h, delta, weight, eps)
+    if fused is not None:
+        return fused
+    h = h + delta
+    return h, rms_norm(h, weight, eps)
+
+
 def dense_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Dense SwiGLU MLP (a dense layer's MLP, the shared experts): x [T, H], w13 [2I, H] (gate rows,
     then up rows), w2 [H, I] -> [T, H]. One gate+up projection; at decode sizes on an fp32 CPU,

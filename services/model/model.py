@@ -31,7 +31,7 @@ from .config import ModelConfig
 from .cpu_kernels import linear
 from .indexer import IndexerWeights, IndexQueries, index_keys
 from .kv_cache import BLOCK_SIZE
-from .layers import Rope, dense_ffn, rms_norm, route
+from .layers import Rope, add_rms_norm, dense_ffn, rms_norm, route
 
 NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, DeepSeek)
 
@@ -572,23 +572,25 @@ class DeepseekV3:
         """One step. latent_cache [layers, blocks, 64, 1, cfg.cache_dim]. Yields expert messages at every
         MoE layer; returns fp32 logits [len(batch.logits_index), vocab]."""
         cfg = self.cfg
-        h = F.embedding(batch.input_ids, self.embed)
+        eps = cfg.rms_norm_eps
+        h = F.embedding(batch.input_ids, self.embed)  # the residual stream
+        delta = None  # what the last sublayer adds to it (added with the next norm: add_rms_norm)
         cos_sin = self.rope.cos_sin(batch.positions, self.dtype)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            h, x = add_rms_norm(h, delta, layer.input_norm, eps)
             attn = mla_forward(x, layer.attn, cfg, self.rope, cos_sin, latent_cache[i], batch)
             if self.attn_reduce is not None:  # tensor parallel: sum the ranks' head slices
                 attn = self.attn_reduce(attn)
-            h = h + attn
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            h, x = add_rms_norm(h, attn, layer.post_norm, eps)
             if not layer.is_moe:
-                h = h + dense_ffn(x, layer.mlp_w13, layer.mlp_down)
+                delta = dense_ffn(x, layer.mlp_w13, layer.mlp_down)
                 continue
             topk_idx, topk_weight = route(x, layer.router, layer.router_bias, cfg)
             msg = ExpertDispatch.routed(i, layer.moe_layer, x, topk_idx, topk_weight, cfg.n_routed_experts)
             handle = yield msg
             shared = dense_ffn(x, layer.mlp_w13, layer.mlp_down) if layer.mlp_w13 is not None else 0
             routed = yield ExpertCombine(handle)
-            h = h + (routed + shared)
-        last = h[batch.logits_index]
-        return linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+            delta = routed + shared
+        rows = batch.logits_index
+        _, last = add_rms_norm(h[rows], None if delta is None else delta[rows], self.norm, eps)
+        return linear(last, self.lm_head).float()
