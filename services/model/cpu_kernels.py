@@ -14,7 +14,8 @@
 - `mla_decode`: MLA decode attention straight from the paged cache (no gather of the padded
   context, no padding, one call instead of ~10 ops per layer); `mla_decode_layer`: a whole MLA
   layer of a decode-only step in one call (the ops of model.mla_forward, run from C++).
-- `route_sigmoid` (the V3 router), `rope_interleaved`, `rms_norm`: one op instead of 6-20.
+- `route_sigmoid` (the V3 router), `rope_interleaved`, `rms_norm`, `add_rms_norm` (the residual
+  add and the next norm): one op instead of 2-20.
 
 `linear` and `expert_ffn` also take bf16 weights with fp32 inputs (`EngineConfig.weight_dtype`,
 as llama.cpp's f16/bf16 files: weights stored in 16 bits, everything else fp32): each weight is
