@@ -491,7 +491,7 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
 }
 
 // One MLA layer for a decode-only step, whole (the absorbed form of model.mla_forward, the same
-// ops in the same order, called from C++: ~35 torch calls from Python cost more than their work
+// arithmetic in the same order, called from C++: ~35 torch calls from Python cost more than their work
 // at batch 1). x [T, H] -> [T, H]; writes each token's [c_kv | k_pe] row at slot_mapping [T].
 // Weights as model.MLAWeights (q via q_a/q_b or q_proj; optional biases); cos / sin [T, R/2].
 // cpu_kernels.linear from C++: small_linear where it takes the shape (MAX_ROWS = 8 rows with K % 8
@@ -577,8 +577,9 @@ torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch
   const float* qp = q.data_ptr<float>(); const float* kvp = kv.data_ptr<float>(); const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>(); const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   float* qf = q_full.data_ptr<float>(); float* rowp = cache.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t)  // (every slot checked before any row is written)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "mla_decode_layer: cache slot ", slot[t], " outside [0, ", rows, ")");
+  for (int64_t t = 0; t < T; ++t) {
     float* row = rowp + slot[t] * W; const float* kvt = kvp + t * (C + R);
     rms_norm_row(kvt, kv_a_norm.data_ptr<float>(), C, eps, row);
     rope_row(kvt + C, cp + t * h, sp + t * h, h, row + C);
