@@ -108,16 +108,25 @@ def test_add_rms_norm_is_the_add_then_the_norm(torch_path):
         torch.randn(5, 64, generator=g),
         torch.randn(64, generator=g),
     )
-    s, x = add_rms_norm(h, delta, w, 1e-6)
-    assert torch.equal(s, h + delta) and torch.equal(x, rms_norm(h + delta, w, 1e-6))
-    ref_s, ref_x = _reference(torch_path, add_rms_norm, h, delta, w, 1e-6)
+    fused = cpu_kernels.add_rms_norm(h, delta, w, 1e-6)
+    assert fused is not None  # the kernel ran
+    s, x = fused
+    assert torch.equal(s, h + delta) and torch.equal(x, cpu_kernels.rms_norm(h + delta, w, 1e-6))
+    assert all(torch.equal(a, b) for a, b in zip(add_rms_norm(h, delta, w, 1e-6), fused, strict=True))
+    ref_s, ref_x = _reference(torch_path, add_rms_norm, h, delta, w, 1e-6)  # torch's ops
     assert torch.equal(s, ref_s)
     torch.testing.assert_close(x, ref_x, rtol=1e-6, atol=1e-6)
     assert torch.equal(add_rms_norm(h[3:4], delta[3:4], w, 1e-6)[1], x[3:4])  # batch invariant
     assert add_rms_norm(h, None, w, 1e-6)[0] is h  # nothing to add yet: the first layer's norm
-    assert cpu_kernels.add_rms_norm(h.bfloat16(), delta.bfloat16(), w, 1e-6) is None  # torch's ops
+    # transposed inputs and bf16 activations take torch's ops
+    ht, dt = torch.randn(64, 5, generator=g).T, torch.randn(64, 5, generator=g).T
+    assert cpu_kernels.add_rms_norm(ht, dt, w, 1e-6) is None
+    assert torch.equal(add_rms_norm(ht, dt, w, 1e-6)[1], rms_norm(ht + dt, w, 1e-6))
+    assert cpu_kernels.add_rms_norm(h.bfloat16(), delta.bfloat16(), w, 1e-6) is None
     hb, xb = add_rms_norm(h.bfloat16(), delta.bfloat16(), w.bfloat16(), 1e-6)
-    assert torch.equal(hb, h.bfloat16() + delta.bfloat16())
+    assert torch.equal(hb, h.bfloat16() + delta.bfloat16()) and torch.equal(
+        xb, rms_norm(hb, w.bfloat16(), 1e-6)
+    )
 
 
 @needs_kernels
@@ -191,7 +200,12 @@ def test_dense_ffn_is_the_swiglu_mlp_and_batch_invariant(torch_path, weight_dtyp
     gate, up = x @ w13[:I].float().T, x @ w13[I:].float().T
     torch.testing.assert_close(y, (F.silu(gate) * up) @ w2.float().T, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(y, _reference(torch_path, dense_ffn, x, w13, w2), rtol=1e-5, atol=1e-4)
-    assert cpu_kernels.dense_ffn(x, w13, w2) is not None  # the kernel ran
+    one_slot = cpu_kernels.expert_ffn(
+        x, torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1), w13[None], w2[None]
+    )
+    assert torch.equal(
+        cpu_kernels.dense_ffn(x, w13, w2), one_slot
+    )  # the kernel ran: the one-slot experts' bits
     for t in range(T):  # each token alone gives the same bits
         assert torch.equal(dense_ffn(x[t : t + 1], w13, w2), y[t : t + 1])
     assert cpu_kernels.dense_ffn(torch.randn(cpu_kernels.MAX_ROWS + 1, H), w13, w2) is None  # MKL's
@@ -233,8 +247,10 @@ def test_mla_decode_reads_the_paged_cache_in_place():
 
 
 @needs_kernels
-@pytest.mark.parametrize("preset", ["tiny", "small"])
-def test_fused_mla_decode_layer_equals_the_op_by_op_path(tmp_path, monkeypatch, preset):
+@pytest.mark.parametrize(
+    "preset, tokens", [("tiny", 3), ("small", 3), ("small", 12)]
+)  # 12: bmm, not per-head dots
+def test_fused_mla_decode_layer_equals_the_op_by_op_path(tmp_path, monkeypatch, preset, tokens):
     """The decode-only MLA layer in one C++ call gives the bits of mla_forward's torch-level path
     (which itself uses the single kernels), outputs and cache rows alike."""
     from services.model import model as model_mod
@@ -252,9 +268,11 @@ def test_fused_mla_decode_layer_equals_the_op_by_op_path(tmp_path, monkeypatch, 
         q_b=torch.randn(N * (D + R), Q, generator=g) / Q**0.5,
     )  # fmt: skip
     rope = model_mod.Rope(cfg)
-    batch = model_mod.StepBatch.build([([5], 70, [2, 0], True), ([7], 10, [3], True), ([9], 0, [1], True)])
+    rows = [([5], 70, [2, 0], True), ([7], 10, [3], True), ([9], 0, [1], True)]
+    rows += [([11 + i], 20 + i, [4 + i], True) for i in range(tokens - 3)]  # more sequences, a block each
+    batch = model_mod.StepBatch.build(rows)
     cos_sin = rope.cos_sin(batch.positions, torch.float32)
-    x, cache = torch.randn(3, H, generator=g), torch.randn(4, 64, 1, C + R, generator=g)
+    x, cache = torch.randn(tokens, H, generator=g), torch.randn(4 + tokens, 64, 1, C + R, generator=g)
     fused = []
     original = cpu_kernels.mla_decode_layer
     monkeypatch.setattr(cpu_kernels, "mla_decode_layer", lambda *a: fused.append(1) or original(*a))
@@ -302,12 +320,13 @@ def test_bad_inputs_get_errors_or_the_torch_path_never_wild_reads(torch_path):
         kv_a=torch.randn(C + R, H), kv_a_norm=torch.ones(C), kv_b=torch.randn(N * (D + V), C),
         o=torch.randn(H, N * V), q_proj=torch.randn(N * (D + R), H),
     )  # fmt: skip
-    cos_sin = model_mod.Rope(cfg).cos_sin(torch.tensor([3]), torch.float32)
+    cos_sin = model_mod.Rope(cfg).cos_sin(torch.tensor([3, 4]), torch.float32)
     cache = torch.zeros(2, 64, 1, C + R)
-    with pytest.raises(RuntimeError, match="cache slot 128 outside"):  # the fused layer writes no wild row
-        cpu_kernels.mla_decode_layer(torch.randn(1, H), mla, cos_sin, cache, torch.tensor([128]),
-                                     torch.tensor([[0]]), torch.tensor([4]), cfg, 1e-6)  # fmt: skip
-    assert not cache.any()
+    for bad in (128, -1):  # the fused layer writes no row, not even the first token's valid one
+        with pytest.raises(RuntimeError, match=f"cache slot {bad} outside"):
+            cpu_kernels.mla_decode_layer(torch.randn(2, H), mla, cos_sin, cache, torch.tensor([0, bad]),
+                                         torch.tensor([[0], [1]]), torch.tensor([4, 4]), cfg, 1e-6)  # fmt: skip
+        assert not cache.any()
 
     w, bias = torch.randn(8, 16, generator=g), torch.arange(16.0)[::2]  # a strided bias
     x = torch.randn(2, 16, generator=g)

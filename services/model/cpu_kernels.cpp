@@ -568,9 +568,11 @@ torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch
   const int64_t N = q.size(1) / (D + R), h = R / 2, rows = cache.numel() / W;
   const auto q3 = q.view({T, N, D + R});
   const auto kv = lin(x, kv_a, kv_a_bias);  // [T, C+R]
-  TORCH_CHECK(slot_mapping.numel() == T && slot_mapping.scalar_type() == torch::kInt64 && cos.numel() == T * h &&
-              sin.numel() == T * h && kv_a_norm.numel() == C && kv_a_norm.is_contiguous() && cache.is_contiguous() &&
-              R % 2 == 0 && C % 8 == 0, "mla_decode_layer: shapes");
+  TORCH_CHECK(kv.size(1) == C + R && kv.is_contiguous() && q.is_contiguous() && slot_mapping.numel() == T &&
+              slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_cpu() && slot_mapping.is_contiguous() &&
+              cos.numel() == T * h && sin.numel() == T * h && cos.is_contiguous() && sin.is_contiguous() &&
+              kv_a_norm.numel() == C && kv_a_norm.is_contiguous() && cache.is_contiguous() && R % 2 == 0 && C % 8 == 0,
+              "mla_decode_layer: shapes");
   // q_full [T, N, C+R]: per head the absorbed q_nope (below), then the roped q_pe; each token's
   // cache row: [normed c_kv | roped k_pe], written in place (the small per-token work in one loop)
   auto q_full = torch::empty({T, N, C + R}, x.options());
@@ -607,6 +609,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& weight,
                                         double eps) {
   NO_GIL;
+  TORCH_CHECK(h.dim() == 2 && h.sizes() == delta.sizes(), "add_rms_norm: h and delta of one shape [M, K]");
   const auto sum = at::add(h, delta);
   return {sum, rms_norm_impl(sum, weight, eps)};
 }

@@ -13,7 +13,7 @@
   experts through the same kernel (one slot).
 - `mla_decode`: MLA decode attention straight from the paged cache (no gather of the padded
   context, no padding, one call instead of ~10 ops per layer); `mla_decode_layer`: a whole MLA
-  layer of a decode-only step in one call (the ops of model.mla_forward, run from C++).
+  layer of a decode-only step in one call (model.mla_forward's arithmetic, run from C++).
 - `route_sigmoid` (the V3 router), `rope_interleaved`, `rms_norm`, `add_rms_norm` (the residual
   add and the next norm): one op instead of 2-20.
 
@@ -180,6 +180,7 @@ def add_rms_norm(
     if (
         h.dim() != 2
         or h.shape != delta.shape
+        or not (h.is_contiguous() and delta.is_contiguous())
         or h.shape[1] % 8
         or h.numel() == 0
         or weight.numel() != h.shape[1]
@@ -232,9 +233,9 @@ def expert_ffn(
 
 
 def dense_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
-    """layers.dense_ffn for decode-sized fp32 CPU x [T <= MAX_ROWS, H] through `expert_ffn`
-    (one slot holding w13 [2I, H] / w2 [H, I], weight 1 for every token: the same sums as a
-    dense MLP); None where the kernel does not apply."""
+    """layers.dense_ffn for decode-sized fp32 CPU x [T <= MAX_ROWS, H]: the C++ `dense_ffn`, the
+    expert kernel with one slot holding w13 [2I, H] / w2 [H, I] and weight 1 for every token (the
+    same sums as a dense MLP); None where the kernel does not apply."""
     if (
         x.dim() != 2
         or not 0 < x.shape[0] <= MAX_ROWS
