@@ -124,3 +124,25 @@ def test_absorbed_decode_equals_naive_prefill():
     out_dec = mla_forward(x[-1:], w, cfg, rope, rope.cos_sin(dec.positions, torch.float32), cache_b, dec)
     torch.testing.assert_close(out_dec[0], out_full[-1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache_a, cache_b)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="Linux /proc")
+def test_a_cpu_cache_is_zero_and_resident_only_where_used():
+    """The paged cache's pages come zeroed from the OS on first touch: a 1 GiB cache costs
+    neither a fill nor resident memory until its blocks are written."""
+    from services.model.kv_cache import PagedLatentCache
+
+    before = _rss_bytes()
+    cache = PagedLatentCache(num_layers=4, num_blocks=2**30 // (4 * BLOCK_SIZE * 64 * 4), latent_dim=64,
+                             dtype=torch.float32)  # fmt: skip
+    assert cache.nbytes == 2**30 and cache.kv.is_contiguous() and cache.kv.dtype is torch.float32
+    assert _rss_bytes() - before < 2**27  # not filled
+    cache.kv[1, 7] = 3.0  # writable, zeros around it
+    assert float(cache.kv[1, 6:9].sum()) == 3.0 * BLOCK_SIZE * 64
+    assert not cache.kv[:, 100::101].any()  # untouched blocks read zero
+    assert PagedLatentCache(2, 3, 8, torch.bfloat16).kv.eq(0).all()
