@@ -41,7 +41,11 @@ def cmd_generate(args) -> int:
     model = args.model or default_model_dir()
     engine = LocalEngine(
         EngineConfig(
-            model=str(model), dtype=args.dtype, weight_dtype=args.weight_dtype, num_threads=args.threads
+            model=str(model),
+            dtype=args.dtype,
+            weight_dtype=args.weight_dtype,
+            keep_fp8_experts=args.keep_fp8_experts,
+            num_threads=args.threads,
         )
     )
     prompts: list[list[int]] = list(args.prompt_token_ids or [])
@@ -249,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--dtype", default="float32")
     s.add_argument("--weight-dtype", default=None, help="bfloat16: weights in bf16 under float32 (CPU)")
+    s.add_argument(
+        "--keep-fp8-experts", action="store_true", help="FP8 checkpoints: routed experts held in FP8"
+    )
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     s.set_defaults(fn=cmd_generate)

@@ -7,6 +7,8 @@ from services.model.checkpoint import (
     CheckpointReader,
     dequantize_fp8_blocks,
     is_routed_expert_tensor,
+    load_expert_weights,
+    load_expert_weights_fp8,
     quantize_fp8_blocks,
 )
 from services.model.config import ModelConfig
@@ -65,6 +67,45 @@ def test_fp8_checkpoint_matches_its_dequantised_weights(tmp_path):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     for x, y in zip(la, lb, strict=True):
         assert torch.equal(x, y)
+
+
+def test_fp8_experts_kept_fp8_give_the_dequantised_engines_bits(tmp_path):
+    """keep_fp8_experts holds the routed experts as shipped (float8_e4m3fn + block scales, a
+    quarter of fp32's bytes); the torch path dequantizes the slots each call uses, so the engine
+    gives the tokens and logits of experts dequantized at load, bit for bit."""
+    path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, fp8_block=(16, 16))
+    reader = CheckpointReader.for_config(path, ModelConfig.from_dir(path))
+    w13, w2, s13, s2 = load_expert_weights_fp8(reader, 1, [3, 0])
+    assert w13.dtype == w2.dtype == torch.float8_e4m3fn and s13.shape == (2, 64 // 16, 64 // 16)
+    ref13, ref2 = load_expert_weights(reader, 1, [3, 0], torch.float32)
+    for s in range(2):
+        assert torch.equal(dequantize_fp8_blocks(w13[s], s13[s], (16, 16)), ref13[s])
+        assert torch.equal(dequantize_fp8_blocks(w2[s], s2[s], (16, 16)), ref2[s])
+
+    prompts = [[0, 5, 9, 33, 2], list(range(2, 90))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kept = LocalEngine(EngineConfig(model=str(path), keep_fp8_experts=True))
+    loaded = LocalEngine(EngineConfig(model=str(path)))
+    assert kept.experts.packed.w13[1].dtype == torch.float8_e4m3fn
+    assert kept.experts.packed.nbytes() < loaded.experts.packed.nbytes() / 3.5  # scales included
+    a, la = generate_with_logits(kept, prompts, params)
+    b, lb = generate_with_logits(loaded, prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(la, lb, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_keep_fp8_experts_refuses_what_it_cannot_hold(tmp_path, tiny_model):
+    with pytest.raises(ValueError, match="not FP8 block-quantised"):
+        LocalEngine(EngineConfig(model=str(tiny_model), keep_fp8_experts=True))
+    path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True)  # 128-row blocks, 32-wide experts
+    with pytest.raises(ValueError, match="not a multiple of the FP8 block"):
+        LocalEngine(EngineConfig(model=str(path), keep_fp8_experts=True))
+    with pytest.raises(ValueError, match="both set"):
+        LocalEngine(EngineConfig(model=str(path), keep_fp8_experts=True, weight_dtype="bfloat16"))
+    reader = CheckpointReader.for_config(tiny_model, ModelConfig.from_dir(tiny_model))
+    with pytest.raises(ValueError, match="not FP8"):
+        load_expert_weights_fp8(reader, 1, [0])
 
 
 def test_sharded_checkpoint_equals_single_file(tmp_path):

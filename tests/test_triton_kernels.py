@@ -232,3 +232,34 @@ def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, 
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     for a, b in zip(logits, ref_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_experts_kept_fp8_run_in_the_fused_moe(tmp_path, kernels, monkeypatch):
+    """keep_fp8_experts: the fused MoE reads the FP8 experts and their block scales as they are
+    held (no dequantized copy); the same greedy tokens as the torch path, which dequantizes them."""
+    from services.model.engine import EngineConfig, LocalEngine
+    from services.model.presets import init_model
+    from services.model.sampling import SamplingParams
+
+    from .hf_oracle import generate_with_logits
+
+    load, device = kernels
+    path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, fp8_block=(16, 16))
+    fp8_calls = []
+    kernel = load("moe").fused_moe
+    monkeypatch.setattr(load("moe"), "fused_moe",
+                        lambda *a, **kw: fp8_calls.append(a[3].dtype == torch.float8_e4m3fn) or kernel(*a, **kw))  # fmt: skip
+    prompts = [[0, 5, 6, 7], list(range(3, 70))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOE_TRITON", flag)
+        triton_kernels._enabled.clear()
+        engine = LocalEngine(
+            EngineConfig(model=str(path), device=device, max_num_seqs=4, keep_fp8_experts=True)
+        )
+        outs[flag] = generate_with_logits(engine, prompts, params)
+    assert fp8_calls and all(fp8_calls)
+    assert [o.token_ids for o in outs["1"][0]] == [o.token_ids for o in outs["0"][0]]
+    for a, b in zip(outs["1"][1], outs["0"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -160,3 +160,38 @@ def load_expert_weights(
         w13[s, inter:] = reader.get(expert_name(layer, e, "up", v4), dtype)
         w2[s] = reader.get(expert_name(layer, e, "down", v4), dtype)
     return w13, w2
+
+
+def load_expert_weights_fp8(
+    reader: CheckpointReader, layer: int, experts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`load_expert_weights` for FP8 experts kept as stored: w13 [S, 2I, H] and w2 [S, H, I]
+    float8_e4m3fn with their block scales (`weight_scale_inv`) w13_scale [S, 2I / bn, ceil(H / bk)]
+    and w2_scale [S, ceil(H / bn), ceil(I / bk)] fp32, (bn, bk) = reader.fp8_block: a weight is
+    its FP8 value times its block's scale (`dequantize_fp8_blocks`). Gate and up rows are stacked
+    with their scale rows, so I must be a multiple of bn; ValueError otherwise, or when the
+    experts are not FP8."""
+    if not experts:
+        raise ValueError("load_expert_weights_fp8 needs at least one expert")
+    bn, _ = reader.fp8_block
+    v4 = reader.v4_names
+    w13, w2, s13, s2 = [], [], [], []
+    for e in experts:
+        (gate, gs), (up, us), (down, ds) = (
+            _fp8_with_scale(reader, expert_name(layer, e, p, v4)) for p in ("gate", "up", "down")
+        )
+        if gate.shape[0] % bn:
+            raise ValueError(f"FP8 experts kept FP8 need the expert width ({gate.shape[0]}) to be a multiple of "
+                             f"the quantisation block's rows ({bn})")  # fmt: skip
+        w13.append(torch.cat([gate, up]))
+        s13.append(torch.cat([gs, us]))
+        w2.append(down)
+        s2.append(ds)
+    return torch.stack(w13), torch.stack(w2), torch.stack(s13).float(), torch.stack(s2).float()
+
+
+def _fp8_with_scale(reader: CheckpointReader, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    w = reader.raw(name)
+    if w.dtype not in FP8_DTYPES or name + "_scale_inv" not in reader:
+        raise ValueError(f"{name} is {w.dtype}, not FP8 with a weight_scale_inv: nothing to keep in FP8")
+    return w, reader.raw(name + "_scale_inv")

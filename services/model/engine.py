@@ -39,6 +39,10 @@ class EngineConfig:
     # storage of the linear and routed-expert weights when narrower than `dtype`: "bfloat16"
     # under a float32 CPU engine (half the memory; the fp32 math on bf16-rounded weights)
     weight_dtype: str | None = None
+    # FP8 checkpoints: hold the routed experts in FP8 as shipped, with their block scales (half of
+    # bf16's memory), run by the Triton fused MoE (CUDA) or dequantized per call (elsewhere); the
+    # in-process experts of LocalEngine only (expert workers dequantize at load)
+    keep_fp8_experts: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
@@ -506,6 +510,24 @@ def check_weight_dtype(
     return wd
 
 
+def check_keep_fp8_experts(cfg: ModelConfig, weight_dtype: torch.dtype | None) -> None:
+    """A clear error where `EngineConfig.keep_fp8_experts` cannot hold."""
+    if cfg.fp8_block_size is None:
+        raise ValueError(
+            "keep_fp8_experts: the checkpoint is not FP8 block-quantised (no quantization_config)"
+        )
+    if cfg.is_v4:
+        raise ValueError("keep_fp8_experts is not supported for DeepSeek-V4 checkpoints yet")
+    if weight_dtype is not None:
+        raise ValueError("keep_fp8_experts and weight_dtype both set: the experts are held one way")
+    bn = cfg.fp8_block_size[0]
+    if cfg.moe_intermediate_size % bn:
+        raise ValueError(
+            f"keep_fp8_experts: expert width {cfg.moe_intermediate_size} is not a multiple of the FP8 block's "
+            f"rows ({bn}), so gate and up cannot share one stacked scale grid"
+        )
+
+
 def load_engine(
     engine_cfg: EngineConfig,
     make_experts: Callable[[ModelConfig, CheckpointReader, torch.dtype], ExpertBackend] | None = None,
@@ -520,13 +542,18 @@ def load_engine(
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(engine_cfg.dtype)
     weight_dtype = check_weight_dtype(engine_cfg.weight_dtype, dtype, engine_cfg.device, cfg)
+    if engine_cfg.keep_fp8_experts:
+        check_keep_fp8_experts(cfg, weight_dtype)
     reader = CheckpointReader.for_config(model_dir, cfg)
     if cfg.is_v4:
         model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device)  # same forward(batch, cache) contract
     else:
         model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device, weight_dtype=weight_dtype)
     if make_experts is None:
-        experts = LocalExperts.load_all(reader, cfg, weight_dtype or dtype).to(engine_cfg.device)
+        experts = LocalExperts.load_all(
+            reader, cfg, weight_dtype or dtype, keep_fp8=engine_cfg.keep_fp8_experts
+        )
+        experts = experts.to(engine_cfg.device)
     else:
         experts = make_experts(cfg, reader, weight_dtype or dtype)  # (their dtype, when held in process)
     reader.close()

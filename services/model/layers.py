@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels, triton_kernels
+from .checkpoint import dequantize_fp8_blocks
 from .config import ModelConfig, rope_inv_freq
 from .cpu_kernels import linear
 
@@ -183,6 +184,9 @@ def grouped_expert_ffn(
     w2: torch.Tensor,
     out: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Weighted sum of expert outputs per token ("dispatch + combine" in one process).
 
@@ -192,11 +196,18 @@ def grouped_expert_ffn(
     (e.g. the payload of a gRPC response). swiglu_limit: DeepSeek-V4's clamped SwiGLU (`swiglu_act`).
     (token, choice) pairs are sorted by slot and the SwiGLU FFN runs as one grouped matmul per
     projection over all slots (offsets = cumulative tokens per slot).
+    FP8 experts kept FP8 (w13 / w2 float8_e4m3fn) come with their block scales w13_scale [S, 2I/bn,
+    H/bk] / w2_scale [S, H/bn, I/bk] and fp8_block (bn, bk): the Triton fused MoE reads them as
+    they are; the torch path dequantizes the slots a call touches (the values of
+    `checkpoint.dequantize_fp8_blocks`, so the same results as experts dequantized at load).
     """
     T, K = slot.shape
-    y = triton_kernels.run("moe", "fused_moe", x, slot, weight, w13, w2, swiglu_limit, out=out)  # CUDA
+    fp8 = (w13_scale, w2_scale, fp8_block) if w13_scale is not None else ()
+    y = triton_kernels.run("moe", "fused_moe", x, slot, weight, w13, w2, swiglu_limit, *fp8, out=out)  # CUDA
     if y is not None:
         return y
+    if fp8:
+        slot, w13, w2 = _dequantize_busy_slots(slot, w13, w2, w13_scale, w2_scale, fp8_block, x.dtype)
     if (
         x.dtype == torch.float32
         and x.device.type == "cpu"
@@ -232,6 +243,22 @@ def grouped_expert_ffn(
     if out is None:
         return acc.to(x.dtype)
     return out if acc is out else out.copy_(acc)
+
+
+def _dequantize_busy_slots(slot, w13, w2, w13_scale, w2_scale, block, dtype):
+    """FP8 experts for the torch path: the slots that slot [T, K] uses, dequantized to `dtype`
+    ([B, 2I, H], [B, H, I]), and slot renumbered onto them (in the same order: a token's choices
+    are still summed in slot order)."""
+    used = slot >= 0
+    busy, compact = torch.unique(slot[used], return_inverse=True)  # sorted: order kept
+    renumbered = torch.full_like(slot, -1)
+    renumbered[used] = compact
+
+    def dequantized(w, scale):
+        rows = [dequantize_fp8_blocks(w[s], scale[s], block) for s in busy.tolist()]
+        return torch.stack(rows).to(dtype) if rows else w[:0].to(dtype)
+
+    return renumbered, dequantized(w13, w13_scale), dequantized(w2, w2_scale)
 
 
 def _few_rows_per_slot(slot: torch.Tensor) -> bool:

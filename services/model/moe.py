@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoint import CheckpointReader, load_expert_weights
+from .checkpoint import CheckpointReader, load_expert_weights, load_expert_weights_fp8
 from .config import ModelConfig
 from .layers import grouped_expert_ffn
 from .model import ExpertCombine, ExpertDispatch
@@ -23,6 +23,10 @@ class PackedExperts:
     w2: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder layer -> [S, H, I]
     logical: dict[int, list[int]] = field(default_factory=dict)  # decoder layer -> logical expert per slot
     swiglu_limit: float | None = None  # DeepSeek-V4: clamped SwiGLU (ModelConfig.swiglu_limit)
+    # FP8 experts kept FP8 (w13 / w2 float8_e4m3fn): their block scales and the block shape
+    w13_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder layer -> [S, 2I/bn, H/bk]
+    w2_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder layer -> [S, H/bn, I/bk]
+    fp8_block: tuple[int, int] | None = None  # (bn, bk) when the experts are held in FP8
 
     @classmethod
     def load(
@@ -31,11 +35,19 @@ class PackedExperts:
         experts_per_layer: dict[int, list[int]],
         dtype: torch.dtype,
         progress=None,
+        keep_fp8: bool = False,
     ) -> PackedExperts:
-        """Read only the listed (decoder layer -> logical experts in slot order) expert tensors."""
-        packed = cls()
+        """Read only the listed (decoder layer -> logical experts in slot order) expert tensors, in
+        `dtype`, or (keep_fp8) FP8 experts as stored with their block scales."""
+        packed = cls(fp8_block=reader.fp8_block if keep_fp8 else None)
         for n, (layer, experts) in enumerate(sorted(experts_per_layer.items())):
-            packed.w13[layer], packed.w2[layer] = load_expert_weights(reader, layer, experts, dtype)
+            if keep_fp8:
+                w13, w2, packed.w13_scale[layer], packed.w2_scale[layer] = load_expert_weights_fp8(
+                    reader, layer, experts
+                )
+            else:
+                w13, w2 = load_expert_weights(reader, layer, experts, dtype)
+            packed.w13[layer], packed.w2[layer] = w13, w2
             packed.logical[layer] = list(experts)
             if progress is not None:
                 progress(n + 1, len(experts_per_layer))
@@ -51,10 +63,14 @@ class PackedExperts:
     ) -> torch.Tensor:
         """x [T, H], slot [T, K] local slot ids (-1 = none), weight [T, K] -> [T, H] (into `out`
         when given)."""
-        return grouped_expert_ffn(x, slot, weight, self.w13[layer], self.w2[layer], out, self.swiglu_limit)
+        return grouped_expert_ffn(x, slot, weight, self.w13[layer], self.w2[layer], out, self.swiglu_limit,
+                                  self.w13_scale.get(layer), self.w2_scale.get(layer), self.fp8_block)  # fmt: skip
+
+    def tensors(self) -> list[dict[int, torch.Tensor]]:
+        return [self.w13, self.w2, self.w13_scale, self.w2_scale]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.w13, self.w2) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in self.tensors() for t in d.values())
 
 
 class LocalExperts:
@@ -64,14 +80,21 @@ class LocalExperts:
         self.cfg, self.packed = cfg, packed
 
     @classmethod
-    def load_all(cls, reader: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype, progress=None):
+    def load_all(
+        cls,
+        reader: CheckpointReader,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        progress=None,
+        keep_fp8: bool = False,
+    ):
         everything = {layer: list(range(cfg.n_routed_experts)) for layer in cfg.moe_layers}
-        packed = PackedExperts.load(reader, everything, dtype, progress)
+        packed = PackedExperts.load(reader, everything, dtype, progress, keep_fp8)
         packed.swiglu_limit = cfg.swiglu_limit
         return cls(cfg, packed)
 
     def to(self, device) -> LocalExperts:
-        for d in (self.packed.w13, self.packed.w2):
+        for d in self.packed.tensors():
             for k in d:
                 d[k] = d[k].to(device)
         return self

@@ -422,9 +422,11 @@ def init_model(
     overrides: dict | None = None,
     tokenizer: bool = True,
     shards: int = 1,
+    fp8_block: tuple[int, int] = (128, 128),
 ) -> Path:
     """Write config.json, safetensors (per-expert names; `shards` > 1 writes
-    model-0000i-of-0000n.safetensors + model.safetensors.index.json) and a tokenizer."""
+    model-0000i-of-0000n.safetensors + model.safetensors.index.json) and a tokenizer. fp8: the
+    linear weights block-quantised to FP8 e4m3 as DeepSeek ships them, in `fp8_block` blocks."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     out = Path(out_dir)
@@ -432,12 +434,12 @@ def init_model(
     hf = {**PRESETS[preset], **(overrides or {}), "torch_dtype": "float32"}
     weights = random_weights(hf, seed)
     if fp8:
-        weights = quantize_checkpoint_fp8(weights)
+        weights = quantize_checkpoint_fp8(weights, fp8_block)
         hf["quantization_config"] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
+            "weight_block_size": list(fp8_block),
         }
         hf["torch_dtype"] = "bfloat16"
     save_safetensors(weights, out, shards)
