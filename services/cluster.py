@@ -55,6 +55,9 @@ class ClusterConfig:
     weight_dtype: str | None = _setting(
         None, "bfloat16: hold linear and expert weights in bf16 under float32 on CPU (half the memory)"
     )
+    keep_fp8_experts: bool = _setting(
+        False, "FP8 checkpoints: the expert workers hold the routed experts in FP8 with their block scales"
+    )
     max_num_seqs: int = _setting(64, "sequences per step, per attention worker")
     max_num_batched_tokens: int = _setting(2048, "tokens per step, per attention worker")
     max_model_len: int | None = _setting(None, "context length (default: min(model's, 4096))")
@@ -209,6 +212,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             min_gain=cfg.balancer_min_gain,
             expert_dtype=cfg.dtype,
             expert_weight_dtype=cfg.weight_dtype,
+            expert_keep_fp8=cfg.keep_fp8_experts,
             expert_threads=cfg.expert_threads,
             expert_resources=cfg.expert_resources,
             expert_gpus=cfg.expert_gpus,

@@ -1,6 +1,7 @@
 """`moe-cluster up --weight-dtype bfloat16`: the attention worker's linears and the expert workers'
 experts are held in bf16 and computed in fp32; over the API the cluster gives the bf16-weight
-LocalEngine's tokens and logprobs, and the expert workers hold half the bytes."""
+LocalEngine's tokens and logprobs, and the expert workers hold half the bytes. `--keep-fp8-experts`:
+the expert workers hold an FP8 checkpoint's experts as shipped."""
 
 import openai
 import pytest
@@ -54,3 +55,25 @@ def test_cluster_serves_bf16_weights(tmp_path):
         cfg.num_moe_layers * cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     )
     assert held == 2 * experts_bytes  # bf16: 2 bytes per weight, every expert once (no replicas)
+
+
+def test_cluster_keeps_fp8_experts_fp8(tmp_path):
+    """`moe-cluster up --keep-fp8-experts` on an FP8 checkpoint: the expert workers hold the
+    experts as shipped (1 byte per weight, plus the block scales) and the API gives the tokens
+    and logprobs of LocalEngine, which dequantizes them."""
+    path = init_model(tmp_path, "tiny", seed=4, fp8=True, fp8_block=(16, 16))
+    want = LocalEngine(EngineConfig(model=str(path))).generate(PROMPTS, PARAMS)
+    with tiny_cluster(path, expert_workers=2, balancer_period_s=0, keep_fp8_experts=True) as cluster:
+        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
+        for prompt, expected in zip(PROMPTS, want, strict=True):
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+            assert r.choices[0].text == expected.text
+            for got, exp in zip(r.choices[0].logprobs.token_logprobs, _logprobs(expected), strict=True):
+                assert abs(got - exp) < 1e-5
+        status = ray.get(cluster.balancer.status.remote())
+        held = sum(ExpertClient(w["address"]).stats().weight_bytes for w in status["workers"])
+    cfg = ModelConfig.from_dir(path)
+    weights = cfg.num_moe_layers * cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    scales = weights // (16 * 16) * 4  # one fp32 scale per 16 x 16 block
+    assert held == weights + scales  # FP8: 1 byte per weight, every expert once

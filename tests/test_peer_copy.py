@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from services.attention.dispatch import RemoteExperts
 from services.experts.client import ExpertClient, load_placement
 from services.experts.server import ExpertWorkerConfig, read_model_config
-from services.experts.store import ExpertNotFound, SlotStore
+from services.experts.store import ExpertNotFound, ExpertRows, SlotStore
 from services.model.checkpoint import CheckpointReader, expert_name
 from services.model.config import ModelConfig
 from services.model.model import ExpertCombine, ExpertDispatch
@@ -73,7 +73,7 @@ def test_store_copies_what_the_checkpoint_here_lacks(model, tmp_path):
 
     def fetch(layer, experts):
         calls.append((layer, list(experts)))
-        return {e: (w13, w2) for e, w13, w2 in a.expert_weights(layer, experts)}
+        return dict(a.expert_weights(layer, experts))
 
     b = SlotStore(cfg, bare, torch.float32)
     report = b.load(1, _layout(cfg, [5, 3, 3, 0]), fetch)
@@ -108,7 +108,7 @@ def test_store_copies_what_the_checkpoint_here_lacks(model, tmp_path):
 
     # a peer sending the wrong shapes is refused
     def bad(layer, experts):
-        return {e: (torch.zeros(2, 2), torch.zeros(2, 2)) for e in experts}
+        return {e: ExpertRows(torch.zeros(2, 2), torch.zeros(2, 2)) for e in experts}
 
     with pytest.raises(ExpertNotFound, match="w13 of shape"):
         b.load(3, _layout(cfg, [10]), bad)
@@ -122,8 +122,8 @@ def test_expert_weights_errors(model):
         a.expert_weights(cfg.moe_layers[0], [0])
     a.load(1, _layout(cfg, [4, 2]))
     got = a.expert_weights(cfg.moe_layers[0], [2, 4, 2])
-    assert [e for e, _, _ in got] == [2, 4]  # distinct, first-seen order
-    assert got[0][1].shape == (2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    assert [e for e, _ in got] == [2, 4]  # distinct, first-seen order
+    assert got[0][1].w13.shape == (2 * cfg.moe_intermediate_size, cfg.hidden_size) and not got[0][1].fp8
     with pytest.raises(Exception, match="not a MoE layer"):
         a.expert_weights(0, [2])
     with pytest.raises(Exception, match="outside"):
@@ -259,3 +259,106 @@ def test_scale_up_onto_a_node_without_checkpoint(pair, model):
         experts.close()
     torch.testing.assert_close(got, everything.packed.forward(msg.decoder_layer, x, topk, msg.topk_weight))
     assert cb.stats().dispatch_calls == 1
+
+
+# ---- FP8 experts kept FP8 ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    """tiny as an FP8 checkpoint with 16 x 16 blocks (32-wide experts: whole row blocks), and a
+    node with its config only."""
+    path = init_model(
+        tmp_path_factory.mktemp("fp8"), "tiny", seed=3, tokenizer=False, fp8=True, fp8_block=(16, 16)
+    )
+    bare = tmp_path_factory.mktemp("fp8-bare")
+    shutil.copy(path / "config.json", bare / "config.json")
+    return path, bare, ModelConfig.from_dir(path)
+
+
+def test_expert_weights_codec_carries_fp8_and_scales():
+    g = torch.Generator().manual_seed(1)
+    w13, w2 = (
+        torch.randn(6, 5, generator=g).to(torch.float8_e4m3fn),
+        torch.randn(5, 3, generator=g).to(torch.float8_e4m3fn),
+    )
+    s13, s2 = torch.rand(3, 1, generator=g), torch.rand(1, 1, generator=g)
+    ours = wire.encode_expert_weights(wire.ExpertWeights(3, 7, w13, w2, s13, s2))
+    theirs = expert_pb2.ExpertWeights(layer=3, logical_expert=7, w13=tensor_to_proto(w13), w2=tensor_to_proto(w2),
+                                      w13_scale=tensor_to_proto(s13), w2_scale=tensor_to_proto(s2))  # fmt: skip
+    assert ours == theirs.SerializeToString()
+    back = wire.decode_expert_weights(ours)
+    assert back.w13.dtype == back.w2.dtype == torch.float8_e4m3fn
+    assert torch.equal(back.w13.view(torch.uint8), w13.view(torch.uint8))
+    assert torch.equal(back.w2.view(torch.uint8), w2.view(torch.uint8))
+    assert torch.equal(back.w13_scale, s13) and torch.equal(back.w2_scale, s2)
+    unscaled = wire.decode_expert_weights(wire.encode_expert_weights(wire.ExpertWeights(3, 7, w13, w2)))
+    assert unscaled.w13_scale is None and unscaled.w2_scale is None
+
+
+def test_fp8_kept_stores_serve_and_copy_experts_as_shipped(fp8_model):
+    """keep_fp8: the store holds the checkpoint's FP8 experts and scales (a quarter of fp32's bytes
+    plus scales) and answers as a store that dequantized them at load, bit for bit; a peer copy
+    moves them as they are held (FP8 to an FP8 store, dequantized for a store that does not keep
+    FP8), and an FP8 store refuses experts that are not FP8."""
+    path, bare, cfg = fp8_model
+    kept, loaded = SlotStore(cfg, path, torch.float32, keep_fp8=True), SlotStore(cfg, path, torch.float32)
+    experts = [5, 3, 3, 0, 9]
+    for store in (kept, loaded):
+        store.load(1, _layout(cfg, experts))
+    layer = cfg.moe_layers[0]
+    assert kept._versions[1].packed.w13[layer].dtype == torch.float8_e4m3fn
+    assert kept.stats().weight_bytes < loaded.stats().weight_bytes / 3.5
+    g = torch.Generator().manual_seed(0)
+    x, slot = torch.randn(9, cfg.hidden_size, generator=g), torch.randint(-1, 5, (9, 3), dtype=torch.int32)
+    weight = torch.rand(9, 3, generator=g)
+    for layer in cfg.moe_layers:
+        assert torch.equal(kept.forward(1, layer, x, slot, weight), loaded.forward(1, layer, x, slot, weight))
+
+    def fetch_from(store):
+        return lambda layer, wanted: dict(store.expert_weights(layer, wanted))
+
+    copy = SlotStore(cfg, bare, torch.float32, keep_fp8=True)
+    report = copy.load(1, _layout(cfg, experts), fetch_from(kept))
+    assert (
+        report.bytes_read == 0
+        and 0 < report.bytes_from_peers < _expert_bytes(cfg, 4, itemsize=2) * cfg.num_moe_layers
+    )
+    plain = SlotStore(cfg, bare, torch.float32)
+    plain.load(1, _layout(cfg, experts), fetch_from(kept))  # FP8 from the peer, dequantized here
+    for layer in cfg.moe_layers:
+        want = loaded.forward(1, layer, x, slot, weight)
+        assert torch.equal(copy.forward(1, layer, x, slot, weight), want)
+        assert torch.equal(plain.forward(1, layer, x, slot, weight), want)
+    with pytest.raises(ExpertNotFound, match="keeps its experts in FP8"):
+        SlotStore(cfg, bare, torch.float32, keep_fp8=True).load(1, _layout(cfg, [5]), fetch_from(loaded))
+
+
+def test_fp8_peer_copy_over_grpc(fp8_model):
+    """Two expert workers keeping FP8 (ExpertWorkerConfig.keep_fp8_experts), the second without
+    the checkpoint: it copies the FP8 experts and scales over FetchExperts and answers Dispatch
+    as the first."""
+    path, bare, cfg = fp8_model
+    a = ServerThread(ExpertWorkerConfig(model=str(path), keep_fp8_experts=True))
+    b = ServerThread(ExpertWorkerConfig(model=str(bare), keep_fp8_experts=True))
+    ca, cb = ExpertClient(a.address), ExpertClient(b.address)
+    try:
+        experts = [7, 1, 7, 12, 3]
+        ca.load_slots(1, _layout(cfg, experts))
+        load_b = cb.load_slots(1, _layout(cfg, experts), peers=[a.address])
+        assert load_b.bytes_read == 0 and load_b.bytes_from_peers > 0
+        assert cb.stats().weight_bytes == ca.stats().weight_bytes
+        with (
+            grpc.insecure_channel(a.address, options=wire.grpc_options()) as ch_a,
+            grpc.insecure_channel(b.address, options=wire.grpc_options()) as ch_b,
+        ):
+            for layer in cfg.moe_layers:
+                req, _ = _valid(cfg, experts, T=11, seed=layer, version=1, layer=layer)
+                out_a = _call_dispatch(ch_a, encode_dispatch_request(req)).output
+                assert torch.equal(_call_dispatch(ch_b, encode_dispatch_request(req)).output, out_a)
+    finally:
+        for c in (ca, cb):
+            c.close()
+        a.stop()
+        b.stop()
+    with pytest.raises(ValueError, match="not FP8 block-quantised"):
+        ServerThread(ExpertWorkerConfig(model=str(path.parent / "missing-fp8"), keep_fp8_experts=True,
+                                        model_config=read_model_config(bare) | {"quantization_config": None}))  # fmt: skip

@@ -9,14 +9,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.model.config import ModelConfig
 from services.model.placement import Placement
 from services.rpc import expert_pb2, expert_pb2_grpc, wire
 
-from .store import ExpertNotFound, check_expert_weights
+from .store import ExpertNotFound, ExpertRows, check_expert_weights
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +176,9 @@ class PeerFetcher:
                                 holders.append(address)
         return self._holders
 
-    def __call__(self, layer: int, experts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(self, layer: int, experts: list[int]) -> dict[int, ExpertRows]:
         holders = self.holders()
-        got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        got: dict[int, ExpertRows] = {}
         failed: dict[int, set[str]] = {e: set() for e in experts}
         remaining = list(dict.fromkeys(experts))
         while remaining:
@@ -195,14 +194,15 @@ class PeerFetcher:
             for peer, wanted in plan.items():
                 try:
                     for msg in self._client(peer).fetch_experts(layer, wanted, self.timeout):
+                        rows = ExpertRows(msg.w13, msg.w2, msg.w13_scale, msg.w2_scale)
                         problem = (
                             f"an answer for layer {msg.layer} expert {msg.logical_expert}"
                             if msg.layer != layer or msg.logical_expert not in wanted
-                            else check_expert_weights(self.cfg, msg.w13, msg.w2)
+                            else check_expert_weights(self.cfg, rows)
                         )
                         if problem:
                             raise wire.WireError(f"FetchExperts sent {problem}")
-                        got[msg.logical_expert] = (msg.w13, msg.w2)
+                        got[msg.logical_expert] = rows
                 except (grpc.RpcError, wire.WireError) as e:
                     self.errors[peer] = _rpc_error(e) if isinstance(e, grpc.RpcError) else str(e)
                     log.warning("peer copy of layer %d from %s failed: %s", layer, peer, self.errors[peer])

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from services.model.config import ModelConfig, parse_dtype
-from services.model.engine import check_weight_dtype
+from services.model.engine import check_keep_fp8_experts, check_weight_dtype
 from services.rpc import wire
 
 from .servicer import ExpertServicer, add_expert_service
@@ -36,6 +36,7 @@ class ExpertWorkerConfig:
     model: str
     dtype: str = "float32"  # compute dtype; Dispatch hidden states must come in this dtype
     weight_dtype: str | None = None  # experts held narrower than dtype: "bfloat16" under float32 on CPU
+    keep_fp8_experts: bool = False  # an FP8 checkpoint's experts held as shipped, with their block scales
     device: str = "cpu"  # where the experts are held and computed ("cuda": the GPU Ray gave the worker)
     num_threads: int | None = 1  # torch intra-op threads in the worker process (None: leave as is)
     host: str | None = None  # None: the Ray node's IP inside an actor, else 127.0.0.1
@@ -71,8 +72,10 @@ class ExpertServer:
         hf = cfg.model_config if cfg.model_config is not None else read_model_config(cfg.model)
         dtype, model_cfg = parse_dtype(cfg.dtype), ModelConfig.from_hf(hf)
         weight_dtype = check_weight_dtype(cfg.weight_dtype, dtype, cfg.device, model_cfg)
+        if cfg.keep_fp8_experts:
+            check_keep_fp8_experts(model_cfg, weight_dtype)
         self.store = SlotStore(model_cfg, cfg.model, dtype, cfg.max_versions, cfg.device,
-                               weight_dtype)  # fmt: skip
+                               weight_dtype, cfg.keep_fp8_experts)  # fmt: skip
         self.servicer = ExpertServicer(
             self.store, peer_timeout_s=cfg.peer_timeout_s, max_message_bytes=cfg.max_message_bytes
         )
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--weight-dtype", default=None, help="hold the experts in bfloat16 (float32 dtype, CPU)")
+    ap.add_argument("--keep-fp8-experts", action="store_true", help="FP8 checkpoints: experts held in FP8")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             model=args.model,
             dtype=args.dtype,
             weight_dtype=args.weight_dtype,
+            keep_fp8_experts=args.keep_fp8_experts,
             device=args.device,
             host=args.host,
             port=args.port,

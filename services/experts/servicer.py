@@ -147,8 +147,8 @@ class ExpertServicer:
             held = self.store.expert_weights(request.layer, list(request.logical_expert))
         except SlotStoreError as e:
             context.abort(status_of(e), str(e))
-        for expert, w13, w2 in held:
-            yield wire.encode_expert_weights(wire.ExpertWeights(request.layer, expert, w13, w2))
+        for expert, rows in held:
+            yield wire.encode_expert_weights(wire.ExpertWeights(request.layer, expert, *rows))
 
     def ReleaseSlots(self, request, context) -> expert_pb2.ReleaseSlotsResponse:
         return expert_pb2.ReleaseSlotsResponse(loaded_versions=self.store.release(request.version))

@@ -26,11 +26,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from services.model import cpu_kernels
-from services.model.checkpoint import CheckpointReader, load_expert_weights
+from services.model.checkpoint import (
+    CheckpointReader,
+    dequantize_fp8_blocks,
+    load_expert_weights,
+    load_expert_weights_fp8,
+)
 from services.model.config import ModelConfig
 from services.model.moe import PackedExperts
 
@@ -60,9 +66,31 @@ class ExpertNotFound(SlotStoreError, LookupError):
     neither held, nor in this node's checkpoint, nor given by a peer."""
 
 
-# fetch(layer, experts) -> {logical expert: (w13 [2I, H], w2 [H, I])} for `experts` of one MoE
-# layer (any float dtype; converted to the store's). May raise ExpertNotFound with the reason.
-FetchExperts = Callable[[int, list[int]], Mapping[int, tuple[torch.Tensor, torch.Tensor]]]
+class ExpertRows(NamedTuple):
+    """One logical expert's weights: w13 [2I, H] (gate rows, then up rows), w2 [H, I]; experts
+    kept in FP8 (float8_e4m3fn) also carry their block scales w13_scale [2I / bn, ceil(H / bk)]
+    and w2_scale [ceil(H / bn), ceil(I / bk)] fp32 (`PackedExperts`)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    def to(self, device: torch.device | str) -> ExpertRows:
+        return ExpertRows(*(None if t is None else t.to(device) for t in self))
+
+    def nbytes(self) -> int:
+        return _nbytes(*(t for t in self if t is not None))
+
+
+# fetch(layer, experts) -> {logical expert: ExpertRows} for `experts` of one MoE layer (any float
+# dtype, or FP8 with scales; converted to how the store holds experts). May raise ExpertNotFound
+# with the reason.
+FetchExperts = Callable[[int, list[int]], Mapping[int, ExpertRows]]
 
 
 @dataclass
@@ -107,11 +135,15 @@ class SlotStore:
         max_versions: int = 3,
         device: str | torch.device = "cpu",
         weight_dtype: torch.dtype | None = None,
+        keep_fp8: bool = False,
     ):
         """dtype: what Dispatch computes in; weight_dtype: how the experts are held when narrower
-        (bf16 under fp32 on CPU: engine.check_weight_dtype); None: dtype."""
+        (bf16 under fp32 on CPU: engine.check_weight_dtype); None: dtype. keep_fp8: an FP8
+        checkpoint's experts are held as shipped, with their block scales
+        (engine.check_keep_fp8_experts)."""
         self.cfg, self.model_dir, self.dtype, self.max_versions = cfg, Path(model_dir), dtype, max_versions
         self.weight_dtype = weight_dtype or dtype
+        self.fp8_block = cfg.fp8_block_size if keep_fp8 else None  # (bn, bk) when experts are held in FP8
         self.device = torch.device(device)  # where the packed experts live and compute
         self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
         self._versions: dict[int, SlotVersion] = {}
@@ -209,45 +241,58 @@ class SlotStore:
         hold the same experts: a whole layer with identical slots is shared without a copy,
         single experts are copied from memory, the rest is read from the checkpoint, and what
         the checkpoint here lacks comes from `fetch`."""
-        packed, report = PackedExperts(swiglu_limit=self.cfg.swiglu_limit), LoadReport(0)
-        checkpoint = _Checkpoint(self.model_dir, self.cfg, self.weight_dtype)
+        packed = PackedExperts(swiglu_limit=self.cfg.swiglu_limit, fp8_block=self.fp8_block)
+        report = LoadReport(0)
+        checkpoint = _Checkpoint(self.model_dir, self.cfg, self.weight_dtype, self.fp8_block is not None)
         try:
             for layer, experts in layout.items():
                 same = next((d.packed for d in donors if d.packed.logical[layer] == experts), None)
                 if same is not None:
-                    packed.w13[layer], packed.w2[layer] = same.w13[layer], same.w2[layer]
+                    for mine, theirs in zip(packed.tensors(), same.tensors(), strict=True):
+                        if layer in theirs:
+                            mine[layer] = theirs[layer]
                     packed.logical[layer] = list(experts)
-                    report.bytes_reused += _nbytes(same.w13[layer], same.w2[layer])
+                    report.bytes_reused += _nbytes(*(d[layer] for d in same.tensors() if layer in d))
                     continue
-                held = _held_rows(donors, layer)  # logical -> (w13 [2I, H], w2 [H, I])
-                report.bytes_reused += sum(_nbytes(*held[e]) for e in experts if e in held)
+                held = _held_rows(donors, layer)  # logical -> ExpertRows
+                report.bytes_reused += sum(held[e].nbytes() for e in experts if e in held)
                 missing = sorted(set(experts) - held.keys())
                 if missing:
                     got = checkpoint.read(layer, missing)
                     report.bytes_read = checkpoint.bytes_read
-                    held.update(
-                        {e: (w13.to(self.device), w2.to(self.device)) for e, (w13, w2) in got.items()}
-                    )
+                    held.update({e: rows.to(self.device) for e, rows in got.items()})
                     missing = [e for e in missing if e not in got]
                 if missing:
                     fetched = self._fetch(layer, missing, fetch, checkpoint.unavailable)
-                    report.bytes_from_peers += sum(_nbytes(*fetched[e]) for e in missing)
-                    held.update(
-                        {
-                            e: (w13.to(self.device, self.weight_dtype), w2.to(self.device, self.weight_dtype))
-                            for e, (w13, w2) in fetched.items()
-                        }
-                    )
-                packed.w13[layer] = torch.stack([held[e][0] for e in experts])  # [S, 2I, H]
-                packed.w2[layer] = torch.stack([held[e][1] for e in experts])  # [S, H, I]
+                    report.bytes_from_peers += sum(fetched[e].nbytes() for e in missing)
+                    held.update({e: self._as_held(rows) for e, rows in fetched.items()})
+                rows = [held[e] for e in experts]
+                packed.w13[layer] = torch.stack([r.w13 for r in rows])  # [S, 2I, H]
+                packed.w2[layer] = torch.stack([r.w2 for r in rows])  # [S, H, I]
+                if self.fp8_block is not None:
+                    packed.w13_scale[layer] = torch.stack([r.w13_scale for r in rows])
+                    packed.w2_scale[layer] = torch.stack([r.w2_scale for r in rows])
                 packed.logical[layer] = list(experts)
         finally:
             checkpoint.close()
         return packed, report
 
+    def _as_held(self, rows: ExpertRows) -> ExpertRows:
+        """A peer's expert as this store holds experts: FP8 kept as sent, or (FP8 from a worker
+        that keeps it, for one that does not) dequantized, then in weight_dtype on the device."""
+        if self.fp8_block is not None:
+            return rows.to(self.device)
+        if rows.fp8:
+            block = self.cfg.fp8_block_size
+            rows = ExpertRows(dequantize_fp8_blocks(rows.w13, rows.w13_scale, block),
+                              dequantize_fp8_blocks(rows.w2, rows.w2_scale, block))  # fmt: skip
+        return ExpertRows(
+            rows.w13.to(self.device, self.weight_dtype), rows.w2.to(self.device, self.weight_dtype)
+        )
+
     def _fetch(
         self, layer: int, missing: list[int], fetch: FetchExperts | None, why: str
-    ) -> Mapping[int, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Mapping[int, ExpertRows]:
         """`missing` experts of `layer` from the peers (`fetch`), checked."""
         where = f"layer {layer}: experts {missing} cannot be read from the checkpoint here ({why})"
         if fetch is None:
@@ -260,18 +305,18 @@ class SlotStore:
         if lacking:
             raise ExpertNotFound(f"{where}; the peers did not send experts {lacking}")
         for e in missing:
-            problem = check_expert_weights(self.cfg, *fetched[e])
+            problem = check_expert_weights(self.cfg, fetched[e])
+            if not problem and self.fp8_block is not None and not fetched[e].fp8:
+                problem = f"{fetched[e].w13.dtype} weights, and this worker keeps its experts in FP8"
             if problem:
                 raise ExpertNotFound(f"{where}; a peer sent expert {e} with {problem}")
         return fetched
 
     # ---- peer copy (source side) ----------------------------------------------------------
-    def expert_weights(
-        self, layer: int, experts: Sequence[int]
-    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(expert, w13 [2I, H], w2 [H, I]) for each distinct expert of `experts` (first-seen
-        order), from the newest loaded version holding it: rows of the packed tensors (no copy;
-        a GPU worker copies them to host memory).
+    def expert_weights(self, layer: int, experts: Sequence[int]) -> list[tuple[int, ExpertRows]]:
+        """(expert, its ExpertRows) for each distinct expert of `experts` (first-seen order),
+        from the newest loaded version holding it: rows of the packed tensors (no copy; a GPU
+        worker copies them to host memory).
         InvalidRequest for a non-MoE layer or an id out of range; ExpertNotFound when some
         expert is not held by a loaded version."""
         if layer not in self.moe_index:
@@ -289,7 +334,7 @@ class SlotStore:
                 f"layer {layer}: experts {missing} are not held by this worker "
                 f"(loaded versions: {sorted(v.version for v in versions)})"
             )
-        return [(e, held[e][0].cpu(), held[e][1].cpu()) for e in experts]  # (no copy on a CPU worker)
+        return [(e, held[e].to("cpu")) for e in experts]  # (no copy on a CPU worker)
 
     # ---- compute ------------------------------------------------------------------------
     def forward(
@@ -384,7 +429,7 @@ class SlotStore:
                 }
         seen: dict[int, int] = {}
         for held in versions.values():
-            for d in (held.packed.w13, held.packed.w2):
+            for d in held.packed.tensors():
                 for t in d.values():
                     seen[t.data_ptr()] = _nbytes(t)
         stats.weight_bytes = sum(seen.values())
@@ -395,26 +440,45 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _held_rows(versions: Sequence[SlotVersion], layer: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """logical expert -> (w13 [2I, H], w2 [H, I]) rows of `layer` held by `versions` (first wins)."""
-    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+def _held_rows(versions: Sequence[SlotVersion], layer: int) -> dict[int, ExpertRows]:
+    """logical expert -> its ExpertRows in `layer` held by `versions` (first wins)."""
+    held: dict[int, ExpertRows] = {}
     for v in versions:
-        for row, e in enumerate(v.packed.logical[layer]):
-            held.setdefault(e, (v.packed.w13[layer][row], v.packed.w2[layer][row]))
+        p = v.packed
+        for row, e in enumerate(p.logical[layer]):
+            if e not in held:
+                scales = (p.w13_scale[layer][row], p.w2_scale[layer][row]) if layer in p.w13_scale else ()
+                held[e] = ExpertRows(p.w13[layer][row], p.w2[layer][row], *scales)
     return held
 
 
-def check_expert_weights(cfg: ModelConfig, w13: torch.Tensor, w2: torch.Tensor) -> str | None:
-    """None when (w13, w2) have one expert's shapes ([2I, H], [H, I]) and a float dtype, else
-    what is wrong."""
+def check_expert_weights(cfg: ModelConfig, rows: ExpertRows) -> str | None:
+    """None when `rows` have one expert's shapes (w13 [2I, H], w2 [H, I]) and a float dtype (FP8:
+    with scales of the checkpoint's block grid), else what is wrong."""
     hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    for name, t, shape in (("w13", w13, (2 * inter, hidden)), ("w2", w2, (hidden, inter))):
+    for name, t, shape in (("w13", rows.w13, (2 * inter, hidden)), ("w2", rows.w2, (hidden, inter))):
         if t is None:
             return f"no {name}"
         if tuple(t.shape) != shape:
             return f"{name} of shape {list(t.shape)} (want {list(shape)})"
         if not t.dtype.is_floating_point:
             return f"{name} of dtype {t.dtype}"
+    fp8 = rows.w13.dtype == torch.float8_e4m3fn
+    if (
+        fp8 != (rows.w2.dtype == torch.float8_e4m3fn)
+        or fp8 != (rows.w13_scale is not None)
+        or fp8 != (rows.w2_scale is not None)
+    ):
+        return f"w13 {rows.w13.dtype} and w2 {rows.w2.dtype} with{'' if rows.fp8 else 'out'} scales (FP8 needs both)"
+    if fp8:
+        if cfg.fp8_block_size is None:
+            return "FP8 weights for a checkpoint that is not FP8"
+        bn, bk = cfg.fp8_block_size
+        for name, t, (m, n) in (("w13_scale", rows.w13_scale, (2 * inter, hidden)),
+                                ("w2_scale", rows.w2_scale, (hidden, inter))):  # fmt: skip
+            want = (-(-m // bn), -(-n // bk))
+            if tuple(t.shape) != want or t.dtype != torch.float32:
+                return f"{name} {t.dtype} of shape {list(t.shape)} (want float32 {list(want)})"
     return None
 
 
@@ -422,15 +486,16 @@ class _Checkpoint:
     """This node's checkpoint for one `load`: opened on first use; `unavailable` says why an
     expert could not be read (no safetensors files here, a tensor or shard file missing)."""
 
-    def __init__(self, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype):
-        self.model_dir, self.cfg, self.dtype = model_dir, cfg, dtype
+    def __init__(self, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, keep_fp8: bool = False):
+        self.model_dir, self.cfg, self.dtype, self.keep_fp8 = model_dir, cfg, dtype, keep_fp8
         self.reader: CheckpointReader | None = None
         self.unavailable = ""  # the last reason an expert could not be read, "" while none
         self.absent = False  # no checkpoint on this node: do not try again
         self.bytes_read = 0
 
-    def read(self, layer: int, experts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """{expert: (w13 [2I, H], w2 [H, I])} for the experts of `experts` it could read."""
+    def read(self, layer: int, experts: list[int]) -> dict[int, ExpertRows]:
+        """{expert: ExpertRows} for the experts of `experts` it could read (FP8 as stored with
+        keep_fp8, else in dtype)."""
         if self.absent:
             return {}
         if self.reader is None:
@@ -443,11 +508,14 @@ class _Checkpoint:
         for e in experts:
             before = self.reader.bytes_read
             try:
-                w13, w2 = load_expert_weights(self.reader, layer, [e], self.dtype)
+                if self.keep_fp8:
+                    tensors = load_expert_weights_fp8(self.reader, layer, [e])
+                else:
+                    tensors = load_expert_weights(self.reader, layer, [e], self.dtype)
             except (KeyError, OSError) as err:  # tensor not in the checkpoint, shard file missing
                 self.unavailable = str(err).strip("'\"")
                 continue
-            got[e] = (w13[0], w2[0])
+            got[e] = ExpertRows(*(t[0] for t in tensors))
             self.bytes_read += self.reader.bytes_read - before
         return got
 

@@ -79,16 +79,20 @@ class FetchExpertsRequest(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., logical_expert: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpertWeights(_message.Message):
-    __slots__ = ("layer", "logical_expert", "w13", "w2")
+    __slots__ = ("layer", "logical_expert", "w13", "w2", "w13_scale", "w2_scale")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     LOGICAL_EXPERT_FIELD_NUMBER: _ClassVar[int]
     W13_FIELD_NUMBER: _ClassVar[int]
     W2_FIELD_NUMBER: _ClassVar[int]
+    W13_SCALE_FIELD_NUMBER: _ClassVar[int]
+    W2_SCALE_FIELD_NUMBER: _ClassVar[int]
     layer: int
     logical_expert: int
     w13: Tensor
     w2: Tensor
-    def __init__(self, layer: _Optional[int] = ..., logical_expert: _Optional[int] = ..., w13: _Optional[_Union[Tensor, _Mapping]] = ..., w2: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    w13_scale: Tensor
+    w2_scale: Tensor
+    def __init__(self, layer: _Optional[int] = ..., logical_expert: _Optional[int] = ..., w13: _Optional[_Union[Tensor, _Mapping]] = ..., w2: _Optional[_Union[Tensor, _Mapping]] = ..., w13_scale: _Optional[_Union[Tensor, _Mapping]] = ..., w2_scale: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ReleaseSlotsRequest(_message.Message):
     __slots__ = ("version",)

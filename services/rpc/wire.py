@@ -228,16 +228,20 @@ class ExpertWeights:
     logical_expert: int
     w13: torch.Tensor | None  # [2I, H]
     w2: torch.Tensor | None  # [H, I]
+    w13_scale: torch.Tensor | None = None  # FP8 kept: [2I / bn, ceil(H / bk)] fp32
+    w2_scale: torch.Tensor | None = None  # FP8 kept: [ceil(H / bn), ceil(I / bk)] fp32
 
 
 def encode_expert_weights(msg: ExpertWeights) -> bytes:
     """Serialized ExpertWeights."""
-    return _encode(((1, msg.layer), (2, msg.logical_expert)), ((3, msg.w13), (4, msg.w2)))
+    tensors = ((3, msg.w13), (4, msg.w2), (5, msg.w13_scale), (6, msg.w2_scale))
+    return _encode(((1, msg.layer), (2, msg.logical_expert)), tensors)
 
 
 def decode_expert_weights(buf: bytes) -> ExpertWeights:
     """Parse a serialized ExpertWeights; tensors view `buf` (no copy)."""
-    layer, expert, tensors = _decode_ints_and_tensors(buf, "ExpertWeights", {3: "w13", 4: "w2"})
+    names = {3: "w13", 4: "w2", 5: "w13_scale", 6: "w2_scale"}
+    layer, expert, tensors = _decode_ints_and_tensors(buf, "ExpertWeights", names)
     expert &= 0xFFFFFFFF
     expert = expert - (1 << 32) if expert >= 1 << 31 else expert  # int32
     return ExpertWeights(layer & 0xFFFFFFFF, expert, *tensors)

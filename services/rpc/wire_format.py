@@ -45,6 +45,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "int32": torch.int32,
     "int64": torch.int64,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # FP8 experts kept FP8 (peer copy)
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
@@ -61,7 +62,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # dtypes numpy lacks are exported through a same-width integer view
-_NUMPY_VIEW = {torch.bfloat16: torch.int16}
+_NUMPY_VIEW = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
