@@ -101,8 +101,6 @@ def test_keep_fp8_experts_refuses_what_it_cannot_hold(tmp_path, tiny_model):
     path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True)  # 128-row blocks, 32-wide experts
     with pytest.raises(ValueError, match="not a multiple of the FP8 block"):
         LocalEngine(EngineConfig(model=str(path), keep_fp8_experts=True))
-    with pytest.raises(ValueError, match="both set"):
-        LocalEngine(EngineConfig(model=str(path), keep_fp8_experts=True, weight_dtype="bfloat16"))
     reader = CheckpointReader.for_config(tiny_model, ModelConfig.from_dir(tiny_model))
     with pytest.raises(ValueError, match="not FP8"):
         load_expert_weights_fp8(reader, 1, [0])

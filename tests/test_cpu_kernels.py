@@ -184,6 +184,41 @@ def test_expert_ffn_matches_torch_and_is_batch_invariant(torch_path, limit):
 
 
 @needs_kernels
+@pytest.mark.parametrize("block", [(32, 32), (32, 64), (16, 128)])  # (64: a partial last column block)
+@pytest.mark.parametrize("H", [96, 80])  # 80: rows end in 16 values (the 16-wide conversion)
+def test_expert_ffn_on_fp8_experts_is_the_kernel_on_their_dequantized_values(block, H):
+    """FP8 experts kept FP8: every e4m3fn bit pattern (subnormals, both zeros, the largest) times
+    its block's scale, as checkpoint.dequantize_fp8_blocks gives it: the fp32 kernel's bits."""
+    from services.model.checkpoint import dequantize_fp8_blocks
+
+    g = torch.Generator().manual_seed(block[1])
+    S, I, T, K = 5, 64, 7, 3
+    bn, bk = block
+
+    def fp8(*shape):  # random bytes, every pattern but NaN (0x7F, 0xFF)
+        b = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        return b.masked_fill((b & 0x7F) == 0x7F, 0).view(torch.float8_e4m3fn)
+
+    w13, w2 = fp8(S, 2 * I, H), fp8(S, H, I)
+    s13 = torch.rand(S, 2 * I // bn, -(-H // bk), generator=g) / 64
+    s2 = torch.rand(S, -(-H // bn), -(-I // bk), generator=g) / 64
+    real13 = torch.stack([dequantize_fp8_blocks(w13[s], s13[s], block) for s in range(S)])
+    real2 = torch.stack([dequantize_fp8_blocks(w2[s], s2[s], block) for s in range(S)])
+    x, weight = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    slot = torch.randint(-1, S, (T, K), generator=g)
+    y = cpu_kernels.expert_ffn(x, slot, weight, w13, w2, None, s13, s2, block)
+    assert y is not None and torch.equal(y, cpu_kernels.expert_ffn(x, slot, weight, real13, real2))
+    w2_nan = w2.clone()
+    w2_nan.view(torch.uint8)[slot[0, 0].clamp(min=0), 5, 0] = 0x7F  # NaN stays NaN
+    y = cpu_kernels.expert_ffn(x, slot, weight, w13, w2_nan, None, s13, s2, block)
+    assert bool(y[0, 5].isnan()) == bool(slot[0, 0] >= 0)
+    assert (
+        cpu_kernels.expert_ffn(x, slot, weight, w13, w2, None, s13, s2, (48, bk)) is None
+    )  # 48 does not divide I
+    assert cpu_kernels.expert_ffn(x, slot, weight, w13, w2, None, s13, s2, (bn, 24)) is None  # 24 % 16
+
+
+@needs_kernels
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H, I", [(48, 24), (64, 32)])  # the 8-lane loops; the 16-lane ones (% 32)
 def test_dense_ffn_is_the_swiglu_mlp_and_batch_invariant(torch_path, weight_dtype, H, I):

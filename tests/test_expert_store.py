@@ -199,7 +199,10 @@ def test_a_gpu_store_matches_the_cpu_store(model):
         got = gpu.forward(version, layer, x, slot, weight, out)
         assert got is out and not got.is_cuda
         torch.testing.assert_close(got, cpu.forward(version, layer, x, slot, weight), rtol=1e-4, atol=1e-5)
-    (_, (w13, w2, _, _)), (_, (c13, c2, _, _)) = gpu.expert_weights(layer, [9])[0], cpu.expert_weights(layer, [9])[0]
+    (_, (w13, w2, _, _)), (_, (c13, c2, _, _)) = (
+        gpu.expert_weights(layer, [9])[0],
+        cpu.expert_weights(layer, [9])[0],
+    )
     assert not w13.is_cuda and torch.equal(w13, c13) and torch.equal(w2, c2)
 
 

@@ -73,7 +73,7 @@ class ExpertServer:
         dtype, model_cfg = parse_dtype(cfg.dtype), ModelConfig.from_hf(hf)
         weight_dtype = check_weight_dtype(cfg.weight_dtype, dtype, cfg.device, model_cfg)
         if cfg.keep_fp8_experts:
-            check_keep_fp8_experts(model_cfg, weight_dtype)
+            check_keep_fp8_experts(model_cfg)
         self.store = SlotStore(model_cfg, cfg.model, dtype, cfg.max_versions, cfg.device,
                                weight_dtype, cfg.keep_fp8_experts)  # fmt: skip
         self.servicer = ExpertServicer(

@@ -243,18 +243,99 @@ static inline void prefetch_row(const W* p, int64_t n) {
     for (int64_t b = 0; b < n * (int64_t)sizeof(W); b += 64) __builtin_prefetch((const char*)p + b, 0, 3);
 }
 
+// FP8 e4m3fn weights (DeepSeek's checkpoints, kept FP8) are dequantized one row at a time into
+// fp32, with checkpoint.dequantize_fp8_blocks's values: each weight times its block's scale,
+// rounded once. 16 at a time through fp16: an e4m3fn's bits moved into an fp16's (sign to bit 15,
+// exponent and mantissa to bits 13-7) are the same number / 256, exactly (subnormals included),
+// and the 256 goes into the scale (exact: a power of two); 0x7F / 0xFF (NaN) stay NaN.
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+static inline v16 fp8x16(const uint8_t* p) {
+  u8x16 b; __builtin_memcpy(&b, p, 16);
+  const u16x16 w = __builtin_convertvector(b, u16x16), mag = w & 0x7F;
+  u16x16 h = ((w & 0x80) << 8) | (mag << 7);
+  h = mag == 0x7F ? (h & 0x8000) | 0x7E00 : h;  // NaN
+  v16 v;
+#if defined(__AVX512F__)
+  __m256i hv; __builtin_memcpy(&hv, &h, 32); const __m512 f = _mm512_cvtph_ps(hv); __builtin_memcpy(&v, &f, 64);
+#else
+  for (int l = 0; l < 16; ++l) {  // (fp16 -> fp32 by hand where the CPU has no AVX-512)
+    const uint32_t sign = (uint32_t)(h[l] & 0x8000) << 16, e = (h[l] >> 10) & 0x1F, m = h[l] & 0x3FF;
+    float f = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? NAN : std::ldexp((float)(m | 0x400), (int)e - 25);
+    uint32_t bits; __builtin_memcpy(&bits, &f, 4); bits |= sign; __builtin_memcpy(&f, &bits, 4); v[l] = f;
+  }
+#endif
+  return v;
+}
+static inline void dequant_fp8_row(const uint8_t* w, const float* scale, int64_t K, int64_t bk, float* out) {
+  // (K, bk % 16 == 0: each 16 values share a scale; the block is tracked, not divided for)
+  int64_t b = 0, end = bk;
+  auto scale_at = [&](int64_t k) { while (k >= end) { ++b; end += bk; } return scale[b] * 256.0f; };
+  int64_t k = 0;
+#if defined(__AVX512BW__)
+  // 32 at a time: sign-extend to 16 bits, shift left 7, keep bit 15 and bits 13-7 (0xBF80); NaN
+  // (low 7 bits all ones) gets the exponent's top bit too, which makes it an fp16 NaN
+  const __m512i keep = _mm512_set1_epi16((short)0xBF80), low7 = _mm512_set1_epi16(0x7F);
+  const __m512i nan_bits = _mm512_set1_epi16(0x7E00);
+  for (; k + 32 <= K; k += 32) {
+    const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + k)));
+    __m512i h = _mm512_and_si512(_mm512_slli_epi16(v, 7), keep);
+    const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, low7), low7);
+    h = _mm512_mask_mov_epi16(h, nan, _mm512_or_si512(h, nan_bits));
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), _mm512_set1_ps(scale_at(k)));
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), _mm512_set1_ps(scale_at(k + 16)));
+    _mm512_storeu_ps(out + k, lo);
+    _mm512_storeu_ps(out + k + 16, hi);
+  }
+#endif
+  for (; k < K; k += 16) {
+    const v16 v = fp8x16(w + k) * scale_at(k);
+    __builtin_memcpy(out + k, &v, 64);
+  }
+}
+
+// Where expert_ffn reads its weight rows: w13 row r (of 2I: gate rows, then up) and w2 row n (of
+// H) of slot s. `Packed<W>`: fp32 or bf16 tensors read in place; `Fp8`: FP8 rows dequantized into
+// the caller's fp32 buffer (W = float for the dot kernels), with block scales s13 [S, 2I / bn,
+// ceil(H / bk)] and s2 [S, ceil(H / bn), ceil(I / bk)].
+template <typename WT>
+struct Packed {
+  using W = WT;
+  const W* w13p; const W* w2p; int64_t I, H;
+  const W* w13(int64_t s, int64_t r, float*) const { return w13p + (s * 2 * I + r) * H; }
+  const W* w2(int64_t s, int64_t n, float*) const { return w2p + (s * H + n) * I; }
+  void prefetch13(int64_t s, int64_t r) const { prefetch_row(w13(s, r, nullptr), H); }
+  void prefetch2(int64_t s, int64_t n) const { prefetch_row(w2(s, n, nullptr), I); }
+};
+struct Fp8 {
+  using W = float;
+  const uint8_t* w13p; const uint8_t* w2p; const float* s13; const float* s2; int64_t I, H, bn, bk;
+  const float* w13(int64_t s, int64_t r, float* buf) const {
+    const int64_t rows = 2 * I / bn, cols = (H + bk - 1) / bk;
+    dequant_fp8_row(w13p + (s * 2 * I + r) * H, s13 + (s * rows + r / bn) * cols, H, bk, buf);
+    return buf;
+  }
+  const float* w2(int64_t s, int64_t n, float* buf) const {
+    const int64_t rows = (H + bn - 1) / bn, cols = (I + bk - 1) / bk;
+    dequant_fp8_row(w2p + (s * H + n) * I, s2 + (s * rows + n / bn) * cols, I, bk, buf);
+    return buf;
+  }
+  void prefetch13(int64_t, int64_t) const {}
+  void prefetch2(int64_t, int64_t) const {}
+};
+
 // Routed experts of a few tokens, whole: out[T, H] (fp32) = sum over k of weight[t, k] *
 // FFN_{slot[t, k]}(x[t]) with FFN_s(x) = w2[s] (silu(g) * u), [g | u] = w13[s] x (g clamped to
 // <= limit, u to [-limit, limit] when limit > 0). x [T, H], slot [T, K] int64 (-1: none),
-// weight [T, K], w13 [S, 2I, H], w2 [S, H, I] (both fp32 or both bf16: W); H, I % 8 == 0. Each
-// expert weight row is read once for all of its slot's tokens; a token's choices are summed in
-// slot order.
-template <typename W>
+// weight [T, K], w13 [S, 2I, H], w2 [S, H, I] (read through `src`: Packed or Fp8 above); H, I % 8
+// == 0. Each expert weight row is read once for all of its slot's tokens; a token's choices are
+// summed in slot order.
+template <typename Src>
 static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
-                                  const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
-  const int64_t T = x.size(0), H = x.size(1), K = slot.size(1), S = w13.size(0), I = w2.size(2);
-  TORCH_CHECK(slot.size(0) == T && weight.numel() == T * K && w13.size(1) == 2 * I && w13.size(2) == H &&
-              w2.size(0) == S && w2.size(1) == H && H % 8 == 0 && I % 8 == 0, "expert_ffn: shapes");
+                                  const Src& src, int64_t S, double limit) {
+  using W = typename Src::W;
+  const int64_t T = x.size(0), H = src.H, K = slot.size(1), I = src.I;
+  TORCH_CHECK(x.size(1) == H && slot.size(0) == T && weight.numel() == T * K && H % 8 == 0 && I % 8 == 0,
+              "expert_ffn: shapes");
   const int64_t* sp = slot.data_ptr<int64_t>();
   std::vector<int64_t> start(S + 1, 0);
   for (int64_t p = 0; p < T * K; ++p) {
@@ -270,17 +351,18 @@ static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& s
   const int64_t B = busy.size();
   auto act = torch::empty({std::max<int64_t>(P, 1), I}, x.options());
   auto ys = torch::empty({std::max<int64_t>(P, 1), H}, x.options());
-  const float* xp = x.data_ptr<float>(); const W* w13p = w13.data_ptr<W>(); const W* w2p = w2.data_ptr<W>();
+  const float* xp = x.data_ptr<float>();
   float* ap = act.data_ptr<float>(); float* yp = ys.data_ptr<float>();
   const float lim = (float)limit;
   at::parallel_for(0, B * I, 32, [&](int64_t i0, int64_t i1) {  // (busy slot, intermediate column)
     const float* xs[4]; float gu[8];
+    std::vector<float> buf(std::is_same_v<Src, Fp8> ? 2 * H : 0);  // (FP8: the dequantized rows)
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = busy[i / I], j = i % I;
-      const W* ws[2] = {w13p + (s * 2 * I + j) * H, w13p + (s * 2 * I + I + j) * H};  // gate, up rows
+      const W* ws[2] = {src.w13(s, j, buf.data()), src.w13(s, I + j, buf.data() + H)};  // gate, up rows
       if (i + 4 < i1) {  // the gate and up rows of the item 4 ahead
         const int64_t s4 = busy[(i + 4) / I], j4 = (i + 4) % I;
-        prefetch_row(w13p + (s4 * 2 * I + j4) * H, H); prefetch_row(w13p + (s4 * 2 * I + I + j4) * H, H);
+        src.prefetch13(s4, j4); src.prefetch13(s4, I + j4);
       }
       for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
         const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
@@ -296,10 +378,11 @@ static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& s
   });
   at::parallel_for(0, B * H, 32, [&](int64_t i0, int64_t i1) {  // (busy slot, output column)
     const float* as[4]; float d[4];
+    std::vector<float> buf(std::is_same_v<Src, Fp8> ? I : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = busy[i / H], n = i % H;
-      const W* dw[1] = {w2p + (s * H + n) * I};
-      if (i + 8 < i1) prefetch_row(w2p + (busy[(i + 8) / H] * H + (i + 8) % H) * I, I);  // the row 8 items ahead
+      const W* dw[1] = {src.w2(s, n, buf.data())};
+      if (i + 8 < i1) src.prefetch2(busy[(i + 8) / H], (i + 8) % H);  // the row 8 items ahead
       for (int64_t p = start[s]; p < start[s + 1]; p += 4) {
         const int c = (int)std::min<int64_t>(4, start[s + 1] - p);
         for (int r = 0; r < c; ++r) as[r] = ap + (p + r) * I;
@@ -325,18 +408,47 @@ static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& s
   return out;
 }
 
+template <typename W>
+static torch::Tensor expert_ffn_packed(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
+                                       const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
+  const int64_t S = w13.size(0), I = w2.size(2), H = w13.size(2);
+  TORCH_CHECK(w13.size(1) == 2 * I && w2.size(0) == S && w2.size(1) == H, "expert_ffn: shapes");
+  return expert_ffn_w(x, slot, weight, Packed<W>{w13.data_ptr<W>(), w2.data_ptr<W>(), I, H}, S, limit);
+}
 static torch::Tensor expert_ffn_impl(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
                                      const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && w13.scalar_type() == w2.scalar_type(),
               "expert_ffn: fp32 x and weight, w13 and w2 of one dtype");
-  if (w13.scalar_type() == at::kBFloat16) return expert_ffn_w<at::BFloat16>(x, slot, weight, w13, w2, limit);
+  if (w13.scalar_type() == at::kBFloat16) return expert_ffn_packed<at::BFloat16>(x, slot, weight, w13, w2, limit);
   TORCH_CHECK(w13.scalar_type() == at::kFloat, "expert_ffn: fp32 or bf16 expert weights, got ", w13.scalar_type());
-  return expert_ffn_w<float>(x, slot, weight, w13, w2, limit);
+  return expert_ffn_packed<float>(x, slot, weight, w13, w2, limit);
 }
 torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
                          const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
   NO_GIL;
   return expert_ffn_impl(x, slot, weight, w13, w2, limit);
+}
+// expert_ffn on FP8 experts kept FP8: w13 [S, 2I, H] / w2 [S, H, I] float8_e4m3fn, their block
+// scales w13_scale [S, 2I / bn, ceil(H / bk)] / w2_scale [S, ceil(H / bn), ceil(I / bk)] fp32; bn
+// divides I, bk % 16 == 0, H and I % 16 == 0. The bits of expert_ffn on the dequantized weights.
+torch::Tensor expert_ffn_fp8(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
+                             const torch::Tensor& w13, const torch::Tensor& w2, const torch::Tensor& w13_scale,
+                             const torch::Tensor& w2_scale, int64_t bn, int64_t bk, double limit) {
+  NO_GIL;
+  const int64_t S = w13.size(0), I = w2.size(2), H = w13.size(2);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+              w13.scalar_type() == at::kFloat8_e4m3fn && w2.scalar_type() == at::kFloat8_e4m3fn &&
+              w13_scale.scalar_type() == at::kFloat && w2_scale.scalar_type() == at::kFloat,
+              "expert_ffn_fp8: fp32 x / weight / scales, float8_e4m3fn w13 / w2");
+  TORCH_CHECK(bn > 0 && bk > 0 && I % bn == 0 && bk % 16 == 0 && H % 16 == 0 && I % 16 == 0 &&
+              w13.dim() == 3 && w13.size(1) == 2 * I && w2.size(0) == S && w2.size(1) == H &&
+              w13.is_contiguous() && w2.is_contiguous() && w13_scale.is_contiguous() && w2_scale.is_contiguous() &&
+              w13_scale.sizes() == at::IntArrayRef({S, 2 * I / bn, (H + bk - 1) / bk}) &&
+              w2_scale.sizes() == at::IntArrayRef({S, (H + bn - 1) / bn, (I + bk - 1) / bk}),
+              "expert_ffn_fp8: shapes");
+  const Fp8 src{(const uint8_t*)w13.data_ptr(), (const uint8_t*)w2.data_ptr(), w13_scale.data_ptr<float>(),
+                w2_scale.data_ptr<float>(), I, H, bn, bk};
+  return expert_ffn_w(x, slot, weight, src, S, limit);
 }
 // A dense SwiGLU MLP (w13 [2I, H]: gate rows then up rows, w2 [H, I]) for a few rows x [T, H]:
 // expert_ffn with every row on one slot at weight 1 (its sums, bit for bit).

@@ -120,6 +120,7 @@ FUNCTIONS = [
     "absorb_o",
     "dense_ffn",
     "add_rms_norm",
+    "expert_ffn_fp8",
 ]
 
 
@@ -213,13 +214,32 @@ def expert_ffn(
     w13: torch.Tensor,
     w2: torch.Tensor,
     swiglu_limit: float | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> torch.Tensor | None:
     """The routed experts of a few tokens in one call: x [T, H], slot [T, K] int64 (-1 = none),
     weight [T, K] fp32, w13 [S, 2I, H], w2 [S, H, I] (fp32, or both bf16) -> fp32 [T, H] (see
-    layers.grouped_expert_ffn for the math). None where the kernel does not apply."""
+    layers.grouped_expert_ffn for the math). FP8 experts kept FP8 (float8_e4m3fn, with w13_scale /
+    w2_scale and fp8_block (bn, bk): bn divides I, bk % 16 == 0, H and I % 16 == 0): each row is
+    dequantized as it is read, to the values of checkpoint.dequantize_fp8_blocks, so the result
+    is this kernel's on the dequantized weights, bit for bit. None where the kernel does not apply."""
     H, I = x.shape[1], w2.shape[2]
     if H % 8 or I % 8 or slot.dtype != torch.int64 or not _fp32_cpu(x, weight):
         return None
+    if w13_scale is not None:
+        bn, bk = fp8_block
+        if I % bn or bk % 16 or H % 16 or I % 16 or not _fp32_cpu(w13_scale, w2_scale) or not w13.is_cpu:
+            return None
+        module = _module()
+        if module is None:
+            return None
+        if swiglu_limit is not None and swiglu_limit <= 0:  # (the kernel reads 0 as "no clamp")
+            return None
+        limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+        return module.expert_ffn_fp8(x.contiguous(), slot.contiguous(), weight.contiguous(), w13.contiguous(),
+                                     w2.contiguous(), w13_scale.contiguous(), w2_scale.contiguous(), bn, bk,
+                                     limit)  # fmt: skip
     if not _weights_cpu(w13, w2) or w13.dtype is not w2.dtype:
         return None
     if swiglu_limit is not None and swiglu_limit <= 0:  # (the kernel reads 0 as "no clamp")

@@ -40,8 +40,8 @@ class EngineConfig:
     # under a float32 CPU engine (half the memory; the fp32 math on bf16-rounded weights)
     weight_dtype: str | None = None
     # FP8 checkpoints: hold the routed experts in FP8 as shipped, with their block scales (half of
-    # bf16's memory), run by the Triton fused MoE (CUDA) or dequantized per call (elsewhere); the
-    # in-process experts of LocalEngine only (expert workers dequantize at load)
+    # bf16's memory; weight_dtype then applies to the linears only), computed by the Triton fused
+    # MoE on CUDA and the expert kernel on CPU, both reading them as held
     keep_fp8_experts: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -510,7 +510,7 @@ def check_weight_dtype(
     return wd
 
 
-def check_keep_fp8_experts(cfg: ModelConfig, weight_dtype: torch.dtype | None) -> None:
+def check_keep_fp8_experts(cfg: ModelConfig) -> None:
     """A clear error where `EngineConfig.keep_fp8_experts` cannot hold."""
     if cfg.fp8_block_size is None:
         raise ValueError(
@@ -518,8 +518,6 @@ def check_keep_fp8_experts(cfg: ModelConfig, weight_dtype: torch.dtype | None) -
         )
     if cfg.is_v4:
         raise ValueError("keep_fp8_experts is not supported for DeepSeek-V4 checkpoints yet")
-    if weight_dtype is not None:
-        raise ValueError("keep_fp8_experts and weight_dtype both set: the experts are held one way")
     bn = cfg.fp8_block_size[0]
     if cfg.moe_intermediate_size % bn:
         raise ValueError(
@@ -543,7 +541,7 @@ def load_engine(
     dtype = parse_dtype(engine_cfg.dtype)
     weight_dtype = check_weight_dtype(engine_cfg.weight_dtype, dtype, engine_cfg.device, cfg)
     if engine_cfg.keep_fp8_experts:
-        check_keep_fp8_experts(cfg, weight_dtype)
+        check_keep_fp8_experts(cfg)
     reader = CheckpointReader.for_config(model_dir, cfg)
     if cfg.is_v4:
         model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device)  # same forward(batch, cache) contract

@@ -206,13 +206,18 @@ def grouped_expert_ffn(
     y = triton_kernels.run("moe", "fused_moe", x, slot, weight, w13, w2, swiglu_limit, *fp8, out=out)  # CUDA
     if y is not None:
         return y
-    if fp8:
-        slot, w13, w2 = _dequantize_busy_slots(slot, w13, w2, w13_scale, w2_scale, fp8_block, x.dtype)
-    if (
+    cpu_decode = (
         x.dtype == torch.float32
         and x.device.type == "cpu"
         and (T <= cpu_kernels.MAX_ROWS or _few_rows_per_slot(slot))
-    ):
+    )
+    if fp8 and cpu_decode:  # decode sizes: the expert kernel dequantizes each row as it reads it
+        y = cpu_kernels.expert_ffn(x, slot, weight, w13, w2, swiglu_limit, *fp8)
+        if y is not None:
+            return y if out is None else out.copy_(y)
+    if fp8:
+        slot, w13, w2 = _dequantize_busy_slots(slot, w13, w2, w13_scale, w2_scale, fp8_block, x.dtype)
+    if cpu_decode:
         y = cpu_kernels.expert_ffn(x, slot, weight, w13, w2, swiglu_limit)  # decode sizes, fp32: one call
         if y is not None:
             return y if out is None else out.copy_(y)
