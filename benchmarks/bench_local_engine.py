@@ -12,7 +12,11 @@ decode tokens/s (`S_TG`, same threads, f32 KV cache, flash attention off). Never
 
     python -m benchmarks.bench_local_engine [--model DIR] [--llama-bench BIN --gguf FILE]
                                             [--device cuda --dtype bfloat16] [--weight-dtype bfloat16]
+                                            [--keep-fp8-experts --reference-model DIR]
                                             [--out benchmarks/results/local_engine.json]
+
+`--keep-fp8-experts` (an FP8 checkpoint): LocalEngine holds the routed experts in FP8; transformers
+then loads `--reference-model` (the same model in fp32: transformers runs FP8 checkpoints on GPUs).
 """
 
 from __future__ import annotations
@@ -92,20 +96,24 @@ def llama_cpp_tps(
     return rows
 
 
-def active_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, weight_bytes: int | None = None) -> int:
+def active_bytes_per_token(
+    cfg: ModelConfig, dtype_bytes: int = 4, weight_bytes: int | None = None, routed_bytes: float | None = None
+) -> int:
     """Weight bytes one decode token must read: attention side + shared + top-k routed experts.
     weight_bytes: the bytes of a linear / expert weight when narrower (EngineConfig.weight_dtype;
-    kv_b and the router stay at dtype_bytes)."""
+    kv_b and the router stay at dtype_bytes); routed_bytes: of a routed expert's weight (FP8
+    kept: 1, plus its share of the block scales)."""
     H, N = cfg.hidden_size, cfg.num_attention_heads
     D, R, V, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     wb = weight_bytes or dtype_bytes
     q = (H * cfg.q_lora_rank + cfg.q_lora_rank * N * (D + R)) if cfg.q_lora_rank else H * N * (D + R)
     attn = (q + H * (C + R) + N * V * H) * wb + N * (D + V) * C * dtype_bytes
-    expert = 3 * H * cfg.moe_intermediate_size * wb
+    expert = 3 * H * cfg.moe_intermediate_size
     total = cfg.num_hidden_layers * attn + H * cfg.vocab_size * wb  # + LM head (embedding is a row gather)
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(layer):
-            total += (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert + cfg.n_routed_experts * H * 4
+            routed = cfg.num_experts_per_tok * expert * (routed_bytes or wb)
+            total += routed + cfg.n_shared_experts * expert * wb + cfg.n_routed_experts * H * 4
         else:
             total += 3 * H * cfg.intermediate_size * wb
     return total
@@ -137,6 +145,8 @@ def main() -> None:
     ap.add_argument(
         "--weight-dtype", help="bfloat16: LocalEngine holds its weights in bf16 (transformers: --dtype)"
     )
+    ap.add_argument("--keep-fp8-experts", action="store_true", help="LocalEngine: FP8 experts held in FP8")
+    ap.add_argument("--reference-model", help="the checkpoint transformers loads (default: --model)")
     ap.add_argument("--out", default="benchmarks/results/local_engine.json")
     ap.add_argument("--llama-bench", help="llama.cpp's llama-batched-bench binary (adds a llama.cpp column)")
     ap.add_argument("--gguf", help="the same checkpoint as llama.cpp f32 GGUF (with --llama-bench)")
@@ -148,7 +158,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(args.device)  # sdpa
+    reference = Path(args.reference_model) if args.reference_model else model_dir
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=dtype).eval().to(args.device)  # sdpa
     engine = LocalEngine(
         EngineConfig(
             model=str(model_dir),
@@ -156,6 +167,7 @@ def main() -> None:
             device=args.device,
             dtype=args.dtype,
             weight_dtype=args.weight_dtype,
+            keep_fp8_experts=args.keep_fp8_experts,
         )  # fmt: skip
     )
     rows = []
@@ -179,13 +191,19 @@ def main() -> None:
 
     step_s = 1.0 / rows[0]["local_engine_tok_s"] if rows[0]["batch"] == 1 else None  # shortest prompt
     weight_bytes = getattr(torch, args.weight_dtype).itemsize if args.weight_dtype else None
-    active = active_bytes_per_token(cfg, dtype.itemsize, weight_bytes)
+    routed_bytes = None
+    if args.keep_fp8_experts:
+        bn, bk = cfg.fp8_block_size
+        routed_bytes = 1 + 4 / (bn * bk)  # FP8 plus one fp32 scale per block
+    active = active_bytes_per_token(cfg, dtype.itemsize, weight_bytes, routed_bytes)
     bw = memcpy_bandwidth()
     result = {
         "benchmark": "local_engine_vs_transformers",
         "model": "small preset" if not args.model else str(model_dir),
         "dtype": args.dtype,
         "weight_dtype": args.weight_dtype or args.dtype,
+        "keep_fp8_experts": args.keep_fp8_experts,
+        "reference_model": str(reference) if args.reference_model else None,
         "llama_cpp_gguf": Path(args.gguf).name if args.llama_bench else None,
         "cuda_graphs": engine.graphs is not None,
         "new_tokens": NEW_TOKENS,
