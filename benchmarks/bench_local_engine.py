@@ -78,7 +78,7 @@ def decode_tps(fn, batch, repeats: int) -> float:
 
 
 def llama_cpp_tps(
-    binary: str, gguf: str, batches: list[int], prompt_len: int, threads: int
+    binary: str, gguf: str, batches: list[int], prompt_len: int, threads: int, extra: list[str] = ()
 ) -> dict[int, float]:
     """llama.cpp's decode tokens/s per batch size from one `llama-batched-bench` run. The model is
     read into memory at load (`-lm none`): memory-mapped, the experts' pages are faulted in by the
@@ -86,7 +86,7 @@ def llama_cpp_tps(
     of the page cache (one such run measured 121 tok/s at batch 1 where llama.cpp does ~218)."""
     cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-npp", str(prompt_len),
            "-ntg", str(NEW_TOKENS), "-npl", ",".join(map(str, batches)), "-fa", "off", "-ctk", "f32",
-           "-ctv", "f32", "-lm", "none", "-c", str(max(batches) * (prompt_len + NEW_TOKENS) + 64)]  # fmt: skip
+           "-ctv", "f32", "-lm", "none", "-c", str(max(batches) * (prompt_len + NEW_TOKENS) + 64), *extra]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = {}
     for line in out.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/local_engine.json")
     ap.add_argument("--llama-bench", help="llama.cpp's llama-batched-bench binary (adds a llama.cpp column)")
     ap.add_argument("--gguf", help="the same checkpoint as llama.cpp f32 GGUF (with --llama-bench)")
+    ap.add_argument("--llama-args", default="", help="more llama-batched-bench flags, e.g. '-nr' (no repack)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else init_model(Path(tempfile.mkdtemp()) / "small", "small")
@@ -175,7 +176,9 @@ def main() -> None:
     for prompt_len in [int(x) for x in args.prompt_lens.split(",")]:
         llama = {}
         if args.llama_bench:
-            llama = llama_cpp_tps(args.llama_bench, args.gguf, batches, prompt_len, args.threads)
+            llama = llama_cpp_tps(
+                args.llama_bench, args.gguf, batches, prompt_len, args.threads, args.llama_args.split()
+            )
         for b in batches:
             batch = prompts(b, cfg.vocab_size, prompt_len)
             ours = decode_tps(lambda p, n: time_ours(engine, p, n), batch, args.repeats)
@@ -205,6 +208,7 @@ def main() -> None:
         "keep_fp8_experts": args.keep_fp8_experts,
         "reference_model": str(reference) if args.reference_model else None,
         "llama_cpp_gguf": Path(args.gguf).name if args.llama_bench else None,
+        "llama_cpp_args": args.llama_args or None,
         "cuda_graphs": engine.graphs is not None,
         "new_tokens": NEW_TOKENS,
         "prompt_lens": args.prompt_lens,
