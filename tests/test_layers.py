@@ -146,3 +146,32 @@ def test_a_cpu_cache_is_zero_and_resident_only_where_used():
     assert float(cache.kv[1, 6:9].sum()) == 3.0 * BLOCK_SIZE * 64
     assert not cache.kv[:, 100::101].any()  # untouched blocks read zero
     assert PagedLatentCache(2, 3, 8, torch.bfloat16).kv.eq(0).all()
+
+
+def test_fp8_experts_beyond_decode_sizes_dequantize_a_bounded_chunk_at_a_time(monkeypatch):
+    """Kept-FP8 experts on the torch path (a prefill): the slots a call touches are dequantized
+    FP8_DEQUANT_BYTES at a time. In one chunk the result is that of experts dequantized at load,
+    bit for bit; in several, the same up to the order of the fp32 sums."""
+    from services.model import layers
+    from services.model.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    g = torch.Generator().manual_seed(6)
+    S, H, I, T, K, block = 6, 64, 32, 40, 3, (16, 16)
+    q13, s13 = zip(
+        *(quantize_fp8_blocks(torch.randn(2 * I, H, generator=g), block) for _ in range(S)), strict=True
+    )
+    q2, s2 = zip(*(quantize_fp8_blocks(torch.randn(H, I, generator=g), block) for _ in range(S)), strict=True)
+    q13, s13, q2, s2 = torch.stack(q13), torch.stack(s13), torch.stack(q2), torch.stack(s2)
+    real13 = torch.stack([dequantize_fp8_blocks(q13[s], s13[s], block) for s in range(S)])
+    real2 = torch.stack([dequantize_fp8_blocks(q2[s], s2[s], block) for s in range(S)])
+    x, weight = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    slot = torch.randint(-1, S - 1, (T, K), generator=g)  # slot S - 1 unused
+    want = grouped_expert_ffn(x, slot, weight, real13, real2)
+    assert torch.equal(grouped_expert_ffn(x, slot, weight, q13, q2, None, None, s13, s2, block), want)
+    monkeypatch.setattr(layers, "FP8_DEQUANT_BYTES", 1)  # one slot per chunk
+    out = torch.empty(T, H)
+    got = grouped_expert_ffn(x, slot, weight, q13, q2, out, None, s13, s2, block)
+    assert got is out
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    none = torch.full_like(slot, -1)
+    assert not grouped_expert_ffn(x, none, weight, q13, q2, None, None, s13, s2, block).any()

@@ -328,6 +328,10 @@ def test_fp8_kept_stores_serve_and_copy_experts_as_shipped(fp8_model):
         want = loaded.forward(1, layer, x, slot, weight)
         assert torch.equal(copy.forward(1, layer, x, slot, weight), want)
         assert torch.equal(plain.forward(1, layer, x, slot, weight), want)
+    with pytest.raises(ExpertNotFound, match="a mix of FP8 parts: w13 FP8 yes, w2 FP8 yes, w13_scale no"):
+        SlotStore(cfg, bare, torch.float32, keep_fp8=True).load(
+            1, _layout(cfg, [5]), lambda layer, wanted: {e: r._replace(w13_scale=None, w2_scale=None)
+                                                         for e, r in kept.expert_weights(layer, wanted)})  # fmt: skip
     with pytest.raises(ExpertNotFound, match="keeps its experts in FP8"):
         SlotStore(cfg, bare, torch.float32, keep_fp8=True).load(1, _layout(cfg, [5]), fetch_from(loaded))
 

@@ -143,6 +143,10 @@ class SlotStore:
         (engine.check_keep_fp8_experts)."""
         self.cfg, self.model_dir, self.dtype, self.max_versions = cfg, Path(model_dir), dtype, max_versions
         self.weight_dtype = weight_dtype or dtype
+        if keep_fp8 and cfg.fp8_block_size is None:
+            raise InvalidRequest(
+                "keep_fp8: the checkpoint is not FP8 block-quantised (no quantization_config)"
+            )
         self.fp8_block = cfg.fp8_block_size if keep_fp8 else None  # (bn, bk) when experts are held in FP8
         self.device = torch.device(device)  # where the packed experts live and compute
         self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
@@ -248,11 +252,11 @@ class SlotStore:
             for layer, experts in layout.items():
                 same = next((d.packed for d in donors if d.packed.logical[layer] == experts), None)
                 if same is not None:
-                    for mine, theirs in zip(packed.tensors(), same.tensors(), strict=True):
+                    for mine, theirs in zip(packed.tensor_dicts(), same.tensor_dicts(), strict=True):
                         if layer in theirs:
                             mine[layer] = theirs[layer]
                     packed.logical[layer] = list(experts)
-                    report.bytes_reused += _nbytes(*(d[layer] for d in same.tensors() if layer in d))
+                    report.bytes_reused += _nbytes(*(d[layer] for d in same.tensor_dicts() if layer in d))
                     continue
                 held = _held_rows(donors, layer)  # logical -> ExpertRows
                 report.bytes_reused += sum(held[e].nbytes() for e in experts if e in held)
@@ -429,7 +433,7 @@ class SlotStore:
                 }
         seen: dict[int, int] = {}
         for held in versions.values():
-            for d in held.packed.tensors():
+            for d in held.packed.tensor_dicts():
                 for t in d.values():
                     seen[t.data_ptr()] = _nbytes(t)
         stats.weight_bytes = sum(seen.values())
@@ -463,13 +467,11 @@ def check_expert_weights(cfg: ModelConfig, rows: ExpertRows) -> str | None:
             return f"{name} of shape {list(t.shape)} (want {list(shape)})"
         if not t.dtype.is_floating_point:
             return f"{name} of dtype {t.dtype}"
-    fp8 = rows.w13.dtype == torch.float8_e4m3fn
-    if (
-        fp8 != (rows.w2.dtype == torch.float8_e4m3fn)
-        or fp8 != (rows.w13_scale is not None)
-        or fp8 != (rows.w2_scale is not None)
-    ):
-        return f"w13 {rows.w13.dtype} and w2 {rows.w2.dtype} with{'' if rows.fp8 else 'out'} scales (FP8 needs both)"
+    parts = {"w13 FP8": rows.w13.dtype == torch.float8_e4m3fn, "w2 FP8": rows.w2.dtype == torch.float8_e4m3fn,
+             "w13_scale": rows.w13_scale is not None, "w2_scale": rows.w2_scale is not None}  # fmt: skip
+    if len(set(parts.values())) != 1:  # FP8 weights come with both scales, others with none
+        return "a mix of FP8 parts: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in parts.items())
+    fp8 = parts["w13 FP8"]
     if fp8:
         if cfg.fp8_block_size is None:
             return "FP8 weights for a checkpoint that is not FP8"
@@ -512,8 +514,8 @@ class _Checkpoint:
                     tensors = load_expert_weights_fp8(self.reader, layer, [e])
                 else:
                     tensors = load_expert_weights(self.reader, layer, [e], self.dtype)
-            except (KeyError, OSError) as err:  # tensor not in the checkpoint, shard file missing
-                self.unavailable = str(err).strip("'\"")
+            except (KeyError, OSError, ValueError) as err:  # tensor not in the checkpoint, shard file
+                self.unavailable = str(err).strip("'\"")  # missing, (keep_fp8) an expert not stored in FP8
                 continue
             got[e] = ExpertRows(*(t[0] for t in tensors))
             self.bytes_read += self.reader.bytes_read - before

@@ -194,4 +194,9 @@ def _fp8_with_scale(reader: CheckpointReader, name: str) -> tuple[torch.Tensor, 
     w = reader.raw(name)
     if w.dtype not in FP8_DTYPES or name + "_scale_inv" not in reader:
         raise ValueError(f"{name} is {w.dtype}, not FP8 with a weight_scale_inv: nothing to keep in FP8")
-    return w, reader.raw(name + "_scale_inv")
+    scale = reader.raw(name + "_scale_inv")
+    (bn, bk), (m, n) = reader.fp8_block, w.shape
+    if scale.shape != (-(-m // bn), -(-n // bk)):
+        raise ValueError(f"{name}_scale_inv of shape {list(scale.shape)} does not match the weight {list(w.shape)} "
+                         f"in blocks of {(bn, bk)}")  # fmt: skip
+    return w, scale

@@ -257,8 +257,12 @@ static inline v16 fp8x16(const uint8_t* p) {
   v16 v;
 #if defined(__AVX512F__)
   __m256i hv; __builtin_memcpy(&hv, &h, 32); const __m512 f = _mm512_cvtph_ps(hv); __builtin_memcpy(&v, &f, 64);
+#elif defined(__F16C__)
+  __m128i h0, h1; __builtin_memcpy(&h0, &h, 16); __builtin_memcpy(&h1, (const char*)&h + 16, 16);
+  const __m256 f0 = _mm256_cvtph_ps(h0), f1 = _mm256_cvtph_ps(h1);
+  __builtin_memcpy(&v, &f0, 32); __builtin_memcpy((char*)&v + 32, &f1, 32);
 #else
-  for (int l = 0; l < 16; ++l) {  // (fp16 -> fp32 by hand where the CPU has no AVX-512)
+  for (int l = 0; l < 16; ++l) {  // (fp16 -> fp32 by hand where the CPU has neither AVX-512 nor F16C)
     const uint32_t sign = (uint32_t)(h[l] & 0x8000) << 16, e = (h[l] >> 10) & 0x1F, m = h[l] & 0x3FF;
     float f = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? NAN : std::ldexp((float)(m | 0x400), (int)e - 25);
     uint32_t bits; __builtin_memcpy(&bits, &f, 4); bits |= sign; __builtin_memcpy(&f, &bits, 4); v[l] = f;

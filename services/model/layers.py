@@ -197,27 +197,15 @@ def grouped_expert_ffn(
     (token, choice) pairs are sorted by slot and the SwiGLU FFN runs as one grouped matmul per
     projection over all slots (offsets = cumulative tokens per slot).
     FP8 experts kept FP8 (w13 / w2 float8_e4m3fn) come with their block scales w13_scale [S, 2I/bn,
-    H/bk] / w2_scale [S, H/bn, I/bk] and fp8_block (bn, bk): the Triton fused MoE reads them as
-    they are; the torch path dequantizes the slots a call touches (the values of
-    `checkpoint.dequantize_fp8_blocks`, so the same results as experts dequantized at load).
+    H/bk] / w2_scale [S, H/bn, I/bk] and fp8_block (bn, bk): see `_fp8_expert_ffn`.
     """
     T, K = slot.shape
-    fp8 = (w13_scale, w2_scale, fp8_block) if w13_scale is not None else ()
-    y = triton_kernels.run("moe", "fused_moe", x, slot, weight, w13, w2, swiglu_limit, *fp8, out=out)  # CUDA
+    if w13_scale is not None:
+        return _fp8_expert_ffn(x, slot, weight, w13, w2, out, swiglu_limit, w13_scale, w2_scale, fp8_block)
+    y = triton_kernels.run("moe", "fused_moe", x, slot, weight, w13, w2, swiglu_limit, out=out)  # CUDA
     if y is not None:
         return y
-    cpu_decode = (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and (T <= cpu_kernels.MAX_ROWS or _few_rows_per_slot(slot))
-    )
-    if fp8 and cpu_decode:  # decode sizes: the expert kernel dequantizes each row as it reads it
-        y = cpu_kernels.expert_ffn(x, slot, weight, w13, w2, swiglu_limit, *fp8)
-        if y is not None:
-            return y if out is None else out.copy_(y)
-    if fp8:
-        slot, w13, w2 = _dequantize_busy_slots(slot, w13, w2, w13_scale, w2_scale, fp8_block, x.dtype)
-    if cpu_decode:
+    if _cpu_decode(x, slot):
         y = cpu_kernels.expert_ffn(x, slot, weight, w13, w2, swiglu_limit)  # decode sizes, fp32: one call
         if y is not None:
             return y if out is None else out.copy_(y)
@@ -250,20 +238,51 @@ def grouped_expert_ffn(
     return out if acc is out else out.copy_(acc)
 
 
-def _dequantize_busy_slots(slot, w13, w2, w13_scale, w2_scale, block, dtype):
-    """FP8 experts for the torch path: the slots that slot [T, K] uses, dequantized to `dtype`
-    ([B, 2I, H], [B, H, I]), and slot renumbered onto them (in the same order: a token's choices
-    are still summed in slot order)."""
+FP8_DEQUANT_BYTES = 1 << 30  # dequantized FP8 expert weights alive at once in the torch path
+
+
+def _cpu_decode(x: torch.Tensor, slot: torch.Tensor) -> bool:
+    """Whether the CPU expert kernel takes this call: fp32 on CPU at decode sizes."""
+    T = slot.shape[0]
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and (T <= cpu_kernels.MAX_ROWS or _few_rows_per_slot(slot))
+    )
+
+
+def _fp8_expert_ffn(x, slot, weight, w13, w2, out, swiglu_limit, w13_scale, w2_scale, block):
+    """grouped_expert_ffn on FP8 experts kept FP8. The Triton fused MoE (CUDA) and, at decode sizes
+    on the CPU, the expert kernel read them as held; otherwise the slots the call touches are
+    dequantized (`checkpoint.dequantize_fp8_blocks`'s values) FP8_DEQUANT_BYTES at a time and run
+    on the torch path, their partial sums added in fp32. With one such chunk (every decode, and
+    any call touching <= 1 GiB of dequantized experts) the result is that of experts dequantized at
+    load, bit for bit; beyond, the same up to the order of the fp32 sums."""
+    fp8 = (w13_scale, w2_scale, block)
+    y = triton_kernels.run("moe", "fused_moe", x, slot, weight, w13, w2, swiglu_limit, *fp8, out=out)  # CUDA
+    if y is not None:
+        return y
+    if _cpu_decode(x, slot):
+        y = cpu_kernels.expert_ffn(x, slot, weight, w13, w2, swiglu_limit, *fp8)
+        if y is not None:
+            return y if out is None else out.copy_(y)
     used = slot >= 0
-    busy, compact = torch.unique(slot[used], return_inverse=True)  # sorted: order kept
-    renumbered = torch.full_like(slot, -1)
-    renumbered[used] = compact
-
-    def dequantized(w, scale):
-        rows = [dequantize_fp8_blocks(w[s], scale[s], block) for s in busy.tolist()]
-        return torch.stack(rows).to(dtype) if rows else w[:0].to(dtype)
-
-    return renumbered, dequantized(w13, w13_scale), dequantized(w2, w2_scale)
+    busy = torch.unique(slot[used])  # sorted: a token's choices keep their slot order
+    per_slot = (w13[0].numel() + w2[0].numel()) * x.element_size()
+    acc = None
+    for chunk in busy.split(max(1, FP8_DEQUANT_BYTES // per_slot)):
+        mine = used & torch.isin(slot, chunk)
+        local = torch.full_like(slot, -1)
+        local[mine] = torch.searchsorted(chunk, slot[mine])
+        dequantized = [
+            torch.stack([dequantize_fp8_blocks(w[s], scale[s], block) for s in chunk.tolist()]).to(x.dtype)
+            for w, scale in ((w13, w13_scale), (w2, w2_scale))
+        ]
+        y = grouped_expert_ffn(x, local, weight, *dequantized, None, swiglu_limit)
+        acc = y.float() if acc is None else acc.add_(y.float())
+    if acc is None:  # nothing routed here
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return acc.to(x.dtype) if out is None else out.copy_(acc)
 
 
 def _few_rows_per_slot(slot: torch.Tensor) -> bool:

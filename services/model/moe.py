@@ -66,11 +66,11 @@ class PackedExperts:
         return grouped_expert_ffn(x, slot, weight, self.w13[layer], self.w2[layer], out, self.swiglu_limit,
                                   self.w13_scale.get(layer), self.w2_scale.get(layer), self.fp8_block)  # fmt: skip
 
-    def tensors(self) -> list[dict[int, torch.Tensor]]:
+    def tensor_dicts(self) -> list[dict[int, torch.Tensor]]:
         return [self.w13, self.w2, self.w13_scale, self.w2_scale]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in self.tensors() for t in d.values())
+        return sum(t.numel() * t.element_size() for d in self.tensor_dicts() for t in d.values())
 
 
 class LocalExperts:
@@ -94,7 +94,7 @@ class LocalExperts:
         return cls(cfg, packed)
 
     def to(self, device) -> LocalExperts:
-        for d in self.packed.tensors():
+        for d in self.packed.tensor_dicts():
             for k in d:
                 d[k] = d[k].to(device)
         return self
