@@ -34,6 +34,7 @@ from services.model import cpu_kernels
 from services.model.checkpoint import (
     CheckpointReader,
     dequantize_fp8_blocks,
+    fp8_scale_shape,
     load_expert_weights,
     load_expert_weights_fp8,
 )
@@ -475,10 +476,9 @@ def check_expert_weights(cfg: ModelConfig, rows: ExpertRows) -> str | None:
     if fp8:
         if cfg.fp8_block_size is None:
             return "FP8 weights for a checkpoint that is not FP8"
-        bn, bk = cfg.fp8_block_size
-        for name, t, (m, n) in (("w13_scale", rows.w13_scale, (2 * inter, hidden)),
-                                ("w2_scale", rows.w2_scale, (hidden, inter))):  # fmt: skip
-            want = (-(-m // bn), -(-n // bk))
+        for name, t, shape in (("w13_scale", rows.w13_scale, (2 * inter, hidden)),
+                               ("w2_scale", rows.w2_scale, (hidden, inter))):  # fmt: skip
+            want = fp8_scale_shape(shape, cfg.fp8_block_size)
             if tuple(t.shape) != want or t.dtype != torch.float32:
                 return f"{name} {t.dtype} of shape {list(t.shape)} (want float32 {list(want)})"
     return None

@@ -13,7 +13,7 @@ worker never touches expert bytes and an expert worker reads only the experts of
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -24,11 +24,17 @@ from .config import ModelConfig
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
+def fp8_scale_shape(weight_shape: Sequence[int], block: tuple[int, int]) -> tuple[int, int]:
+    """The block-scale grid of an [M, N] weight in (bm, bn) blocks: (ceil(M/bm), ceil(N/bn))."""
+    (m, n), (bm, bn) = weight_shape, block
+    return -(-m // bm), -(-n // bn)
+
+
 def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """w [M, N] fp8, scale_inv [ceil(M/bm), ceil(N/bn)] fp32 -> fp32 [M, N] = w * scale of its block."""
     bm, bn = block
     m, n = w.shape
-    if scale_inv.shape != ((m + bm - 1) // bm, (n + bn - 1) // bn):
+    if scale_inv.shape != fp8_scale_shape(w.shape, block):
         raise ValueError(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(w.shape)} "
             f"with {bm}x{bn} blocks"
@@ -195,8 +201,7 @@ def _fp8_with_scale(reader: CheckpointReader, name: str) -> tuple[torch.Tensor, 
     if w.dtype not in FP8_DTYPES or name + "_scale_inv" not in reader:
         raise ValueError(f"{name} is {w.dtype}, not FP8 with a weight_scale_inv: nothing to keep in FP8")
     scale = reader.raw(name + "_scale_inv")
-    (bn, bk), (m, n) = reader.fp8_block, w.shape
-    if scale.shape != (-(-m // bn), -(-n // bk)):
+    if scale.shape != fp8_scale_shape(w.shape, reader.fp8_block):
         raise ValueError(f"{name}_scale_inv of shape {list(scale.shape)} does not match the weight {list(w.shape)} "
-                         f"in blocks of {(bn, bk)}")  # fmt: skip
+                         f"in blocks of {reader.fp8_block}")  # fmt: skip
     return w, scale
