@@ -45,3 +45,21 @@ def test_cuda_graph_decode_matches_eager(tiny_model, dtype):
         assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     for a, b in zip(logits, ref_logits, strict=True):
         assert (a - b).abs().max() <= (1e-3 if dtype == "float32" else 5e-2)
+
+
+def test_cuda_fp8_experts_kept_fp8_in_graphs(tmp_path):
+    """keep_fp8_experts on CUDA: the fused MoE reads the FP8 experts and scales as held (half of
+    bf16's memory), inside captured decode graphs too; the CPU engine's tokens (fp32, no TF32)."""
+    from services.model.presets import init_model
+
+    path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, fp8_block=(16, 16))
+    prompts = [[0, 5, 6, 7], list(range(3, 90))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    cpu, cpu_logits = generate_with_logits(LocalEngine(EngineConfig(model=str(path))), prompts, params)
+    gpu = LocalEngine(EngineConfig(model=str(path), device="cuda", keep_fp8_experts=True, max_num_seqs=8))
+    assert gpu.experts.packed.w13[1].dtype == torch.float8_e4m3fn and gpu.experts.packed.w13[1].is_cuda
+    assert gpu.graphs is not None and gpu.graphs.capture
+    out, logits = generate_with_logits(gpu, prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in cpu]
+    for a, b in zip(logits, cpu_logits, strict=True):
+        assert (a.cpu() - b).abs().max() <= 1e-3
