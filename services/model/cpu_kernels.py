@@ -227,29 +227,23 @@ def expert_ffn(
     H, I = x.shape[1], w2.shape[2]
     if H % 8 or I % 8 or slot.dtype != torch.int64 or not _fp32_cpu(x, weight):
         return None
-    if w13_scale is not None:
+    if swiglu_limit is not None and swiglu_limit <= 0:  # (the kernel reads 0 as "no clamp")
+        return None
+    fp8 = w13_scale is not None
+    if fp8:
         bn, bk = fp8_block
         if I % bn or bk % 16 or H % 16 or I % 16 or not _fp32_cpu(w13_scale, w2_scale) or not w13.is_cpu:
             return None
-        module = _module()
-        if module is None:
-            return None
-        if swiglu_limit is not None and swiglu_limit <= 0:  # (the kernel reads 0 as "no clamp")
-            return None
-        limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-        return module.expert_ffn_fp8(x.contiguous(), slot.contiguous(), weight.contiguous(), w13.contiguous(),
-                                     w2.contiguous(), w13_scale.contiguous(), w2_scale.contiguous(), bn, bk,
-                                     limit)  # fmt: skip
-    if not _weights_cpu(w13, w2) or w13.dtype is not w2.dtype:
-        return None
-    if swiglu_limit is not None and swiglu_limit <= 0:  # (the kernel reads 0 as "no clamp")
+    elif not _weights_cpu(w13, w2) or w13.dtype is not w2.dtype:
         return None
     module = _module()
     if module is None:
         return None
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    return module.expert_ffn(x.contiguous(), slot.contiguous(), weight.contiguous(), w13.contiguous(),
-                             w2.contiguous(), limit)  # fmt: skip
+    args = (x.contiguous(), slot.contiguous(), weight.contiguous(), w13.contiguous(), w2.contiguous())
+    if fp8:
+        return module.expert_ffn_fp8(*args, w13_scale.contiguous(), w2_scale.contiguous(), bn, bk, limit)
+    return module.expert_ffn(*args, limit)
 
 
 def dense_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
