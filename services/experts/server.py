@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from services.model.config import ModelConfig, parse_dtype
-from services.model.engine import check_keep_fp8_experts, check_weight_dtype
+from services.model.engine import check_weight_dtype
 from services.rpc import wire
 
 from .servicer import ExpertServicer, add_expert_service
@@ -72,8 +72,6 @@ class ExpertServer:
         hf = cfg.model_config if cfg.model_config is not None else read_model_config(cfg.model)
         dtype, model_cfg = parse_dtype(cfg.dtype), ModelConfig.from_hf(hf)
         weight_dtype = check_weight_dtype(cfg.weight_dtype, dtype, cfg.device, model_cfg)
-        if cfg.keep_fp8_experts:
-            check_keep_fp8_experts(model_cfg)
         self.store = SlotStore(model_cfg, cfg.model, dtype, cfg.max_versions, cfg.device,
                                weight_dtype, cfg.keep_fp8_experts)  # fmt: skip
         self.servicer = ExpertServicer(

@@ -39,6 +39,7 @@ from services.model.checkpoint import (
     load_expert_weights_fp8,
 )
 from services.model.config import ModelConfig
+from services.model.engine import check_keep_fp8_experts
 from services.model.moe import PackedExperts
 
 
@@ -140,14 +141,12 @@ class SlotStore:
     ):
         """dtype: what Dispatch computes in; weight_dtype: how the experts are held when narrower
         (bf16 under fp32 on CPU: engine.check_weight_dtype); None: dtype. keep_fp8: an FP8
-        checkpoint's experts are held as shipped, with their block scales
-        (engine.check_keep_fp8_experts)."""
+        checkpoint's experts are held as shipped, with their block scales (ValueError where they
+        cannot be: engine.check_keep_fp8_experts)."""
         self.cfg, self.model_dir, self.dtype, self.max_versions = cfg, Path(model_dir), dtype, max_versions
         self.weight_dtype = weight_dtype or dtype
-        if keep_fp8 and cfg.fp8_block_size is None:
-            raise InvalidRequest(
-                "keep_fp8: the checkpoint is not FP8 block-quantised (no quantization_config)"
-            )
+        if keep_fp8:
+            check_keep_fp8_experts(cfg)
         self.fp8_block = cfg.fp8_block_size if keep_fp8 else None  # (bn, bk) when experts are held in FP8
         self.device = torch.device(device)  # where the packed experts live and compute
         self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
