@@ -63,3 +63,32 @@ def test_cuda_fp8_experts_kept_fp8_in_graphs(tmp_path):
     assert [o.token_ids for o in out] == [o.token_ids for o in cpu]
     for a, b in zip(logits, cpu_logits, strict=True):
         assert (a.cpu() - b).abs().max() <= 1e-3
+
+
+def test_cuda_flashmla_matches_triton_in_graphs(tmp_path):
+    """FlashMLA (installed from source on a Hopper GPU) as the decode attention: inside captured
+    decode graphs, the greedy tokens of the Triton MLA kernel (a checkpoint with V3's latent widths,
+    512 + 64: FlashMLA's only dense layout)."""
+    pytest.importorskip("flash_mla")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashMLA's dense decode runs on SM90 only")
+    from services.model import triton_kernels
+    from services.model.presets import init_model
+
+    path = init_model(
+        tmp_path / "v3-latent", "tiny", seed=0, overrides={"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    )
+    prompts = [[0, 5, 6, 7], list(range(3, 90)), [0] + [9] * 40]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for flag in ("0", "1"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MOE_FLASH_MLA", flag)
+            triton_kernels.reset()
+            engine = LocalEngine(
+                EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=8)
+            )
+            outs[flag] = [o.token_ids for o in engine.generate(prompts, params)]
+            assert triton_kernels.module("flashmla") is not None  # (not fallen back after a failure)
+    triton_kernels.reset()
+    assert outs["1"] == outs["0"]

@@ -18,7 +18,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
 
@@ -143,6 +143,7 @@ class DecodeRows:
     seqs: torch.Tensor  # [Bd] int64 their sequences' index in the batch
     table: torch.Tensor  # [Bd, max_blocks] int64 block table of those sequences
     lens: torch.Tensor  # [Bd] int64 context length of each sequence (this step's token included)
+    scratch: dict = field(default_factory=dict, repr=False)  # per-step state a kernel shares across layers
 
     @cached_property
     def pad(self) -> torch.Tensor:
@@ -387,6 +388,24 @@ def sparse_decode(q, cache, rows, count, C: int, scale: float) -> torch.Tensor:
     return o
 
 
+def paged_decode(q: torch.Tensor, cache: torch.Tensor, dec: DecodeRows, C: int, scale: float) -> torch.Tensor:
+    """Decode attention over each row's paged context: q [Bd, N, C+R] absorbed latent queries,
+    cache [blocks, 64, 1, W] -> o_lat [Bd, N, C]. FlashMLA where it applies (Hopper, installed),
+    else the Triton split-KV kernel (CUDA), else the C++ kernel (fp32 CPU), else torch ops."""
+    o = triton_kernels.run("flashmla", "mla_decode", q, cache, dec, C, scale)
+    if o is None:
+        o = triton_kernels.run("mla", "mla_decode", q, cache, dec.table, dec.lens, C, scale)
+    if o is None:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
+        o = cpu_kernels.mla_decode(q, cache, dec.table, dec.lens, C, scale)
+    if o is None:
+        ctx = cache[dec.table].view(q.shape[0], -1, cache.shape[-1])  # [Bd, Lmax, W]
+        scores = torch.bmm(q, ctx[..., : q.shape[-1]].transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
+        scores.masked_fill_(dec.pad, float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        o = torch.bmm(probs, ctx[..., :C])  # [Bd, N, C]
+    return o
+
+
 def mla_forward(
     x: torch.Tensor,
     w: MLAWeights,
@@ -410,8 +429,8 @@ def mla_forward(
     D, R, C, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     dec = batch.decode
     only_decodes = dec is not None and dec.rows.shape[0] == T  # every row a decode, in order
-    triton_mla = triton_kernels.get("mla", x)  # CUDA: the Triton decode kernel
-    if only_decodes and rope.interleave and x.device.type == "cpu" and triton_mla is None:
+    cpu = x.device.type == "cpu" and triton_kernels.get("mla", x) is None  # (not the interpreter's tests)
+    if only_decodes and rope.interleave and cpu:
         # a decode-only step on an fp32 CPU: this whole function in one C++ call (cpu_kernels.py)
         out = cpu_kernels.mla_decode_layer(x, w, cos_sin, cache, batch.slot_mapping, dec.table, dec.lens, cfg,
                                            NORM_EPS_LATENT)  # fmt: skip
@@ -455,16 +474,8 @@ def mla_forward(
             )
             pos, count = index.select(dec.rows, flat[slots, C + R :], ~dec.pad[:, 0])
             o_lat = sparse_decode(q_full, cache, slots.gather(1, pos), count, C, scale)
-        elif triton_mla is not None:
-            o_lat = triton_kernels.run("mla", "mla_decode", q_full, cache, dec.table, dec.lens, C, scale)
-        else:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
-            o_lat = cpu_kernels.mla_decode(q_full, cache, dec.table, dec.lens, C, scale)
-        if o_lat is None:
-            ctx = cache[dec.table].view(Bd, -1, W)  # [Bd, Lmax, W]
-            scores = torch.bmm(q_full, ctx[..., : C + R].transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
-            scores.masked_fill_(dec.pad, float("-inf"))
-            probs = scores.softmax(dim=-1).to(x.dtype)
-            o_lat = torch.bmm(probs, ctx[..., :C])  # [Bd, N, C]
+        else:
+            o_lat = paged_decode(q_full, cache, dec, C, scale)
         o = cpu_kernels.absorb(o_lat, kv_b, D, "o")  # W_UV: [Bd, N, V]
         if o is None:
             o = torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)

@@ -1,13 +1,16 @@
-"""Which Triton kernels run, and loading them.
+"""Which GPU kernels run, and loading them.
 
-The kernels live in their own modules, which import triton at the top (`triton.jit` reads
+The Triton kernels live in their own modules, which import triton at the top (`triton.jit` reads
 TRITON_INTERPRET when a kernel is defined): `triton_mla` (MLA decode over the paged latent
-cache), `triton_moe` (the routed experts' fused MoE), `triton_norm` (RMSNorm). This module
-imports none of them until a kernel is wanted, so a CPU install never imports triton.
+cache), `triton_moe` (the routed experts' fused MoE), `triton_norm` (RMSNorm). `flashmla` wraps
+DeepSeek's FlashMLA (built from source, docs/kernels.md) for decode attention on Hopper. This
+module imports none of them until a kernel is wanted, so a CPU install never imports triton.
 
-They run on CUDA tensors when triton is installed (`pip install -e '.[gpu]'`) and
+The Triton kernels run on CUDA tensors when triton is installed (`pip install -e '.[gpu]'`) and
 MOE_TRITON is not "0". On the CPU they run only when asked for: MOE_TRITON=1 with
 TRITON_INTERPRET=1 (triton's interpreter, which is how CI tests them; far too slow to serve).
+FlashMLA runs on CUDA tensors when `import flash_mla` works and MOE_FLASH_MLA is not "0" (on the
+CPU only with MOE_FLASH_MLA=1: tests, with a torch stand-in for the library).
 Each kernel has a torch reference it is tested against (tests/test_triton_kernels.py).
 """
 
@@ -24,7 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _modules: dict[str, ModuleType | None] = {}
-_enabled: dict[bool, bool] = {}  # is_cuda -> whether the kernels run there (read from the env once)
+# (kernel family, is_cuda) -> whether its kernels run there (read from the environment once)
+_enabled: dict[tuple[str, bool], bool] = {}
 
 # triton 3.9's interpreter multiplies bf16/fp16 tiles wrongly in tl.dot (it multiplies their raw
 # bits); under it the kernels widen their dot operands to fp32 (bf16 products are exact in fp32:
@@ -33,26 +37,32 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def module(name: str) -> ModuleType | None:
-    """The kernel module `triton_<name>` ("mla", "moe", "norm"), or None without triton."""
+    """The kernel module: `triton_<name>` ("mla", "moe", "norm") or `flashmla`; None without
+    triton (or FlashMLA)."""
     if name not in _modules:
+        path = "flashmla" if name == "flashmla" else f"triton_{name}"
         try:
-            _modules[name] = importlib.import_module(f"{__package__}.triton_{name}")
-        except ImportError as e:  # no triton: the torch path
-            log.info("Triton kernels unavailable (%s); using torch ops", e)
+            _modules[name] = importlib.import_module(f"{__package__}.{path}")
+        except ImportError as e:  # no triton / FlashMLA: the next path
+            log.info("%s kernels unavailable (%s); using the next path", name, e)
             _modules[name] = None
     return _modules[name]
 
 
-def enabled(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels take work on t's device (see the module docstring; the
-    environment is read once per process, or again after `reset`)."""
-    cuda = t.is_cuda
-    on = _enabled.get(cuda)
+def enabled(t: torch.Tensor, name: str = "mla") -> bool:
+    """Whether the kernel `name` ("flashmla", or any Triton one) takes work on t's device (see the
+    module docstring; the environment is read once per process, or again after `reset`)."""
+    family = "flashmla" if name == "flashmla" else "triton"
+    key = (family, t.is_cuda)
+    on = _enabled.get(key)
     if on is None:
-        flag = os.environ.get("MOE_TRITON", "")
-        on = _enabled[cuda] = (
-            flag != "0" if cuda else flag == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-        )
+        if family == "flashmla":
+            flag = os.environ.get("MOE_FLASH_MLA", "")
+            on = flag != "0" if t.is_cuda else flag == "1"
+        else:
+            flag = os.environ.get("MOE_TRITON", "")
+            on = flag != "0" if t.is_cuda else flag == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+        _enabled[key] = on
     return on
 
 
@@ -64,7 +74,7 @@ def reset() -> None:
 
 def get(name: str, t: torch.Tensor) -> ModuleType | None:
     """`module(name)` when the kernels are enabled for t, else None (the caller's torch path)."""
-    return module(name) if enabled(t) else None
+    return module(name) if enabled(t, name) else None
 
 
 def run(name: str, fn: str, *args, **kwargs):
@@ -83,6 +93,7 @@ def run(name: str, fn: str, *args, **kwargs):
     except Exception as e:
         if t.is_cuda and torch.cuda.is_current_stream_capturing():
             raise
-        log.error("Triton %s.%s failed (%s: %s); torch ops from now on", name, fn, type(e).__name__, e)
+        kind = "FlashMLA" if name == "flashmla" else "Triton"
+        log.error("%s %s.%s failed (%s: %s); the next path from now on", kind, name, fn, type(e).__name__, e)
         _modules[name] = None
         return None
