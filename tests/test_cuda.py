@@ -92,3 +92,44 @@ def test_cuda_flashmla_matches_triton_in_graphs(tmp_path):
             assert triton_kernels.module("flashmla") is not None  # (not fallen back after a failure)
     triton_kernels.reset()
     assert outs["1"] == outs["0"]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_cuda_segmented_graphs_with_remote_experts_match_eager(tiny_model, micro_batches):
+    """An attention engine on the GPU whose experts answer over gRPC (two expert servers in this
+    process, on CPU): decode steps replayed from the captured pieces between expert messages
+    (decode_graphs.SegmentedDecodeGraphs) give the eager engine's tokens; the capture must succeed."""
+    from services.attention.dispatch import RemoteExperts
+    from services.experts.client import load_placement, release_version
+    from services.experts.server import ExpertServer, ExpertWorkerConfig
+    from services.model.checkpoint import CheckpointReader
+    from services.model.config import ModelConfig
+    from services.model.engine import Engine
+    from services.model.model import DeepseekV3
+    from services.model.placement import Placement
+
+    cfg = ModelConfig.from_dir(tiny_model)
+    servers = [ExpertServer(ExpertWorkerConfig(model=str(tiny_model))) for _ in range(2)]
+    workers = tuple(s.start() for s in servers)
+    placement = Placement.round_robin(
+        cfg.num_moe_layers, cfg.n_routed_experts, workers, cfg.n_routed_experts // 2
+    )
+    load_placement(placement, {a: a for a in workers}, cfg.moe_layers)
+    model = DeepseekV3.load(CheckpointReader.for_config(tiny_model, cfg), cfg, torch.float32).to("cuda")
+    prompts = [[0, 5, 6, 7], list(range(3, 90)), [0] + [9] * 40]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    try:
+        for graphs in (False, True):
+            experts = RemoteExperts(cfg, placement)
+            ecfg = EngineConfig(model=str(tiny_model), device="cuda", max_num_seqs=8, micro_batches=micro_batches,
+                                cuda_graphs=graphs)  # fmt: skip
+            engine = Engine(cfg, model, experts, ecfg)
+            assert bool(engine.segment_graphs) == graphs  # (captured at construction)
+            outs[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+            experts.close()
+    finally:
+        release_version(placement.version, workers)
+        for s in servers:
+            s.stop(0)
+    assert outs[True] == outs[False]

@@ -68,3 +68,77 @@ def test_the_scratch_block_takes_the_padding_and_nothing_else(tiny_model):
     assert engine.cache.kv[:, scratch, 0].any()  # the padding row wrote its cache row there
     allocator = engine.scheduler.allocator
     assert scratch not in allocator.allocate(allocator.num_free)  # and no sequence ever gets it
+
+
+@pytest.fixture(scope="module")
+def expert_servers(tiny_model):
+    """Two expert servers (real gRPC, in this process) holding the tiny model's experts round robin:
+    (placement, model config)."""
+    from services.experts.client import load_placement, release_version
+    from services.experts.server import ExpertServer, ExpertWorkerConfig
+    from services.model.config import ModelConfig
+    from services.model.placement import Placement
+
+    cfg = ModelConfig.from_dir(tiny_model)
+    servers = [ExpertServer(ExpertWorkerConfig(model=str(tiny_model))) for _ in range(2)]
+    workers = tuple(s.start() for s in servers)
+    placement = Placement.round_robin(
+        cfg.num_moe_layers, cfg.n_routed_experts, workers, cfg.n_routed_experts // 2
+    )
+    load_placement(placement, {a: a for a in workers}, cfg.moe_layers)
+    yield placement, cfg
+    release_version(placement.version, workers)
+    for s in servers:
+        s.stop(0)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_segmented_decode_steps_with_remote_experts_match_the_eager_engine(
+    tiny_model, expert_servers, monkeypatch, micro_batches
+):
+    """An engine whose experts are remote (an attention worker's) runs decode steps as the pieces
+    between its expert messages, over static buffers (capture=False: the pieces run live), one
+    instance per micro-batch: the same tokens, logits and expert load per step as the eager engine,
+    the padding rows sent to no expert worker."""
+    from services.attention.dispatch import RemoteExperts
+    from services.model.checkpoint import CheckpointReader
+    from services.model.engine import Engine
+    from services.model.model import DeepseekV3
+
+    placement, cfg = expert_servers
+    model = DeepseekV3.load(CheckpointReader.for_config(tiny_model, cfg), cfg, torch.float32)
+    ecfg = EngineConfig(model=str(tiny_model), max_num_seqs=6, micro_batches=micro_batches)
+    prompts = [[0, 5, 6, 7], list(range(3, 70)), [0] + [9] * 20, [1, 2, 3], [4, 8, 15, 16, 23, 42]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eager_experts, experts = RemoteExperts(cfg, placement), RemoteExperts(cfg, placement)
+    rows_sent = {}  # id(backend) -> rows of each of its dispatches
+    for backend in (eager_experts, experts):
+        dispatch, sent = backend.dispatch, rows_sent.setdefault(id(backend), [])
+        monkeypatch.setattr(
+            backend, "dispatch", lambda msg, d=dispatch, s=sent: s.append(msg.x.shape[0]) or d(msg)
+        )
+    try:
+        eager_steps, eager_tokens = run_steps(Engine(cfg, model, eager_experts, ecfg), prompts, params)
+
+        engine = Engine(cfg, model, experts, ecfg)
+        assert engine.enable_decode_graphs(capture=False)
+        assert engine.graphs is None and len(engine.segment_graphs) == micro_batches
+        sizes = []
+        for graphs in engine.segment_graphs:
+            forward = graphs.forward
+            monkeypatch.setattr(
+                graphs, "forward", lambda b, f=forward: sizes.append(len(b.query_lens)) or f(b)
+            )
+        steps, tokens = run_steps(engine, prompts, params)
+    finally:
+        eager_experts.close()
+        experts.close()
+
+    assert 3 in sizes or 5 in sizes  # a decode step padded to a larger bucket (4 or 6)
+    assert rows_sent[id(experts)] == rows_sent[id(eager_experts)]  # the padding rows went to no worker
+    assert list(tokens.values()) == list(eager_tokens.values())
+    assert len(steps) == len(eager_steps)
+    for (ids, logits, load), (eager_ids, eager_logits, eager_load) in zip(steps, eager_steps, strict=True):
+        assert len(ids) == len(eager_ids)
+        torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(load, eager_load)

@@ -13,22 +13,31 @@ device-to-host synchronisation, so a decode-only step of B sequences runs as the
   counted in the step's expert load;
 - the graph's outputs are static too: logits [bucket, vocab] and the expert load [moe layers, E].
 
-Only the engine's in-process experts can be captured (remote experts wait on gRPC between
-layers), with one micro-batch. Whatever does not capture (a torch op that synchronises: the
-routed experts' torch path without Triton, DeepSeek-V4's per-sequence loops) is logged and the
-engine stays eager. `capture=False` runs the same static-buffer step eagerly: how CPU tests check
-everything here but the capture itself.
+With the engine's in-process experts the whole step is one graph (`DecodeGraphs`), with one
+micro-batch. With remote experts (an attention worker of the cluster: every MoE layer waits on
+gRPC) the step is captured in pieces between its expert messages (`SegmentedDecodeGraphs`, as
+vLLM's piecewise graphs leave attention out): up to a layer's dispatch (its attention, norm and
+router), the shared experts between dispatch and combine, and from the routed experts' output to
+the next dispatch. Its `forward(batch)` replays them as a forward pass of its own, yielding the
+same expert messages (the real rows only) to the same driver (`model.run_interleaved`), so expert
+load, ping-pong micro-batches (one instance each) and failures work as in an eager step.
+
+Whatever does not capture (a torch op that synchronises: the routed experts' torch path without
+Triton, DeepSeek-V4's per-sequence loops) is logged and the engine stays eager. `capture=False`
+runs the same static-buffer steps eagerly: how CPU tests check everything here but the capture
+itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from bisect import bisect_left
 
 import torch
 
 from .kv_cache import BLOCK_SIZE
-from .model import DecodeRows, ExpertCombine, ExpertDispatch, StepBatch
+from .model import DecodeRows, ExpertCombine, ExpertDispatch, StepBatch, StepGen
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +49,12 @@ def buckets_up_to(max_batch: int) -> list[int]:
     return sorted({*sizes, max_batch})
 
 
-class DecodeGraphs:
-    """The static-buffer decode step of one model + in-process experts + cache (see the module
-    docstring). `run(batch)` -> (logits [B, vocab] fp32, expert load [moe layers, E] int64)."""
+class StaticDecode:
+    """The static input buffers of decode steps of up to `max_batch` sequences (module docstring)."""
 
     def __init__(
         self,
         model,
-        experts,
         cache: torch.Tensor,
         num_moe_layers: int,
         num_experts: int,
@@ -56,7 +63,7 @@ class DecodeGraphs:
         max_blocks: int,
         capture: bool = True,
     ):
-        self.model, self.experts, self.cache = model, experts, cache
+        self.model, self.cache = model, cache
         self.num_moe_layers, self.num_experts = num_moe_layers, num_experts
         self.max_blocks, self.capture = max_blocks, capture
         self.buckets = buckets_up_to(max_batch)
@@ -70,9 +77,6 @@ class DecodeGraphs:
         self.valid = torch.zeros(B, dtype=torch.bool, device=device)
         self.rows = torch.arange(B, device=device)
         self.scratch_block = scratch_block
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        if capture:
-            self._capture_all()
 
     def fits(self, batch: StepBatch) -> bool:
         """A decode-only step of at most max_batch sequences whose tables fit the static one."""
@@ -83,21 +87,11 @@ class DecodeGraphs:
             and batch.logits_index.shape[0] == len(batch.query_lens)  # (a 1-token prefill chunk: no)
         )
 
-    def run(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        B = len(batch.query_lens)
-        bucket = self.buckets[bisect_left(self.buckets, B)]
-        self._load_inputs(batch, bucket)
-        if self.capture:
-            graph, logits, load = self._graphs[bucket]
-            graph.replay()
-        else:
-            logits, load = self._step(bucket)
-        return logits[:B].clone(), load.clone()  # (the static outputs are overwritten next step)
-
-    # ---- internals ----------------------------------------------------------------------
-    def _load_inputs(self, batch: StepBatch, bucket: int) -> None:
-        """Copy the step's rows into the static buffers; rows B..bucket-1 become padding."""
+    def _load_inputs(self, batch: StepBatch) -> tuple[int, int]:
+        """Copy the step's rows into the static buffers; rows B..bucket-1 become padding.
+        Returns (B, bucket)."""
         B, width = len(batch.query_lens), batch.block_table.shape[1]
+        bucket = self.buckets[bisect_left(self.buckets, B)]
         self.input_ids[:B].copy_(batch.input_ids)
         self.positions[:B].copy_(batch.positions)
         self.slot_mapping[:B].copy_(batch.slot_mapping)
@@ -105,13 +99,17 @@ class DecodeGraphs:
         self.block_table[:B, :width].copy_(batch.block_table)
         self.block_table[:B, width:].fill_(self.scratch_block)
         self.valid[:B] = True
-        if bucket > B:
-            self.input_ids[B:bucket].zero_()
-            self.positions[B:bucket].zero_()
-            self.slot_mapping[B:bucket].fill_(self.scratch_block * BLOCK_SIZE)
-            self.seq_lens[B:bucket].fill_(1)
-            self.block_table[B:bucket].fill_(self.scratch_block)
-            self.valid[B:bucket] = False
+        self._pad(B, bucket)
+        return B, bucket
+
+    def _pad(self, lo: int, hi: int) -> None:
+        """Make static rows lo..hi-1 padding: token 0 at position 0, written to the scratch block."""
+        self.input_ids[lo:hi].zero_()
+        self.positions[lo:hi].zero_()
+        self.slot_mapping[lo:hi].fill_(self.scratch_block * BLOCK_SIZE)
+        self.seq_lens[lo:hi].fill_(1)
+        self.block_table[lo:hi].fill_(self.scratch_block)
+        self.valid[lo:hi] = False
 
     def _batch(self, bucket: int) -> StepBatch:
         """The StepBatch over the first `bucket` static rows, its decode rows prepared here (the
@@ -129,6 +127,27 @@ class DecodeGraphs:
         rows = self.rows[:bucket]  # (one row per sequence: rows and sequences coincide)
         batch.__dict__["decode"] = DecodeRows(rows, rows, table.long(), seq_lens.long())
         return batch
+
+
+class DecodeGraphs(StaticDecode):
+    """Whole decode steps of one model + in-process experts + cache, one graph per bucket (see the
+    module docstring). `run(batch)` -> (logits [B, vocab] fp32, expert load [moe layers, E] int64)."""
+
+    def __init__(self, model, experts, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        self.experts = experts
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        if self.capture:
+            self._capture_all()
+
+    def run(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        B, bucket = self._load_inputs(batch)
+        if self.capture:
+            graph, logits, load = self._graphs[bucket]
+            graph.replay()
+        else:
+            logits, load = self._step(bucket)
+        return logits[:B].clone(), load.clone()  # (the static outputs are overwritten next step)
 
     def _step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward pass over the static rows: (logits [bucket, vocab], load [moe layers, E]),
@@ -156,9 +175,7 @@ class DecodeGraphs:
         bucket runs once eagerly first (Triton compiles its kernels outside the capture)."""
         pool = None
         for bucket in reversed(self.buckets):
-            self._load_inputs(
-                StepBatch.build([([0], 0, [self.scratch_block], True)], self.cache.device), bucket
-            )
+            self._pad(0, bucket)
             self._step(bucket)  # warm-up
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -167,3 +184,75 @@ class DecodeGraphs:
             pool = graph.pool()
             self._graphs[bucket] = (graph, logits, load)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+
+_HANDLE = object()  # what a captured forward pass is given for a dispatch (it only passes it back)
+
+
+def _advance(step: StepGen, reply) -> ExpertDispatch | ExpertCombine | torch.Tensor:
+    """Run a forward pass to its next expert message, or to its end (its logits)."""
+    try:
+        return next(step) if reply is None else step.send(reply)
+    except StopIteration as stop:
+        return stop.value
+
+
+class SegmentedDecodeGraphs(StaticDecode):
+    """Decode steps of one model + cache whose experts are answered elsewhere (remote), captured
+    in pieces between the expert messages, one list of pieces per bucket (see the module
+    docstring). `forward(batch)` is a forward pass over them (model.StepGen). One instance per
+    micro-batch: a step's pieces run in order, while another instance's may run between them."""
+
+    def __init__(self, model, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        B, device = self.buckets[-1], self.cache.device
+        self.routed = torch.zeros(B, model.cfg.hidden_size, dtype=model.dtype, device=device)  # static reply
+        self._pieces: dict[int, list[tuple[torch.cuda.CUDAGraph, object]]] = {}
+        if self.capture:
+            self._capture_all()
+
+    def forward(self, batch: StepBatch) -> StepGen:
+        """The decode step of `batch` (fits()): yields the expert messages of its real rows,
+        returns fp32 logits [B, vocab]. Each piece is replayed with what the expert backend gave
+        the last message (the routed output is copied into the static reply)."""
+        B, bucket = self._load_inputs(batch)
+        step = None if self.capture else self.model.forward(self._batch(bucket), self.cache)
+        reply, i = None, 0
+        while True:
+            if self.capture:
+                graph, out = self._pieces[bucket][i]
+                graph.replay()
+                i += 1
+            else:  # the same pieces, run live
+                out = _advance(step, reply)
+            if isinstance(out, ExpertDispatch):
+                handle = yield ExpertDispatch.routed(out.decoder_layer, out.moe_layer, out.x[:B], out.topk_idx[:B],
+                                                     out.topk_weight[:B], self.num_experts)  # fmt: skip
+                reply = _HANDLE
+            elif isinstance(out, ExpertCombine):
+                self.routed[:B].copy_((yield ExpertCombine(handle)))
+                self.routed[B:bucket].zero_()
+                reply = self.routed[:bucket]
+            else:
+                return out[:B].clone()  # (the static logits are overwritten next step)
+
+    def _capture_all(self) -> None:
+        """Capture every bucket's pieces, largest bucket first, sharing one memory pool; each bucket
+        runs once eagerly first (Triton compiles its kernels outside the capture). The pool is
+        this instance's own: another micro-batch's pieces run between ours."""
+        pool = None
+        for bucket in reversed(self.buckets):
+            self._pad(0, bucket)
+            for capture in (False, True):  # warm-up, then capture
+                torch.cuda.synchronize()
+                step, reply, pieces = self.model.forward(self._batch(bucket), self.cache), None, []
+                while not pieces or isinstance(pieces[-1][1], ExpertDispatch | ExpertCombine):
+                    graph = torch.cuda.CUDAGraph() if capture else None
+                    with torch.cuda.graph(graph, pool=pool) if capture else contextlib.nullcontext():
+                        out = _advance(step, reply)
+                    if capture:
+                        pool = graph.pool()
+                    pieces.append((graph, out))
+                    reply = _HANDLE if isinstance(out, ExpertDispatch) else self.routed[:bucket]
+            self._pieces[bucket] = pieces
+        log.info("captured decode CUDA graphs in %d pieces for batch sizes %s", len(pieces), self.buckets)

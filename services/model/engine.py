@@ -18,7 +18,7 @@ import torch
 from . import cpu_kernels
 from .checkpoint import CheckpointReader
 from .config import ModelConfig, parse_dtype
-from .decode_graphs import DecodeGraphs
+from .decode_graphs import DecodeGraphs, SegmentedDecodeGraphs
 from .deepseek_v4 import DeepseekV4
 from .grammar import GrammarCompiler, GrammarError, Matcher
 from .kv_cache import PagedLatentCache, V4Cache, blocks_needed
@@ -223,25 +223,33 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._matchers: dict[str, Matcher] = {}  # requests with structured output: their grammar state
         self._grammar: GrammarCompiler | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | None = None  # in-process experts: whole decode steps
+        self.segment_graphs: list[SegmentedDecodeGraphs] = []  # remote experts: one per micro-batch
         if engine_cfg.cuda_graphs and model.device.type == "cuda" and on_batches is None:
             self.enable_decode_graphs()
 
     def enable_decode_graphs(self, capture: bool = True) -> bool:
         """Run decode-only steps on static buffers, replayed from CUDA graphs (capture=False: the
-        same buffers, eagerly; for tests). Only for in-process experts and the V3 model; a step
-        that does not capture leaves the engine eager (logged). Whether graphs are on."""
-        if self.graphs is not None:
+        same buffers, eagerly; for tests): whole steps with in-process experts, pieces between the
+        expert messages with remote ones (decode_graphs.py). Only for the V3 model; a step that
+        does not capture leaves the engine eager (logged). Whether graphs are on."""
+        if self.graphs is not None or self.segment_graphs:
             return True
-        if not isinstance(self.experts, LocalExperts) or self.cfg.is_v4 or self.cfg.has_indexer:
+        if self.cfg.is_v4 or self.cfg.has_indexer:
             return False  # (V3.2's top-k attention runs the torch path over the whole static table)
         scratch = self.scheduler.allocator.reserve()  # the padding rows' block
+        args = (self.cache.kv, self.cfg.num_moe_layers, self.cfg.n_routed_experts, scratch,
+                self.engine_cfg.max_num_seqs, blocks_needed(self.max_model_len), capture)  # fmt: skip
         try:
-            self.graphs = DecodeGraphs(self.model, self.experts, self.cache.kv, self.cfg.num_moe_layers,
-                                       self.cfg.n_routed_experts, scratch, self.engine_cfg.max_num_seqs,
-                                       blocks_needed(self.max_model_len), capture)  # fmt: skip
+            if isinstance(self.experts, LocalExperts):
+                self.graphs = DecodeGraphs(self.model, self.experts, *args)
+            else:
+                self.segment_graphs = [
+                    SegmentedDecodeGraphs(self.model, *args) for _ in range(self.engine_cfg.micro_batches)
+                ]
         except Exception as e:  # a synchronising op in the step, an old driver: stay eager
             log.warning("decode CUDA graphs unavailable (%s: %s); running eagerly", type(e).__name__, e)
+            self.segment_graphs = []
             self.scheduler.allocator.unreserve(scratch)
             return False
         return True
@@ -368,8 +376,9 @@ class Engine:
                                         dtype=torch.long, device=self.model.device))  # fmt: skip
         if not chunks:
             return StepResult([], 0, 0, tally.load.cpu(), 0.0, time.perf_counter() - t0)
+        decodes = all(c.num_tokens == 1 and c.wants_logits for c in chunks)
         # decodes replay one graph, unsplit (in-process experts: no expert wait to overlap)
-        graphed = self.graphs is not None and all(c.num_tokens == 1 and c.wants_logits for c in chunks)
+        graphed = self.graphs is not None and decodes
         parts = [chunks] if graphed else split_micro_batches(chunks, self.engine_cfg.micro_batches)
         try:
             batches = [self._batch(part) for part in parts]
@@ -379,7 +388,11 @@ class Engine:
                 replayed, tally.load = self.graphs.run(batches[0])
                 logits = [replayed]
             else:
-                steps = [self.model.forward(b, self.cache.kv) for b in batches]
+                graphs = self.segment_graphs[: len(batches)] if decodes else []  # (one per micro-batch)
+                if graphs and all(g.fits(b) for g, b in zip(graphs, batches, strict=True)):
+                    steps = [g.forward(b) for g, b in zip(graphs, batches, strict=True)]
+                else:
+                    steps = [self.model.forward(b, self.cache.kv) for b in batches]
                 logits = run_interleaved(steps, self.experts, tally)
         except Exception as e:
             raise StepFailed([c.seq.request_id for c in chunks], e) from e
