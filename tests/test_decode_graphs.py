@@ -142,3 +142,22 @@ def test_segmented_decode_steps_with_remote_experts_match_the_eager_engine(
         assert len(ids) == len(eager_ids)
         torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
         assert torch.equal(load, eager_load)
+
+
+def test_a_segmented_pass_builds_its_batch_inside_its_first_piece(tiny_model, monkeypatch):
+    """The batch a pass reads (int64 copies of the static block table and lengths) is built when
+    the pass starts, inside the first piece: a capture then records those copies (built before
+    it, every replay would read the capture's padding from memory since reused)."""
+    from services.model.decode_graphs import SegmentedDecodeGraphs
+    from services.model.model import ExpertDispatch
+
+    engine = LocalEngine(EngineConfig(model=str(tiny_model), max_num_seqs=4))
+    cfg = engine.cfg
+    graphs = SegmentedDecodeGraphs(engine.model, engine.cache.kv, cfg.num_moe_layers, cfg.n_routed_experts,
+                                   engine.scheduler.allocator.reserve(), 4, 2, capture=False)  # fmt: skip
+    built = []
+    batch = graphs._batch
+    monkeypatch.setattr(graphs, "_batch", lambda bucket: built.append(bucket) or batch(bucket))
+    step = graphs._pass(4)
+    assert built == []
+    assert isinstance(next(step), ExpertDispatch) and built == [4]

@@ -216,7 +216,7 @@ class SegmentedDecodeGraphs(StaticDecode):
         returns fp32 logits [B, vocab]. Each piece is replayed with what the expert backend gave
         the last message (the routed output is copied into the static reply)."""
         B, bucket = self._load_inputs(batch)
-        step = None if self.capture else self.model.forward(self._batch(bucket), self.cache)
+        step = None if self.capture else self._pass(bucket)
         reply, i = None, 0
         while True:
             if self.capture:
@@ -236,6 +236,13 @@ class SegmentedDecodeGraphs(StaticDecode):
             else:
                 return out[:B].clone()  # (the static logits are overwritten next step)
 
+    def _pass(self, bucket: int) -> StepGen:
+        """model.forward over the first `bucket` static rows. Its batch (with the int64 copies of
+        the static block table and lengths that attention reads) is built when the pass starts:
+        inside the first piece, so that a capture records those copies (built before it, they would
+        hold the capture's padding, and their memory be reused once the capture's pass ends)."""
+        return (yield from self.model.forward(self._batch(bucket), self.cache))
+
     def _capture_all(self) -> None:
         """Capture every bucket's pieces, largest bucket first, sharing one memory pool; each bucket
         runs once eagerly first (Triton compiles its kernels outside the capture). The pool is
@@ -245,7 +252,7 @@ class SegmentedDecodeGraphs(StaticDecode):
             self._pad(0, bucket)
             for capture in (False, True):  # warm-up, then capture
                 torch.cuda.synchronize()
-                step, reply, pieces = self.model.forward(self._batch(bucket), self.cache), None, []
+                step, reply, pieces = self._pass(bucket), None, []
                 while not pieces or isinstance(pieces[-1][1], ExpertDispatch | ExpertCombine):
                     graph = torch.cuda.CUDAGraph() if capture else None
                     with torch.cuda.graph(graph, pool=pool) if capture else contextlib.nullcontext():
