@@ -1,7 +1,8 @@
 """The ways LocalEngine can hold an FP8 checkpoint's weights, timed side by side in one process.
 
-Four engines on the same checkpoint: fp32 (FP8 dequantised at load), bf16 weights
-(`weight_dtype`), FP8 experts kept FP8 (`keep_fp8_experts`), and FP8 experts with bf16 linears.
+Five engines on the same checkpoint: fp32 (FP8 dequantised at load), bf16 weights
+(`weight_dtype`), FP8 experts kept FP8 (`keep_fp8_experts`), FP8 experts with bf16 linears, and
+FP8 experts with FP8 linears (`keep_fp8_linears`).
 For each batch size every engine gets the same prompts, then blocks of 8 decode steps alternate
 between the engines (6 blocks each, median step time), so all four see the same box at the same
 minutes: separate runs on a shared 2-core machine move +-15 % between minutes, more than the
@@ -31,6 +32,7 @@ FORMATS = {
     "bf16 weights": {"weight_dtype": "bfloat16"},
     "FP8 experts kept": {"keep_fp8_experts": True},
     "FP8 experts + bf16 linears": {"keep_fp8_experts": True, "weight_dtype": "bfloat16"},
+    "FP8 experts + FP8 linears": {"keep_fp8_experts": True, "keep_fp8_linears": True},
 }
 
 
@@ -69,10 +71,11 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         for name, s in step_times(engines, batch, vocab).items():
             mib = engines[name].experts.packed.nbytes() / 2**20
+            attn_mib = engines[name].model.nbytes() / 2**20  # attention side: linears, kv_b, embeddings, head
             rows.append({"format": name, "batch": batch, "ms_per_step": s * 1e3, "tok_s": batch / s,
-                         "expert_MiB": mib})  # fmt: skip
-            print(f"batch {batch:3d}  {name:28s} {s * 1e3:7.2f} ms/step  {batch / s:8.1f} tok/s  experts {mib:6.1f} MiB",
-                  flush=True)  # fmt: skip
+                         "expert_MiB": mib, "attention_MiB": attn_mib})  # fmt: skip
+            print(f"batch {batch:3d}  {name:28s} {s * 1e3:7.2f} ms/step  {batch / s:8.1f} tok/s  experts {mib:6.1f} MiB"
+                  f"  attention {attn_mib:6.1f} MiB", flush=True)  # fmt: skip
     result = {"benchmark": "weight_formats", "model": args.model, "threads": args.threads,
               "statistic": "median step over 6 alternating blocks of 8 decode steps", "rows": rows}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

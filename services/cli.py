@@ -45,6 +45,7 @@ def cmd_generate(args) -> int:
             dtype=args.dtype,
             weight_dtype=args.weight_dtype,
             keep_fp8_experts=args.keep_fp8_experts,
+            keep_fp8_linears=args.keep_fp8_linears,
             num_threads=args.threads,
         )
     )
@@ -256,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--keep-fp8-experts", action="store_true", help="FP8 checkpoints: routed experts held in FP8"
     )
+    s.add_argument("--keep-fp8-linears", action="store_true", help="FP8 checkpoints: linears held in FP8")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     s.set_defaults(fn=cmd_generate)

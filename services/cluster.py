@@ -58,6 +58,9 @@ class ClusterConfig:
     keep_fp8_experts: bool = _setting(
         False, "FP8 checkpoints: the expert workers hold the routed experts in FP8 with their block scales"
     )
+    keep_fp8_linears: bool = _setting(
+        False, "FP8 checkpoints: the attention workers hold the linears in FP8 with their block scales"
+    )
     max_num_seqs: int = _setting(64, "sequences per step, per attention worker")
     max_num_batched_tokens: int = _setting(2048, "tokens per step, per attention worker")
     max_model_len: int | None = _setting(None, "context length (default: min(model's, 4096))")
@@ -116,6 +119,10 @@ class ClusterConfig:
             raise ValueError("redundant_experts must be >= 0")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
+        if self.keep_fp8_linears and self.attention_tp > 1:
+            raise ValueError(
+                "keep_fp8_linears with attention_tp > 1 (attention tensor parallelism): not supported yet"
+            )
         from services.model.config import parse_dtype  # (torch: not at import time)
         from services.model.engine import check_weight_dtype
 
@@ -226,6 +233,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
         model=model_dir,
         dtype=cfg.dtype,
         weight_dtype=cfg.weight_dtype,
+        keep_fp8_linears=cfg.keep_fp8_linears,
         device="cuda" if cfg.attention_gpus > 0 else "cpu",
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,

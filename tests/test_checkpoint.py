@@ -106,6 +106,64 @@ def test_keep_fp8_experts_refuses_what_it_cannot_hold(tmp_path, tiny_model):
         load_expert_weights_fp8(reader, 1, [0])
 
 
+def test_linears_kept_fp8_give_the_tokens_of_linears_dequantized_at_load(tmp_path, monkeypatch):
+    """keep_fp8_linears (with the experts kept FP8 too): q_a, q_b, kv_a, o, the dense MLP and the
+    shared experts held as the checkpoint ships them, 1 byte per weight plus scales; the C++
+    kernels read them as held (the fused MLA decode layer, the dense MLP's and shared experts'
+    expert kernel; prefill dequantises them per call) and the engine
+    gives the tokens and logits of linears dequantized at load, bit for bit."""
+    from services.model import cpu_kernels
+    from services.model.checkpoint import Fp8Weight
+
+    path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, fp8_block=(16, 16))
+    prompts = [[0, 5, 9, 33, 2], list(range(2, 90)), [0] + [9] * 20]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kept = LocalEngine(EngineConfig(model=str(path), keep_fp8_experts=True, keep_fp8_linears=True))
+    loaded = LocalEngine(EngineConfig(model=str(path), keep_fp8_experts=True))
+    dense, moe = kept.model.layers[0], kept.model.layers[-1]
+    held = [
+        dense.attn.q_a,
+        dense.attn.q_b,
+        dense.attn.kv_a,
+        dense.attn.o,
+        dense.mlp_w13,
+        dense.mlp_down,
+        moe.mlp_w13,
+    ]
+    assert all(type(w) is Fp8Weight and w.weight.dtype == torch.float8_e4m3fn for w in held)
+    assert torch.equal(dense.mlp_w13.dequantize(), loaded.model.layers[0].mlp_w13)
+    module = cpu_kernels._module()
+    calls = {}
+    for name in ("mla_decode_layer", "expert_ffn_fp8"):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _k=kernel, _n=name: calls.setdefault(_n, []).append(a) or _k(*a)
+        )
+    a, la = generate_with_logits(kept, prompts, params)
+    assert calls["expert_ffn_fp8"] and all(
+        len(args[-3]) == 5 for args in calls["mla_decode_layer"]
+    )  # FP8 scales
+    b, lb = generate_with_logits(loaded, prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(la, lb, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_keep_fp8_linears_refuses_what_it_cannot_hold(tmp_path, tiny_model):
+    from services.model.model import shard_heads
+
+    with pytest.raises(ValueError, match="keep_fp8_linears: the checkpoint is not FP8 block-quantised"):
+        LocalEngine(EngineConfig(model=str(tiny_model), keep_fp8_linears=True))
+    path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, fp8_block=(16, 16))
+    engine = LocalEngine(EngineConfig(model=str(path), keep_fp8_linears=True))
+    with pytest.raises(ValueError, match="attention tensor parallelism"):
+        shard_heads(engine.model.layers[0].attn, engine.cfg, 0, 2)
+    from services.cluster import ClusterConfig
+
+    with pytest.raises(ValueError, match="keep_fp8_linears with attention_tp"):
+        ClusterConfig(keep_fp8_linears=True, attention_tp=2).validate()
+
+
 def test_sharded_checkpoint_equals_single_file(tmp_path):
     one = init_model(tmp_path / "one", "tiny", seed=1)
     many = init_model(tmp_path / "many", "tiny", seed=1, shards=4)

@@ -218,6 +218,56 @@ def test_expert_ffn_on_fp8_experts_is_the_kernel_on_their_dequantized_values(blo
     assert cpu_kernels.expert_ffn(x, slot, weight, w13, w2, None, s13, s2, (bn, 24)) is None  # 24 % 16
 
 
+def random_fp8(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Random e4m3fn values: every bit pattern but NaN (0x7F, 0xFF)."""
+    b = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return b.masked_fill((b & 0x7F) == 0x7F, 0).view(torch.float8_e4m3fn)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 13, 32])  # the 1-8-row paths and the register tiles
+@pytest.mark.parametrize("block", [(16, 32), (32, 128)])  # (128: a partial last column block)
+def test_linear_kept_fp8_is_the_kernel_on_its_dequantized_values(rows, block):
+    """A linear kept FP8 (checkpoint.Fp8Weight): each row dequantised as it is read gives the bits
+    of the fp32 kernel on dequantize_fp8_blocks's values, bias included, 70 output rows (a partial
+    row block, pairs and a single row, tiles of 4 and 2 alone)."""
+    from services.model.checkpoint import Fp8Weight, dequantize_fp8_blocks, fp8_scale_shape
+
+    g = torch.Generator().manual_seed(rows)
+    K, N = 272, 70
+    w = Fp8Weight(random_fp8(g, N, K), torch.rand(fp8_scale_shape((N, K), block), generator=g) / 64, block)
+    real = dequantize_fp8_blocks(w.weight, w.scale, block)
+    x, b = torch.randn(rows, K, generator=g), torch.randn(N, generator=g)
+    for bias in (None, b):
+        y = cpu_kernels.linear(x, w, bias)
+        assert torch.equal(y, cpu_kernels.linear(x, real, bias))
+        torch.testing.assert_close(y, F.linear(x, real, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_kept_fp8_beyond_the_kernel_dequantises_in_row_chunks(monkeypatch):
+    """More rows than the kernel takes (a prefill): the weight is dequantised a few row blocks at a
+    time (checkpoint.FP8_DEQUANT_BYTES), each chunk's columns F.linear's on the dequantised rows."""
+    from services.model import checkpoint
+    from services.model.checkpoint import Fp8Weight, dequantize_fp8_blocks, fp8_scale_shape
+
+    g = torch.Generator().manual_seed(0)
+    K, N, block = 64, 80, (16, 32)
+    w = Fp8Weight(random_fp8(g, N, K), torch.rand(fp8_scale_shape((N, K), block), generator=g) / 64, block)
+    real = dequantize_fp8_blocks(w.weight, w.scale, block)
+    x, b = torch.randn(cpu_kernels.TILE_ROWS + 7, K, generator=g), torch.randn(N, generator=g)
+    whole = cpu_kernels.linear(x, w, b)
+    torch.testing.assert_close(whole, F.linear(x, real, b), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(checkpoint, "FP8_DEQUANT_BYTES", 2 * 16 * K * 4)  # two row blocks per chunk
+    dequantized = []
+    dequantize = Fp8Weight.dequantize
+    monkeypatch.setattr(
+        Fp8Weight, "dequantize", lambda self, rows: dequantized.append(rows) or dequantize(self, rows)
+    )
+    chunked = cpu_kernels.linear(x, w, b)
+    assert [(r.start, r.stop) for r in dequantized] == [(0, 32), (32, 64), (64, 96)]
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
 @needs_kernels
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H, I", [(48, 24), (64, 32)])  # the 8-lane loops; the 16-lane ones (% 32)

@@ -80,17 +80,23 @@ def test_cuda_flashmla_matches_triton_in_graphs(tmp_path):
     )
     prompts = [[0, 5, 6, 7], list(range(3, 90)), [0] + [9] * 40]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outs = {}
+    outs, ran = {}, {}
     for flag in ("0", "1"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MOE_FLASH_MLA", flag)
             triton_kernels.reset()
+            flashmla = triton_kernels.module("flashmla")
+            kernel, calls = flashmla.mla_decode, []
+            mp.setattr(
+                flashmla, "mla_decode", lambda *a, _k=kernel, _c=calls, **kw: _c.append(1) or _k(*a, **kw)
+            )
             engine = LocalEngine(
                 EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=8)
             )
             outs[flag] = [o.token_ids for o in engine.generate(prompts, params)]
-            assert triton_kernels.module("flashmla") is not None  # (not fallen back after a failure)
+            ran[flag] = bool(calls) and triton_kernels.module("flashmla") is not None  # (no fall back)
     triton_kernels.reset()
+    assert ran == {"0": False, "1": True}  # FlashMLA took the decode attention with the flag only
     assert outs["1"] == outs["0"]
 
 

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -263,3 +264,62 @@ def test_fp8_experts_kept_fp8_run_in_the_fused_moe(tmp_path, kernels, monkeypatc
     assert [o.token_ids for o in outs["1"][0]] == [o.token_ids for o in outs["0"][0]]
     for a, b in zip(outs["1"][1], outs["0"][1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "M, N, K, block, dtype",
+    [
+        (1, 72, 96, (16, 32), torch.float32),  # a partial row block and N tile
+        (20, 64, 160, (128, 128), torch.float32),  # a partial column block (160 = 128 + 32)
+        (70, 130, 64, (64, 16), torch.float32),  # several M tiles, 16-wide column blocks
+        (5, 72, 96, (16, 32), torch.bfloat16),
+    ],
+)
+def test_fp8_linear_matches_the_dequantized_weight(kernels, M, N, K, block, dtype):
+    """A linear kept FP8 (weight-only FP8 GEMM): F.linear on checkpoint.dequantize_fp8_blocks's
+    values, with and without a bias."""
+    from services.model.checkpoint import dequantize_fp8_blocks, fp8_scale_shape, quantize_fp8_blocks
+
+    load, device = kernels
+    g = torch.Generator().manual_seed(M)
+    weight, scale = quantize_fp8_blocks(torch.randn(N, K, generator=g) * 0.05, block)
+    assert scale.shape == fp8_scale_shape((N, K), block)
+    real = dequantize_fp8_blocks(weight, scale, block)
+    x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    for b in (None, bias):
+        y = load("linear").fp8_linear(x.to(device, dtype), weight.to(device), scale.to(device), block,
+                                      None if b is None else b.to(device, dtype))  # fmt: skip
+        assert y.shape == (M, N) and y.dtype == dtype
+        want = F.linear(x.to(dtype).float(), real, b)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(y.float().cpu(), want, rtol=tol, atol=tol)
+
+
+def test_engine_with_linears_kept_fp8_on_the_triton_kernels_keeps_greedy_outputs(
+    tmp_path, kernels, monkeypatch
+):
+    """keep_fp8_linears and keep_fp8_experts with the Triton kernels on: the FP8 linear kernel reads
+    the linears as held; the same greedy tokens as the torch path."""
+    from services.model.engine import EngineConfig, LocalEngine
+    from services.model.presets import init_model
+    from services.model.sampling import SamplingParams
+
+    load, device = kernels
+    path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, fp8_block=(16, 16))
+    calls = []
+    kernel = load("linear").fp8_linear
+    monkeypatch.setattr(
+        load("linear"), "fp8_linear", lambda *a, **kw: calls.append(a[1].dtype) or kernel(*a, **kw)
+    )
+    prompts = [[0, 5, 6, 7], list(range(3, 40))]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOE_TRITON", flag)
+        triton_kernels._enabled.clear()
+        cfg = EngineConfig(
+            model=str(path), device=device, max_num_seqs=4, keep_fp8_experts=True, keep_fp8_linears=True
+        )
+        outs[flag] = [o.token_ids for o in LocalEngine(cfg).generate(prompts, params)]
+    assert calls and set(calls) == {torch.float8_e4m3fn}
+    assert outs["1"] == outs["0"]

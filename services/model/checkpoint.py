@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from .config import ModelConfig
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_DEQUANT_BYTES = 1 << 30  # FP8 weights dequantized at once where a torch path computes with them
 
 
 def fp8_scale_shape(weight_shape: Sequence[int], block: tuple[int, int]) -> tuple[int, int]:
@@ -60,6 +62,45 @@ def quantize_fp8_blocks(
     scale = amax / 448.0
     q = (blocks / scale[:, None, :, None]).view(gm * bm, gn * bn)[:m, :n]
     return q.to(torch.float8_e4m3fn), scale
+
+
+class Fp8Weight(NamedTuple):
+    """A linear's weight kept as a DeepSeek FP8 checkpoint stores it: weight [N, K] float8_e4m3fn and
+    scale [ceil(N / bn), ceil(K / bk)] fp32 (its `weight_scale_inv`: a value is its FP8 number
+    times its block's scale), block (bn, bk). cpu_kernels.linear computes with it as it is."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """fp32 [n, K]: the values of weight rows `rows` (whole blocks where the slice starts)."""
+        start = rows.start or 0
+        if start % self.block[0]:
+            raise ValueError(f"a dequantised row range must start on a block ({self.block[0]} rows)")
+        scale = self.scale[start // self.block[0] :]
+        w = self.weight[rows]
+        return dequantize_fp8_blocks(w, scale[: fp8_scale_shape(w.shape, self.block)[0]], self.block)
+
+    def to(self, device: torch.device | str) -> Fp8Weight:
+        return Fp8Weight(self.weight.to(device), self.scale.to(device), self.block)
+
+    @staticmethod
+    def stack_rows(parts: Sequence[Fp8Weight]) -> Fp8Weight:
+        """The rows of `parts` one after the other (a dense MLP's gate and up): each part's rows
+        must fill whole blocks but the last's."""
+        block = parts[0].block
+        if any(p.block != block for p in parts) or any(p.shape[0] % block[0] for p in parts[:-1]):
+            raise ValueError(f"FP8 weights stacked by rows must fill whole {block[0]}-row blocks")
+        return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), block)
 
 
 class CheckpointReader:
@@ -124,6 +165,11 @@ class CheckpointReader:
                 raise KeyError(f"FP8 tensor {name!r} has no {scale_name!r}")
             t = dequantize_fp8_blocks(t, self.raw(scale_name), self.fp8_block)
         return t.to(dtype) if dtype is not None else t
+
+    def get_fp8(self, name: str) -> Fp8Weight:
+        """A 2-D FP8 tensor as stored, with its block scales; ValueError where it is not FP8."""
+        w, scale = _fp8_with_scale(self, name)
+        return Fp8Weight(w, scale.float(), self.fp8_block)
 
     def get_optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return self.get(name, dtype) if name in self else None

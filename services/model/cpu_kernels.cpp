@@ -150,26 +150,41 @@ static inline void tile_rows(const W* w, const float* x, int nx, int64_t K, floa
   }
 }
 
+// Where small_linear reads its weight rows: `count` (<= 4) consecutive rows from row n, each K
+// long. `Rows<W>`: an fp32 or bf16 tensor read in place; `Fp8Rows`: FP8 rows dequantized into the
+// caller's buffer (4 rows of fp32) with checkpoint.dequantize_fp8_blocks's values (defined below).
+template <typename WT>
+struct Rows {
+  using W = WT;
+  const W* wp; int64_t K;
+  const W* rows(int64_t n, int, float*) const { return wp + n * K; }
+};
+struct Fp8Rows;
+
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0 (M <= 8) or K % 16 == 0 (M <= 32), x /
-// bias / y fp32, w fp32 or bf16 (W), contiguous. Up to 8 rows (a weight read) each weight row is
-// streamed once for all rows; beyond (compute), register tiles of 4 weight rows x 4 x rows.
-template <typename W>
-static torch::Tensor small_linear_w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && (!bias.has_value() || bias->numel() == N) &&
+// bias / y fp32, w read through `src` (Rows or Fp8Rows), contiguous. Up to 8 rows (a weight read)
+// each weight row is streamed once for all rows; beyond (compute), register tiles of 4 weight
+// rows x 4 x rows.
+template <typename Src>
+static torch::Tensor small_linear_w(const torch::Tensor& x, const Src& src, int64_t N, const c10::optional<torch::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(src.K == K && (!bias.has_value() || bias->numel() == N) &&
               (M <= 8 ? K % 8 == 0 : M <= 32 && K % 16 == 0), "small_linear: shapes");
+  constexpr bool buffered = std::is_same_v<Src, Fp8Rows>;
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>(); const W* wp = w.data_ptr<W>(); float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>(); float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   if (M > 8) {
     at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
       float d[16];
+      std::vector<float> buf(buffered ? 4 * K : 0);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * 4; const int rows = (int)std::min<int64_t>(4, N - n0);
+        const auto* wr = src.rows(n0, rows, buf.data());
         for (int64_t m = 0; m < M; m += 4) {
           const int nx = (int)std::min<int64_t>(4, M - m);
-          if (rows == 4) tile_rows<4>(wp + n0 * K, xp + m * K, nx, K, d);
-          else for (int r = 0; r < rows; ++r) tile_rows<1>(wp + (n0 + r) * K, xp + m * K, nx, K, d + r * nx);
+          if (rows == 4) tile_rows<4>(wr, xp + m * K, nx, K, d);
+          else for (int r = 0; r < rows; ++r) tile_rows<1>(wr + r * K, xp + m * K, nx, K, d + r * nx);
           for (int r = 0; r < rows; ++r)
             for (int i = 0; i < nx; ++i) yp[(m + i) * N + n0 + r] = d[r * nx + i] + (bp ? bp[n0 + r] : 0.0f);
         }
@@ -179,26 +194,29 @@ static torch::Tensor small_linear_w(const torch::Tensor& x, const torch::Tensor&
   }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     const float* xs[4]; float d[4], e[4];
+    std::vector<float> buf(buffered ? 2 * K : 0);
     int64_t n = n0;
     for (; M >= 4 && n + 2 <= n1; n += 2) {  // two weight rows at a time against blocks of 4 x rows
       const float b0 = bp ? bp[n] : 0.0f, b1 = bp ? bp[n + 1] : 0.0f;
+      const auto* wr = src.rows(n, 2, buf.data());
       for (int64_t m = 0; m < M; m += 4) {
         const int c = (int)std::min<int64_t>(4, M - m);
         for (int i = 0; i < c; ++i) xs[i] = xp + (m + i) * K;
         if (c == 4) {
-          dots_4x2(wp + n * K, wp + (n + 1) * K, xs, K, d, e);
+          dots_4x2(wr, wr + K, xs, K, d, e);
         } else {
-          dots(wp + n * K, xs, c, K, d); dots(wp + (n + 1) * K, xs, c, K, e);
+          dots(wr, xs, c, K, d); dots(wr + K, xs, c, K, e);
         }
         for (int i = 0; i < c; ++i) { yp[(m + i) * N + n] = d[i] + b0; yp[(m + i) * N + n + 1] = e[i] + b1; }
       }
     }
     for (; n < n1; ++n) {
       const float b = bp ? bp[n] : 0.0f;
+      const auto* wr = src.rows(n, 1, buf.data());
       for (int64_t m = 0; m < M; m += 4) {
         const int c = (int)std::min<int64_t>(4, M - m);
         for (int i = 0; i < c; ++i) xs[i] = xp + (m + i) * K;
-        dots(wp + n * K, xs, c, K, d);
+        dots(wr, xs, c, K, d);
         for (int i = 0; i < c; ++i) yp[(m + i) * N + n] = d[i] + b;
       }
     }
@@ -208,9 +226,9 @@ static torch::Tensor small_linear_w(const torch::Tensor& x, const torch::Tensor&
 
 static torch::Tensor small_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && (!bias.has_value() || bias->scalar_type() == at::kFloat), "small_linear: fp32 x and bias");
-  if (w.scalar_type() == at::kBFloat16) return small_linear_w<at::BFloat16>(x, w, bias);
+  if (w.scalar_type() == at::kBFloat16) return small_linear_w(x, Rows<at::BFloat16>{w.data_ptr<at::BFloat16>(), w.size(1)}, w.size(0), bias);
   TORCH_CHECK(w.scalar_type() == at::kFloat, "small_linear: fp32 or bf16 weights, got ", w.scalar_type());
-  return small_linear_w<float>(x, w, bias);
+  return small_linear_w(x, Rows<float>{w.data_ptr<float>(), w.size(1)}, w.size(0), bias);
 }
 
 // RMSNorm of one row xr [K] (K % 8 == 0) into y: w * (xr * rsqrt(mean(xr^2) + eps)).
@@ -296,6 +314,17 @@ static inline void dequant_fp8_row(const uint8_t* w, const float* scale, int64_t
     __builtin_memcpy(out + k, &v, 64);
   }
 }
+
+// small_linear's FP8 rows (a linear kept FP8): w [N, K] float8_e4m3fn, scale [ceil(N / bn), ceil(K / bk)].
+struct Fp8Rows {
+  using W = float;
+  const uint8_t* wp; const float* scale; int64_t K, bn, bk;
+  const float* rows(int64_t n, int count, float* buf) const {
+    const int64_t cols = (K + bk - 1) / bk;
+    for (int r = 0; r < count; ++r) dequant_fp8_row(wp + (n + r) * K, scale + ((n + r) / bn) * cols, K, bk, buf + r * K);
+    return buf;
+  }
+};
 
 // Where expert_ffn reads its weight rows: w13 row r (of 2I: gate rows, then up) and w2 row n (of
 // H) of slot s. `Packed<W>`: fp32 or bf16 tensors read in place; `Fp8`: FP8 rows dequantized into
@@ -613,11 +642,33 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
 // cpu_kernels.linear from C++: small_linear where it takes the shape (MAX_ROWS = 8 rows with K % 8
 // == 0, TILE_ROWS = 32 rows with K % 16 == 0 and K >= 256), ATen's linear otherwise (on a widened
 // copy of bf16 weights).
-static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+// A linear kept FP8 (w [N, K] float8_e4m3fn, scale [ceil(N / bn), ceil(K / bk)], K and bk % 16 == 0)
+// read through Fp8Rows where small_linear takes the shape, else dequantized whole (the values of
+// checkpoint.dequantize_fp8_blocks) for ATen's linear: the bits of `lin` on the dequantized weight.
+struct Fp8Linear { const torch::Tensor* scale; int64_t bn, bk; };
+static torch::Tensor dequant_fp8(const torch::Tensor& w, const Fp8Linear& q) {
+  const int64_t N = w.size(0), K = w.size(1), cols = (K + q.bk - 1) / q.bk;
+  auto out = torch::empty({N, K}, w.options().dtype(torch::kFloat));
+  const uint8_t* wp = (const uint8_t*)w.data_ptr(); const float* sp = q.scale->data_ptr<float>(); float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) dequant_fp8_row(wp + n * K, sp + (n / q.bn) * cols, K, q.bk, op + n * K);
+  });
+  return out;
+}
+static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
+                         const Fp8Linear* fp8 = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   const bool small = M <= 8 ? K % 8 == 0 : M <= 32 && K % 16 == 0 && K >= 256;
-  if (!small) return at::linear(x, w.to(x.scalar_type()), b);
   const auto bias = b.has_value() ? c10::optional<torch::Tensor>(b->contiguous()) : c10::nullopt;
+  if (fp8 != nullptr) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn && w.is_contiguous() && K % 16 == 0 && fp8->bk % 16 == 0 &&
+                fp8->scale->sizes() == at::IntArrayRef({(w.size(0) + fp8->bn - 1) / fp8->bn, (K + fp8->bk - 1) / fp8->bk}),
+                "mla_decode_layer: FP8 weight and scale shapes");
+    if (!small) return at::linear(x, dequant_fp8(w, *fp8), b);
+    const Fp8Rows src{(const uint8_t*)w.data_ptr(), fp8->scale->data_ptr<float>(), K, fp8->bn, fp8->bk};
+    return small_linear_w(x.contiguous(), src, w.size(0), bias);
+  }
+  if (!small) return at::linear(x, w.to(x.scalar_type()), b);
   return small_linear_impl(x.contiguous(), w.contiguous(), bias);
 }
 
@@ -675,15 +726,25 @@ torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch
                                const torch::Tensor& kv_a_norm, const torch::Tensor& kv_b, const torch::Tensor& o_w,
                                const c10::optional<torch::Tensor>& o_bias, const torch::Tensor& cos, const torch::Tensor& sin,
                                const torch::Tensor& cache, const torch::Tensor& slot_mapping, const torch::Tensor& table,
-                               const torch::Tensor& lens, int64_t D, int64_t R, int64_t C, int64_t V, double eps, double scale) {
+                               const torch::Tensor& lens, int64_t D, int64_t R, int64_t C, int64_t V, double eps, double scale,
+                               const std::vector<torch::Tensor>& fp8_scales, int64_t bn, int64_t bk) {
   NO_GIL;
   const int64_t T = x.size(0), W = cache.size(-1);
   TORCH_CHECK(W == C + R, "mla_decode_layer: cache rows of ", W, " values, expected ", C + R);
-  const torch::Tensor q = q_proj.has_value() ? lin(x, *q_proj, c10::nullopt)
-                                            : lin(rms_norm_impl(lin(x, *q_a, q_a_bias), *q_a_norm, eps), *q_b, c10::nullopt);
+  // linears kept FP8: the block scales of q_a, q_b, q_proj, kv_a, o (an empty tensor where absent)
+  TORCH_CHECK(fp8_scales.empty() || fp8_scales.size() == 5, "mla_decode_layer: 5 FP8 scales or none");
+  Fp8Linear fp8[5];
+  for (size_t i = 0; i < fp8_scales.size(); ++i) {
+    TORCH_CHECK(fp8_scales[i].scalar_type() == at::kFloat && fp8_scales[i].is_contiguous(), "mla_decode_layer: fp32 scales");
+    fp8[i] = {&fp8_scales[i], bn, bk};
+  }
+  auto q8 = [&](int i) { return fp8_scales.empty() ? nullptr : &fp8[i]; };
+  const torch::Tensor q = q_proj.has_value()
+      ? lin(x, *q_proj, c10::nullopt, q8(2))
+      : lin(rms_norm_impl(lin(x, *q_a, q_a_bias, q8(0)), *q_a_norm, eps), *q_b, c10::nullopt, q8(1));
   const int64_t N = q.size(1) / (D + R), h = R / 2, rows = cache.numel() / W;
   const auto q3 = q.view({T, N, D + R});
-  const auto kv = lin(x, kv_a, kv_a_bias);  // [T, C+R]
+  const auto kv = lin(x, kv_a, kv_a_bias, q8(3));  // [T, C+R]
   TORCH_CHECK(kv.size(1) == C + R && kv.is_contiguous() && q.is_contiguous() && slot_mapping.numel() == T &&
               slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_cpu() && slot_mapping.is_contiguous() &&
               cos.numel() == T * h && sin.numel() == T * h && cos.is_contiguous() && sin.is_contiguous() &&
@@ -710,12 +771,26 @@ torch::Tensor mla_decode_layer(const torch::Tensor& x, const c10::optional<torch
   const auto o_lat = mla_decode_impl(q_full, cache, table, lens, C, scale);  // [T, N, C]
   const auto o = few ? absorb_o_impl(o_lat, kv_b3, D)
                      : at::bmm(o_lat.transpose(0, 1), kv_b3.narrow(1, D, V).transpose(1, 2)).transpose(0, 1);  // [T, N, V]
-  return lin(o.reshape({T, N * V}), o_w, o_bias);
+  return lin(o.reshape({T, N * V}), o_w, o_bias, q8(4));
 }
 
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   NO_GIL;
   return small_linear_impl(x, w, bias);
+}
+// small_linear on a linear kept FP8: w [N, K] float8_e4m3fn with its block scales [ceil(N / bn),
+// ceil(K / bk)] fp32; K % 16 == 0, bk % 16 == 0. The bits of small_linear on the dequantized weight.
+torch::Tensor small_linear_fp8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale, int64_t bn,
+                               int64_t bk, const c10::optional<torch::Tensor>& bias) {
+  NO_GIL;
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (!bias.has_value() || bias->scalar_type() == at::kFloat) &&
+              w.scalar_type() == at::kFloat8_e4m3fn && scale.scalar_type() == at::kFloat,
+              "small_linear_fp8: fp32 x / bias / scale, float8_e4m3fn w");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && scale.is_contiguous() && bn > 0 && bk > 0 && bk % 16 == 0 &&
+              K % 16 == 0 && scale.sizes() == at::IntArrayRef({(N + bn - 1) / bn, (K + bk - 1) / bk}),
+              "small_linear_fp8: shapes");
+  return small_linear_w(x, Fp8Rows{(const uint8_t*)w.data_ptr(), scale.data_ptr<float>(), K, bn, bk}, N, bias);
 }
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   NO_GIL;

@@ -47,6 +47,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import checkpoint, triton_kernels
+from .checkpoint import Fp8Weight
+
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # small_linear streams each weight row once for up to this many rows (a weight read)
@@ -76,8 +79,10 @@ def _build():
 
         from .presets import cache_root
 
-        # -march=native: one build per CPU kind (a cache shared by unlike nodes must not mix them)
-        tag = f"torch{torch.__version__.replace('+', '_')}_{_cpu_tag()}"
+        # -march=native: one build per CPU kind (a cache shared by unlike nodes must not mix them),
+        # and one per source (two checkouts of different versions sharing a cache must not either)
+        source = hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]
+        tag = f"torch{torch.__version__.replace('+', '_')}_{_cpu_tag()}_{source}"
         build_dir = cache_root() / "torch_extensions" / f"cpu_kernels_{tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
     except Exception as e:  # no torch.utils.cpp_extension
@@ -121,6 +126,7 @@ FUNCTIONS = [
     "dense_ffn",
     "add_rms_norm",
     "expert_ffn_fp8",
+    "small_linear_fp8",
 ]
 
 
@@ -134,8 +140,11 @@ def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
 
 
 def _weights_cpu(*tensors: torch.Tensor | None) -> bool:
-    """Linear weights the kernels take: fp32 or bf16 on CPU."""
-    return all(t is None or (t.dtype in (torch.float32, torch.bfloat16) and t.is_cpu) for t in tensors)
+    """Linear weights the kernels take: fp32 or bf16 tensors on CPU."""
+    return all(
+        t is None or (type(t) is torch.Tensor and t.dtype in (torch.float32, torch.bfloat16) and t.is_cpu)
+        for t in tensors
+    )
 
 
 def _paged_cache_ok(cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> bool:
@@ -148,10 +157,12 @@ def _paged_cache_ok(cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias), computed in x's dtype (w may be stored narrower, e.g. bf16 under fp32
-    x); fp32 x [M, K] on CPU with fp32 or bf16 w goes through the kernel for M <= MAX_ROWS (K %
-    8 == 0) and M <= TILE_ROWS (K % 16 == 0, K >= 256)."""
+    x, or kept FP8: `fp8_linear`); fp32 x [M, K] on CPU with fp32 or bf16 w goes through the kernel
+    for M <= MAX_ROWS (K % 8 == 0) and M <= TILE_ROWS (K % 16 == 0, K >= 256)."""
+    if type(w) is Fp8Weight:
+        return fp8_linear(x, w, bias)
     if (  # (spelled out: this runs ~60 times per decode step)
         x.dtype is torch.float32
         and (w.dtype is torch.float32 or w.dtype is torch.bfloat16)
@@ -170,6 +181,35 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
                 x.contiguous(), w.contiguous(), None if bias is None else bias.contiguous()
             )
     return F.linear(x, w if w.dtype is x.dtype else w.to(x.dtype), bias)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` with a weight kept FP8 (checkpoint.Fp8Weight), computed in x's dtype with the
+    dequantised weight's values: the Triton kernel on CUDA (triton_linear.py); on an fp32 CPU the
+    C++ kernel where `linear` would use it (each FP8 row dequantised as it is read: its bits on the
+    dequantised weight); otherwise the weight dequantised FP8_DEQUANT_BYTES of rows at a time."""
+    N, K = w.shape
+    y = triton_kernels.run("linear", "fp8_linear", x, w.weight, w.scale, w.block, bias)  # CUDA
+    if y is not None:
+        return y
+    bn, bk = w.block
+    if (
+        x.dtype is torch.float32
+        and x.dim() == 2
+        and K % 16 == 0
+        and (x.shape[0] <= MAX_ROWS or x.shape[0] <= TILE_ROWS and K >= 256)  # (as `linear`)
+        and bk % 16 == 0
+        and _fp32_cpu(x, w.scale, bias)
+        and w.weight.is_cpu
+    ):
+        module = _state.get("module") or _module()
+        if module is not None:
+            return module.small_linear_fp8(x.contiguous(), w.weight.contiguous(), w.scale.contiguous(), bn, bk,
+                                           None if bias is None else bias.contiguous())  # fmt: skip
+    rows = max(bn, checkpoint.FP8_DEQUANT_BYTES // (4 * K) // bn * bn)  # whole row blocks per chunk
+    parts = [F.linear(x, w.dequantize(slice(n, n + rows)).to(x.dtype)) for n in range(0, N, rows)]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return y if bias is None else y + bias
 
 
 def add_rms_norm(
@@ -246,10 +286,18 @@ def expert_ffn(
     return module.expert_ffn(*args, limit)
 
 
-def dense_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
+def dense_ffn(
+    x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight
+) -> torch.Tensor | None:
     """layers.dense_ffn for decode-sized fp32 CPU x [T <= MAX_ROWS, H]: the C++ `dense_ffn`, the
     expert kernel with one slot holding w13 [2I, H] / w2 [H, I] and weight 1 for every token (the
-    same sums as a dense MLP); None where the kernel does not apply."""
+    same sums as a dense MLP; kept FP8: `expert_ffn_fp8`); None where the kernel does not apply."""
+    if type(w13) is Fp8Weight and type(w2) is Fp8Weight:
+        if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or w13.block != w2.block or not _fp32_cpu(x):
+            return None
+        T = x.shape[0]
+        return expert_ffn(x, torch.zeros(T, 1, dtype=torch.long), torch.ones(T, 1), w13.weight[None], w2.weight[None],
+                          None, w13.scale[None], w2.scale[None], w13.block)  # fmt: skip
     if (
         x.dim() != 2
         or not 0 < x.shape[0] <= MAX_ROWS
@@ -347,13 +395,15 @@ def mla_decode_layer(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: 
     1, C+R], table [T, max_blocks] / lens [T] int64 (model.DecodeRows); the rows of this step are
     written at slot_mapping [T]; eps of the latent norms. None where the kernel does not apply."""
     C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    linears = (w.q_a, w.q_b, w.q_proj, w.kv_a, w.o)
+    fp8 = _fp8_linears(linears)  # (kept FP8: their blocks scales, in this order; else None)
     if (
         w.indexer is not None
         or cache.shape[-1] != C + R
         or (C + R) % 8
         or C % 8
         or not _fp32_cpu(x, w.kv_b, w.kv_a_norm, w.q_a_norm)
-        or not _weights_cpu(w.kv_a, w.o, w.q_a, w.q_b, w.q_proj)
+        or not (fp8 is not None or _weights_cpu(*linears))
         or not _fp32_cpu(w.q_a_bias, w.kv_a_bias, w.o_bias, *cos_sin)
         or (w.q_a_norm is not None and w.q_a_norm.numel() % 8)  # (its RMSNorm runs in the kernel)
         or not _paged_cache_ok(cache, table, lens)
@@ -363,7 +413,27 @@ def mla_decode_layer(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: 
     if module is None:
         return None
     cos, sin = cos_sin
-    return module.mla_decode_layer(x, w.q_a, w.q_a_bias, w.q_a_norm, w.q_b, w.q_proj, w.kv_a, w.kv_a_bias,
-                                   w.kv_a_norm, w.kv_b, w.o, w.o_bias, cos.contiguous(), sin.contiguous(),
+    q_a, q_b, q_proj, kv_a, o = (t.weight if type(t) is Fp8Weight else t for t in linears)
+    scales, (bn, bk) = ([], (0, 0)) if fp8 is None else fp8
+    return module.mla_decode_layer(x, q_a, w.q_a_bias, w.q_a_norm, q_b, q_proj, kv_a, w.kv_a_bias,
+                                   w.kv_a_norm, w.kv_b, o, w.o_bias, cos.contiguous(), sin.contiguous(),
                                    cache, slot_mapping, table, lens, cfg.qk_nope_head_dim, R, C, cfg.v_head_dim,
-                                   eps, cfg.softmax_scale)  # fmt: skip
+                                   eps, cfg.softmax_scale, scales, bn, bk)  # fmt: skip
+
+
+def _fp8_linears(linears) -> tuple[list[torch.Tensor], tuple[int, int]] | None:
+    """For MLA linears all kept FP8 on CPU in one block shape the kernel reads (K, bk % 16 == 0):
+    their scales (an empty tensor for an absent one) and the block; None otherwise."""
+    held = [t for t in linears if t is not None]
+    if not all(type(t) is Fp8Weight for t in held):
+        return None
+    block = held[0].block
+    if block[1] % 16 or any(
+        t.block != block
+        or t.shape[1] % 16
+        or not (t.weight.is_cpu and t.weight.is_contiguous())
+        or not _fp32_cpu(t.scale)
+        for t in held
+    ):
+        return None
+    return [torch.empty(0) if t is None else t.scale.contiguous() for t in linears], block

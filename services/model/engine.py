@@ -43,6 +43,10 @@ class EngineConfig:
     # bf16's memory; weight_dtype then applies to the linears only), computed by the Triton fused
     # MoE on CUDA and the expert kernel on CPU, both reading them as held
     keep_fp8_experts: bool = False
+    # FP8 checkpoints: hold the linears (q_a, q_b / q_proj, kv_a, o, dense MLPs, shared experts) in
+    # FP8 as shipped (checkpoint.Fp8Weight), computed by the Triton FP8 linear on CUDA and the C++
+    # kernel on CPU, both reading them as held (kv_b, the router, norms, embeddings, LM head: not)
+    keep_fp8_linears: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
@@ -523,20 +527,25 @@ def check_weight_dtype(
     return wd
 
 
-def check_keep_fp8_experts(cfg: ModelConfig) -> None:
-    """A clear error where `EngineConfig.keep_fp8_experts` cannot hold."""
+def check_keep_fp8_experts(cfg: ModelConfig, what: str = "keep_fp8_experts") -> None:
+    """A clear error where `EngineConfig.keep_fp8_experts` (or, with what="keep_fp8_linears",
+    keep_fp8_linears: the same conditions on the dense MLPs and shared experts) cannot hold."""
     if cfg.fp8_block_size is None:
-        raise ValueError(
-            "keep_fp8_experts: the checkpoint is not FP8 block-quantised (no quantization_config)"
-        )
+        raise ValueError(f"{what}: the checkpoint is not FP8 block-quantised (no quantization_config)")
     if cfg.is_v4:
-        raise ValueError("keep_fp8_experts is not supported for DeepSeek-V4 checkpoints yet")
+        raise ValueError(f"{what} is not supported for DeepSeek-V4 checkpoints yet")
     bn = cfg.fp8_block_size[0]
-    if cfg.moe_intermediate_size % bn:
-        raise ValueError(
-            f"keep_fp8_experts: expert width {cfg.moe_intermediate_size} is not a multiple of the FP8 block's "
-            f"rows ({bn}), so gate and up cannot share one stacked scale grid"
-        )
+    if what == "keep_fp8_experts":
+        widths = [cfg.moe_intermediate_size]
+    else:  # the dense layers' MLPs, the shared experts
+        widths = [cfg.intermediate_size] if cfg.first_k_dense_replace else []
+        widths += [cfg.moe_intermediate_size * cfg.n_shared_experts] if cfg.n_shared_experts else []
+    for width in widths:
+        if width % bn:
+            raise ValueError(
+                f"{what}: MLP width {width} is not a multiple of the FP8 block's rows ({bn}), so gate and up "
+                "cannot share one stacked scale grid"
+            )
 
 
 def load_engine(
@@ -555,11 +564,14 @@ def load_engine(
     weight_dtype = check_weight_dtype(engine_cfg.weight_dtype, dtype, engine_cfg.device, cfg)
     if engine_cfg.keep_fp8_experts:
         check_keep_fp8_experts(cfg)
+    if engine_cfg.keep_fp8_linears:
+        check_keep_fp8_experts(cfg, "keep_fp8_linears")
     reader = CheckpointReader.for_config(model_dir, cfg)
     if cfg.is_v4:
         model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device)  # same forward(batch, cache) contract
     else:
-        model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device, weight_dtype=weight_dtype)
+        model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device, weight_dtype=weight_dtype,
+                                keep_fp8=engine_cfg.keep_fp8_linears)  # fmt: skip
     if make_experts is None:
         experts = LocalExperts.load_all(
             reader, cfg, weight_dtype or dtype, keep_fp8=engine_cfg.keep_fp8_experts

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels, triton_kernels
-from .checkpoint import dequantize_fp8_blocks
+from .checkpoint import FP8_DEQUANT_BYTES, dequantize_fp8_blocks
 from .config import ModelConfig, rope_inv_freq
 from .cpu_kernels import linear
 
@@ -236,9 +236,6 @@ def grouped_expert_ffn(
     if out is None:
         return acc.to(x.dtype)
     return out if acc is out else out.copy_(acc)
-
-
-FP8_DEQUANT_BYTES = 1 << 30  # dequantized FP8 expert weights alive at once in the torch path
 
 
 def _cpu_decode(x: torch.Tensor, slot: torch.Tensor) -> bool:

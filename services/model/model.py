@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels, triton_kernels
-from .checkpoint import CheckpointReader
+from .checkpoint import CheckpointReader, Fp8Weight
 from .config import ModelConfig
 from .cpu_kernels import linear
 from .indexer import IndexerWeights, IndexQueries, index_keys
@@ -287,30 +287,36 @@ def _load_layer(
     i: int,
     dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None,
+    keep_fp8: bool = False,
 ) -> LayerWeights:
     """Layer i's weights in `dtype`; the matrices that only go through `linear` (q_a, q_b / q_proj,
     kv_a, o, the dense MLP or shared experts) in `weight_dtype` when given (bf16 under fp32: see
-    cpu_kernels.linear). kv_b (the absorbed attention's bmm), the indexer and the router stay in
-    `dtype` (the router in fp32)."""
+    cpu_kernels.linear), or with `keep_fp8` as the FP8 checkpoint stores them (checkpoint.Fp8Weight).
+    kv_b (the absorbed attention's bmm), the indexer and the router stay in `dtype` (the router in
+    fp32)."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
     get, opt = reader.get, reader.get_optional
     lw = weight_dtype or dtype
+
+    def lin(name: str) -> torch.Tensor | Fp8Weight:
+        return reader.get_fp8(name) if keep_fp8 else get(name, lw)
+
     attn = MLAWeights(
-        kv_a=get(a + "kv_a_proj_with_mqa.weight", lw),
+        kv_a=lin(a + "kv_a_proj_with_mqa.weight"),
         kv_a_norm=get(a + "kv_a_layernorm.weight", dtype),
         kv_b=get(a + "kv_b_proj.weight", dtype),
-        o=get(a + "o_proj.weight", lw),
+        o=lin(a + "o_proj.weight"),
         kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias", dtype),
         o_bias=opt(a + "o_proj.bias", dtype),
     )
     if cfg.q_lora_rank:
-        attn.q_a = get(a + "q_a_proj.weight", lw)
+        attn.q_a = lin(a + "q_a_proj.weight")
         attn.q_a_norm = get(a + "q_a_layernorm.weight", dtype)
-        attn.q_b = get(a + "q_b_proj.weight", lw)
+        attn.q_b = lin(a + "q_b_proj.weight")
         attn.q_a_bias = opt(a + "q_a_proj.bias", dtype)
     else:
-        attn.q_proj = get(a + "q_proj.weight", lw)
+        attn.q_proj = lin(a + "q_proj.weight")
     if cfg.has_indexer:
         attn.indexer = IndexerWeights.load(get, a + "indexer.", dtype)
     layer = LayerWeights(
@@ -324,8 +330,9 @@ def _load_layer(
         layer.router = get(p + "mlp.gate.weight", dtype).float()  # (once here, not per step)
         layer.router_bias = opt(p + "mlp.gate.e_score_correction_bias", torch.float32)
     if not layer.is_moe or cfg.n_shared_experts:
-        layer.mlp_w13 = torch.cat([get(mlp + "gate_proj.weight", lw), get(mlp + "up_proj.weight", lw)])
-        layer.mlp_down = get(mlp + "down_proj.weight", lw)
+        gate, up = lin(mlp + "gate_proj.weight"), lin(mlp + "up_proj.weight")
+        layer.mlp_w13 = Fp8Weight.stack_rows([gate, up]) if keep_fp8 else torch.cat([gate, up])
+        layer.mlp_down = lin(mlp + "down_proj.weight")
     return layer
 
 
@@ -349,6 +356,10 @@ def shard_heads(w: MLAWeights, cfg: ModelConfig, rank: int, tp: int) -> MLAWeigh
     N = cfg.num_attention_heads
     if N % tp:
         raise ValueError(f"attention_tp={tp} does not divide num_attention_heads={N}")
+    if isinstance(w.o, Fp8Weight):
+        raise ValueError(
+            "linears kept FP8 (keep_fp8_linears) with attention tensor parallelism: not supported yet"
+        )
     heads = slice(rank * N // tp, (rank + 1) * N // tp)
     D, R, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
 
@@ -546,17 +557,33 @@ class DeepseekV3:
         device: torch.device | str = "cpu",
         progress=None,
         weight_dtype: torch.dtype | None = None,
+        keep_fp8: bool = False,
     ) -> DeepseekV3:
         """Read the attention-side weights; no routed-expert tensor is touched. weight_dtype: the
-        linears' and the LM head's storage (see `_load_layer`); None: `dtype`."""
-        layers = load_layers(
-            functools.partial(_load_layer, weight_dtype=weight_dtype), reader, cfg, dtype, progress
-        )
+        linears' and the LM head's storage (see `_load_layer`); None: `dtype`. keep_fp8: the
+        linears of an FP8 checkpoint kept FP8 with their block scales (the LM head is not FP8)."""
+        load = functools.partial(_load_layer, weight_dtype=weight_dtype, keep_fp8=keep_fp8)
+        layers = load_layers(load, reader, cfg, dtype, progress)
         embed = reader.get("model.embed_tokens.weight", dtype)
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         head = reader.get(head_name, weight_dtype or dtype)
         model = cls(cfg, embed, layers, reader.get("model.norm.weight", dtype), head, dtype)
         return model.to(device)
+
+    def nbytes(self) -> int:
+        """Bytes of the attention-side weights (FP8 linears with their scales)."""
+
+        def size(v) -> int:
+            if isinstance(v, Fp8Weight):
+                return v.weight.nbytes + v.scale.nbytes
+            return v.nbytes if isinstance(v, torch.Tensor) else 0
+
+        parts = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            parts += [*vars(layer).values(), *vars(layer.attn).values()]
+            if layer.attn.indexer is not None:
+                parts += vars(layer.attn.indexer).values()
+        return sum(size(v) for v in parts)
 
     def to(self, device: torch.device | str) -> DeepseekV3:
         device = torch.device(device)
@@ -566,7 +593,7 @@ class DeepseekV3:
 
         def move_fields(obj):
             for k, v in vars(obj).items():
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor | Fp8Weight):
                     setattr(obj, k, move(v))
 
         for layer in self.layers:

@@ -2,7 +2,8 @@
 
 The Triton kernels live in their own modules, which import triton at the top (`triton.jit` reads
 TRITON_INTERPRET when a kernel is defined): `triton_mla` (MLA decode over the paged latent
-cache), `triton_moe` (the routed experts' fused MoE), `triton_norm` (RMSNorm). `flashmla` wraps
+cache), `triton_moe` (the routed experts' fused MoE), `triton_norm` (RMSNorm), `triton_linear`
+(linears with weights kept FP8). `flashmla` wraps
 DeepSeek's FlashMLA (built from source, docs/kernels.md) for decode attention on Hopper. This
 module imports none of them until a kernel is wanted, so a CPU install never imports triton.
 
@@ -37,7 +38,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def module(name: str) -> ModuleType | None:
-    """The kernel module: `triton_<name>` ("mla", "moe", "norm") or `flashmla`; None without
+    """The kernel module: `triton_<name>` ("mla", "moe", "norm", "linear") or `flashmla`; None without
     triton (or FlashMLA)."""
     if name not in _modules:
         path = "flashmla" if name == "flashmla" else f"triton_{name}"

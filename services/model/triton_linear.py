@@ -1,0 +1,88 @@
+"""Linears whose weights are kept FP8 (DeepSeek's block-FP8 checkpoints), in Triton.
+
+y = x @ W^T + bias, W being its float8_e4m3fn values times the scale of their (row block, column
+block) (`weight_scale_inv`, checkpoint.dequantize_fp8_blocks). Weight-only FP8: each [BLOCK_K,
+BLOCK_N] weight tile is converted to x's dtype in the kernel and its dot product scaled per
+output column (BLOCK_K divides the quantisation block's width, so a tile spans one column block;
+its columns may span several row blocks of W, hence a per-column scale vector), the sums in fp32.
+The weights stay 1 byte each in memory, as in triton_moe's FP8 experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_kernels import INTERPRETED
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT_N: tl.constexpr, QUANT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """y[m, n] = sum_k x[m, k] * w[n, k] * scale[n // QUANT_N, k // QUANT_K] (+ bias[n]) for one
+    [BLOCK_M, BLOCK_N] tile. x [M, K], w [N, K] FP8, scale [ceil(N/QUANT_N), ceil(K/QUANT_K)]."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    ks = tl.arange(0, BLOCK_K)
+    s_cols = scale_ptr + (cols // QUANT_N) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0
+        )
+        s = tl.load(s_cols + k0 // QUANT_K, mask=col_ok, other=0.0)
+        acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION) * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """x [..., K] fp32/bf16/fp16, weight [N, K] float8_e4m3fn, scale [ceil(N/bn), ceil(K/bk)]
+    fp32, block (bn, bk), bias [N] -> [..., N] in x's dtype. None where the kernel does not
+    apply (another weight dtype, a column block that is not a multiple of 16)."""
+    N, K = weight.shape
+    bn, bk = block
+    block_k = min(64, bk)
+    if weight.dtype != torch.float8_e4m3fn or x.dtype not in _TL_DTYPE or bk % block_k or block_k < 16:
+        return None
+    if x.shape[-1] != K or scale.shape != (-(-N // bn), -(-K // bk)):
+        raise ValueError(
+            f"fp8_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale {tuple(scale.shape)}"
+        )
+    x2 = x.reshape(-1, K)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    scale = scale.float().contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.view(*x.shape[:-1], N)
+    block_m = 16 if M <= 16 else 64  # decode sizes: small M tiles, many N tiles
+    dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPE[x.dtype]
+    _fp8_linear_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, 64))](
+        x2, weight, scale, scale if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0),
+        scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, QUANT_N=bn, QUANT_K=bk,
+        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else None,
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], N)
