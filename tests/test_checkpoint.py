@@ -150,7 +150,7 @@ def test_linears_kept_fp8_give_the_tokens_of_linears_dequantized_at_load(tmp_pat
 
 
 def test_keep_fp8_linears_refuses_what_it_cannot_hold(tmp_path, tiny_model):
-    from services.model.model import shard_heads
+    from services.model.weights import shard_heads
 
     with pytest.raises(ValueError, match="keep_fp8_linears: the checkpoint is not FP8 block-quantised"):
         LocalEngine(EngineConfig(model=str(tiny_model), keep_fp8_linears=True))

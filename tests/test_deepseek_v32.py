@@ -93,7 +93,8 @@ def test_tensor_parallel_head_slices_sum_to_the_whole(oracle):
     from services.model.checkpoint import CheckpointReader
     from services.model.kv_cache import BLOCK_SIZE
     from services.model.layers import Rope
-    from services.model.model import DeepseekV3, StepBatch, mla_forward, shard_heads
+    from services.model.model import DeepseekV3, StepBatch, mla_forward
+    from services.model.weights import shard_heads
 
     path = oracle[0]
     cfg = ModelConfig.from_dir(path)

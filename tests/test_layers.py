@@ -88,7 +88,7 @@ def test_grouped_expert_ffn_matches_per_token_loop():
 
 
 def _random_mla(cfg, g):
-    from services.model.model import MLAWeights
+    from services.model.weights import MLAWeights
 
     N, D, R, V, C, Q, H = 4, 16, 8, 16, 32, 32, 64
     r = lambda *s: torch.randn(*s, generator=g) / s[-1] ** 0.5  # noqa: E731

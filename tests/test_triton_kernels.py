@@ -273,6 +273,7 @@ def test_fp8_experts_kept_fp8_run_in_the_fused_moe(tmp_path, kernels, monkeypatc
         (20, 64, 160, (128, 128), torch.float32),  # a partial column block (160 = 128 + 32)
         (70, 130, 64, (64, 16), torch.float32),  # several M tiles, 16-wide column blocks
         (5, 72, 96, (16, 32), torch.bfloat16),
+        (3, 40, 96, (16, 48), torch.float32),  # a 48-wide column block: 16-wide K tiles
     ],
 )
 def test_fp8_linear_matches_the_dequantized_weight(kernels, M, N, K, block, dtype):
@@ -306,11 +307,15 @@ def test_engine_with_linears_kept_fp8_on_the_triton_kernels_keeps_greedy_outputs
 
     load, device = kernels
     path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, fp8_block=(16, 16))
-    calls = []
+    calls = []  # (weight dtype, whether the kernel gave a result) of each call
     kernel = load("linear").fp8_linear
-    monkeypatch.setattr(
-        load("linear"), "fp8_linear", lambda *a, **kw: calls.append(a[1].dtype) or kernel(*a, **kw)
-    )
+
+    def counted(*args, **kwargs):
+        y = kernel(*args, **kwargs)
+        calls.append((args[1].dtype, y is not None))
+        return y
+
+    monkeypatch.setattr(load("linear"), "fp8_linear", counted)
     prompts = [[0, 5, 6, 7], list(range(3, 40))]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = {}
@@ -321,5 +326,6 @@ def test_engine_with_linears_kept_fp8_on_the_triton_kernels_keeps_greedy_outputs
             model=str(path), device=device, max_num_seqs=4, keep_fp8_experts=True, keep_fp8_linears=True
         )
         outs[flag] = [o.token_ids for o in LocalEngine(cfg).generate(prompts, params)]
-    assert calls and set(calls) == {torch.float8_e4m3fn}
+    assert calls and set(calls) == {(torch.float8_e4m3fn, True)}
+    assert triton_kernels.module("linear") is not None  # (no call failed: none went back to torch)
     assert outs["1"] == outs["0"]

@@ -161,7 +161,7 @@ struct Rows {
 };
 struct Fp8Rows;
 
-// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0 (M <= 8) or K % 16 == 0 (M <= 32), x /
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); K % 8 == 0 (M <= 8) or K % 16 == 0 (M <= 64), x /
 // bias / y fp32, w read through `src` (Rows or Fp8Rows), contiguous. Up to 8 rows (a weight read)
 // each weight row is streamed once for all rows; beyond (compute), register tiles of 4 weight
 // rows x 4 x rows.
@@ -169,7 +169,7 @@ template <typename Src>
 static torch::Tensor small_linear_w(const torch::Tensor& x, const Src& src, int64_t N, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(src.K == K && (!bias.has_value() || bias->numel() == N) &&
-              (M <= 8 ? K % 8 == 0 : M <= 32 && K % 16 == 0), "small_linear: shapes");
+              (M <= 8 ? K % 8 == 0 : M <= 64 && K % 16 == 0), "small_linear: shapes");
   constexpr bool buffered = std::is_same_v<Src, Fp8Rows>;
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>(); float* yp = y.data_ptr<float>();
@@ -660,11 +660,12 @@ static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c
   const int64_t M = x.size(0), K = x.size(1);
   const bool small = M <= 8 ? K % 8 == 0 : M <= 32 && K % 16 == 0 && K >= 256;
   const auto bias = b.has_value() ? c10::optional<torch::Tensor>(b->contiguous()) : c10::nullopt;
-  if (fp8 != nullptr) {
+  if (fp8 != nullptr) {  // (register tiles up to 64 rows, as cpu_kernels.fp8_linear: FP8_TILE_ROWS)
+    const bool tiles = M <= 8 || (M <= 64 && K >= 256);
     TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn && w.is_contiguous() && K % 16 == 0 && fp8->bk % 16 == 0 &&
                 fp8->scale->sizes() == at::IntArrayRef({(w.size(0) + fp8->bn - 1) / fp8->bn, (K + fp8->bk - 1) / fp8->bk}),
                 "mla_decode_layer: FP8 weight and scale shapes");
-    if (!small) return at::linear(x, dequant_fp8(w, *fp8), b);
+    if (!tiles) return at::linear(x, dequant_fp8(w, *fp8), b);
     const Fp8Rows src{(const uint8_t*)w.data_ptr(), fp8->scale->data_ptr<float>(), K, fp8->bn, fp8->bk};
     return small_linear_w(x.contiguous(), src, w.size(0), bias);
   }

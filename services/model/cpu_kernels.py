@@ -53,6 +53,8 @@ from .checkpoint import Fp8Weight
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # small_linear streams each weight row once for up to this many rows (a weight read)
+FP8_TILE_ROWS = 64  # linears kept FP8: register tiles up to this many rows (decode batches; MKL
+# would need the whole weight dequantised per call)
 TILE_ROWS = 32  # and up to this many (K % 16 == 0, K >= 256) in register tiles (1.2-1.8x MKL's
 # small-M GEMMs here); MKL beyond (cpu_kernels.cpp's `lin` uses the same bounds)
 
@@ -186,8 +188,10 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | No
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` with a weight kept FP8 (checkpoint.Fp8Weight), computed in x's dtype with the
     dequantised weight's values: the Triton kernel on CUDA (triton_linear.py); on an fp32 CPU the
-    C++ kernel where `linear` would use it (each FP8 row dequantised as it is read: its bits on the
-    dequantised weight); otherwise the weight dequantised FP8_DEQUANT_BYTES of rows at a time."""
+    C++ kernel up to FP8_TILE_ROWS rows (each FP8 row dequantised as it is read; up to TILE_ROWS
+    rows the bits of `linear` on the dequantised weight, beyond them the register tiles' sums where
+    `linear` has MKL's); beyond (prefill) the weight dequantised FP8_DEQUANT_BYTES of rows at a
+    time, for F.linear."""
     N, K = w.shape
     y = triton_kernels.run("linear", "fp8_linear", x, w.weight, w.scale, w.block, bias)  # CUDA
     if y is not None:
@@ -197,7 +201,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
         x.dtype is torch.float32
         and x.dim() == 2
         and K % 16 == 0
-        and (x.shape[0] <= MAX_ROWS or x.shape[0] <= TILE_ROWS and K >= 256)  # (as `linear`)
+        and (x.shape[0] <= MAX_ROWS or x.shape[0] <= FP8_TILE_ROWS and K >= 256)
         and bk % 16 == 0
         and _fp32_cpu(x, w.scale, bias)
         and w.weight.is_cpu
@@ -207,9 +211,13 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
             return module.small_linear_fp8(x.contiguous(), w.weight.contiguous(), w.scale.contiguous(), bn, bk,
                                            None if bias is None else bias.contiguous())  # fmt: skip
     rows = max(bn, checkpoint.FP8_DEQUANT_BYTES // (4 * K) // bn * bn)  # whole row blocks per chunk
-    parts = [F.linear(x, w.dequantize(slice(n, n + rows)).to(x.dtype)) for n in range(0, N, rows)]
-    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    return y if bias is None else y + bias
+    parts = [
+        F.linear(
+            x, w.dequantize(slice(n, n + rows)).to(x.dtype), None if bias is None else bias[n : n + rows]
+        )
+        for n in range(0, N, rows)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def add_rms_norm(
@@ -391,7 +399,7 @@ def route_sigmoid(
 
 def mla_decode_layer(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: float) -> torch.Tensor | None:
     """model.mla_forward for a decode-only step of a V3 layer (no indexer, interleaved rope) in
-    one call: x [T, H] fp32 on CPU, w a model.MLAWeights, cos_sin [T, R/2] each, cache [blocks, 64,
+    one call: x [T, H] fp32 on CPU, w a weights.MLAWeights, cos_sin [T, R/2] each, cache [blocks, 64,
     1, C+R], table [T, max_blocks] / lens [T] int64 (model.DecodeRows); the rows of this step are
     written at slot_mapping [T]; eps of the latent norms. None where the kernel does not apply."""
     C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim

@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .layers import swiglu_act
-from .model import ExpertCombine, ExpertDispatch, StepBatch, StepGen, load_layers
+from .model import ExpertCombine, ExpertDispatch, StepBatch, StepGen
 from .v4_attention import V4AttentionWeights, V4Rope, rms_norm_f32, shard_heads, v4_attention
+from .weights import load_layers
 
 
 @dataclass

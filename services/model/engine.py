@@ -538,7 +538,8 @@ def check_keep_fp8_experts(cfg: ModelConfig, what: str = "keep_fp8_experts") -> 
     if what == "keep_fp8_experts":
         widths = [cfg.moe_intermediate_size]
     else:  # the dense layers' MLPs, the shared experts
-        widths = [cfg.intermediate_size] if cfg.first_k_dense_replace else []
+        dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        widths = [cfg.intermediate_size] if dense else []
         widths += [cfg.moe_intermediate_size * cfg.n_shared_experts] if cfg.n_shared_experts else []
     for width in widths:
         if width % bn:

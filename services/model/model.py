@@ -29,9 +29,10 @@ from . import cpu_kernels, triton_kernels
 from .checkpoint import CheckpointReader, Fp8Weight
 from .config import ModelConfig
 from .cpu_kernels import linear
-from .indexer import IndexerWeights, IndexQueries, index_keys
+from .indexer import IndexQueries, index_keys
 from .kv_cache import BLOCK_SIZE
 from .layers import Rope, add_rms_norm, dense_ffn, rms_norm, route
+from .weights import LayerWeights, MLAWeights, load_layer, load_layers, shard_heads
 
 NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, DeepSeek)
 
@@ -243,146 +244,6 @@ class StepBatch:
 
 
 # ---------------------------------------------------------------------------------------------
-# Weights
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class MLAWeights:
-    """One layer's MLA weights. `kv_b` [N*(D+V), C]; q either via q_a/q_b (q_lora) or q_proj."""
-
-    kv_a: torch.Tensor  # [C+R, H]
-    kv_a_norm: torch.Tensor  # [C]
-    kv_b: torch.Tensor  # [N*(D+V), C]
-    o: torch.Tensor  # [H, N*V]
-    q_a: torch.Tensor | None = None  # [q_lora, H]
-    q_a_norm: torch.Tensor | None = None  # [q_lora]
-    q_b: torch.Tensor | None = None  # [N*(D+R), q_lora]
-    q_proj: torch.Tensor | None = None  # [N*(D+R), H]
-    q_a_bias: torch.Tensor | None = None
-    kv_a_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
-    indexer: IndexerWeights | None = None  # DeepSeek-V3.2 (replicated across tensor-parallel ranks)
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    attn: MLAWeights
-    # dense MLP (layers < first_k_dense_replace) or MoE shared experts: gate and up packed
-    mlp_w13: torch.Tensor | None = None  # [2I, H]: gate_proj rows, then up_proj rows
-    mlp_down: torch.Tensor | None = None  # [H, I]
-    # MoE gate
-    router: torch.Tensor | None = None  # [E, H] fp32 (the model dtype's values: the gate runs in fp32)
-    router_bias: torch.Tensor | None = None  # [E] fp32 e_score_correction_bias
-    moe_layer: int | None = None  # index among the MoE layers; None: a dense layer
-
-    @property
-    def is_moe(self) -> bool:
-        return self.moe_layer is not None
-
-
-def _load_layer(
-    reader: CheckpointReader,
-    cfg: ModelConfig,
-    i: int,
-    dtype: torch.dtype,
-    weight_dtype: torch.dtype | None = None,
-    keep_fp8: bool = False,
-) -> LayerWeights:
-    """Layer i's weights in `dtype`; the matrices that only go through `linear` (q_a, q_b / q_proj,
-    kv_a, o, the dense MLP or shared experts) in `weight_dtype` when given (bf16 under fp32: see
-    cpu_kernels.linear), or with `keep_fp8` as the FP8 checkpoint stores them (checkpoint.Fp8Weight).
-    kv_b (the absorbed attention's bmm), the indexer and the router stay in `dtype` (the router in
-    fp32)."""
-    p = f"model.layers.{i}."
-    a = p + "self_attn."
-    get, opt = reader.get, reader.get_optional
-    lw = weight_dtype or dtype
-
-    def lin(name: str) -> torch.Tensor | Fp8Weight:
-        return reader.get_fp8(name) if keep_fp8 else get(name, lw)
-
-    attn = MLAWeights(
-        kv_a=lin(a + "kv_a_proj_with_mqa.weight"),
-        kv_a_norm=get(a + "kv_a_layernorm.weight", dtype),
-        kv_b=get(a + "kv_b_proj.weight", dtype),
-        o=lin(a + "o_proj.weight"),
-        kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias", dtype),
-        o_bias=opt(a + "o_proj.bias", dtype),
-    )
-    if cfg.q_lora_rank:
-        attn.q_a = lin(a + "q_a_proj.weight")
-        attn.q_a_norm = get(a + "q_a_layernorm.weight", dtype)
-        attn.q_b = lin(a + "q_b_proj.weight")
-        attn.q_a_bias = opt(a + "q_a_proj.bias", dtype)
-    else:
-        attn.q_proj = lin(a + "q_proj.weight")
-    if cfg.has_indexer:
-        attn.indexer = IndexerWeights.load(get, a + "indexer.", dtype)
-    layer = LayerWeights(
-        input_norm=get(p + "input_layernorm.weight", dtype),
-        post_norm=get(p + "post_attention_layernorm.weight", dtype),
-        attn=attn,
-        moe_layer=cfg.moe_layers.index(i) if cfg.is_moe_layer(i) else None,
-    )
-    mlp = p + ("mlp.shared_experts." if layer.is_moe else "mlp.")
-    if layer.is_moe:
-        layer.router = get(p + "mlp.gate.weight", dtype).float()  # (once here, not per step)
-        layer.router_bias = opt(p + "mlp.gate.e_score_correction_bias", torch.float32)
-    if not layer.is_moe or cfg.n_shared_experts:
-        gate, up = lin(mlp + "gate_proj.weight"), lin(mlp + "up_proj.weight")
-        layer.mlp_w13 = Fp8Weight.stack_rows([gate, up]) if keep_fp8 else torch.cat([gate, up])
-        layer.mlp_down = lin(mlp + "down_proj.weight")
-    return layer
-
-
-def load_layers(
-    load_layer, reader: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype, progress=None
-) -> list:
-    """load_layer(reader, cfg, i, dtype) for every decoder layer, reporting progress(done, total)."""
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        layers.append(load_layer(reader, cfg, i, dtype))
-        if progress is not None:
-            progress(i + 1, cfg.num_hidden_layers)
-    return layers
-
-
-def shard_heads(w: MLAWeights, cfg: ModelConfig, rank: int, tp: int) -> MLAWeights:
-    """The MLA weights of attention tensor-parallel rank `rank` of `tp`: a contiguous slice of
-    the heads in q_b/q_proj, kv_b and o (columns); the latent projections and the V3.2 indexer
-    are replicated (every rank holds the full latent cache and picks the same top-k tokens); o's
-    bias goes to rank 0 so the sum over ranks adds it once."""
-    N = cfg.num_attention_heads
-    if N % tp:
-        raise ValueError(f"attention_tp={tp} does not divide num_attention_heads={N}")
-    if isinstance(w.o, Fp8Weight):
-        raise ValueError(
-            "linears kept FP8 (keep_fp8_linears) with attention tensor parallelism: not supported yet"
-        )
-    heads = slice(rank * N // tp, (rank + 1) * N // tp)
-    D, R, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-
-    def rows(t: torch.Tensor | None, per_head: int) -> torch.Tensor | None:
-        return None if t is None else t.view(N, per_head, -1)[heads].reshape(-1, t.shape[-1]).contiguous()
-
-    return MLAWeights(
-        kv_a=w.kv_a,
-        kv_a_norm=w.kv_a_norm,
-        kv_b=rows(w.kv_b, D + V),
-        o=w.o.view(w.o.shape[0], N, V)[:, heads].reshape(w.o.shape[0], -1).contiguous(),
-        q_a=w.q_a,
-        q_a_norm=w.q_a_norm,
-        q_b=rows(w.q_b, D + R),
-        q_proj=rows(w.q_proj, D + R),
-        q_a_bias=w.q_a_bias,
-        kv_a_bias=w.kv_a_bias,
-        o_bias=w.o_bias if rank == 0 else None,
-        indexer=w.indexer,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
 # MLA
 # ---------------------------------------------------------------------------------------------
 def sparse_decode(q, cache, rows, count, C: int, scale: float) -> torch.Tensor:
@@ -560,9 +421,9 @@ class DeepseekV3:
         keep_fp8: bool = False,
     ) -> DeepseekV3:
         """Read the attention-side weights; no routed-expert tensor is touched. weight_dtype: the
-        linears' and the LM head's storage (see `_load_layer`); None: `dtype`. keep_fp8: the
+        linears' and the LM head's storage (see `weights.load_layer`); None: `dtype`. keep_fp8: the
         linears of an FP8 checkpoint kept FP8 with their block scales (the LM head is not FP8)."""
-        load = functools.partial(_load_layer, weight_dtype=weight_dtype, keep_fp8=keep_fp8)
+        load = functools.partial(load_layer, weight_dtype=weight_dtype, keep_fp8=keep_fp8)
         layers = load_layers(load, reader, cfg, dtype, progress)
         embed = reader.get("model.embed_tokens.weight", dtype)
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"

@@ -62,8 +62,8 @@ def fp8_linear(
     apply (another weight dtype, a column block that is not a multiple of 16)."""
     N, K = weight.shape
     bn, bk = block
-    block_k = min(64, bk)
-    if weight.dtype != torch.float8_e4m3fn or x.dtype not in _TL_DTYPE or bk % block_k or block_k < 16:
+    block_k = 64 if bk % 64 == 0 else 32 if bk % 32 == 0 else 16  # a power of two dividing bk
+    if weight.dtype != torch.float8_e4m3fn or x.dtype not in _TL_DTYPE or bk % block_k:
         return None
     if x.shape[-1] != K or scale.shape != (-(-N // bn), -(-K // bk)):
         raise ValueError(
