@@ -278,7 +278,7 @@ def test_fp8_experts_kept_fp8_run_in_the_fused_moe(tmp_path, kernels, monkeypatc
 )
 def test_fp8_linear_matches_the_dequantized_weight(kernels, M, N, K, block, dtype):
     """A linear kept FP8 (weight-only FP8 GEMM): F.linear on checkpoint.dequantize_fp8_blocks's
-    values, with and without a bias."""
+    values, with and without a bias, with K whole or split (the bias added once)."""
     from services.model.checkpoint import dequantize_fp8_blocks, fp8_scale_shape, quantize_fp8_blocks
 
     load, device = kernels
@@ -287,9 +287,9 @@ def test_fp8_linear_matches_the_dequantized_weight(kernels, M, N, K, block, dtyp
     assert scale.shape == fp8_scale_shape((N, K), block)
     real = dequantize_fp8_blocks(weight, scale, block)
     x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
-    for b in (None, bias):
+    for b, splits in ((None, None), (bias, None), (bias, 1), (bias, 3)):  # K split in 1-3 parts
         y = load("linear").fp8_linear(x.to(device, dtype), weight.to(device), scale.to(device), block,
-                                      None if b is None else b.to(device, dtype))  # fmt: skip
+                                      None if b is None else b.to(device, dtype), splits=splits)  # fmt: skip
         assert y.shape == (M, N) and y.dtype == dtype
         want = F.linear(x.to(dtype).float(), real, b)
         tol = 1e-4 if dtype == torch.float32 else 3e-2

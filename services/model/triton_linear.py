@@ -21,19 +21,23 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
+    stride_ys, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_N: tl.constexpr, QUANT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """y[m, n] = sum_k x[m, k] * w[n, k] * scale[n // QUANT_N, k // QUANT_K] (+ bias[n]) for one
-    [BLOCK_M, BLOCK_N] tile. x [M, K], w [N, K] FP8, scale [ceil(N/QUANT_N), ceil(K/QUANT_K)]."""
+    """y[split, m, n] = sum over the split's k of x[m, k] * w[n, k] * scale[n // QUANT_N, k //
+    QUANT_K] (+ bias[n] in split 0) for one [BLOCK_M, BLOCK_N] tile; split = program_id(2) covers
+    k in [split * K_PER_SPLIT, +K_PER_SPLIT) (a multiple of BLOCK_K). x [M, K], w [N, K] FP8, scale
+    [ceil(N/QUANT_N), ceil(K/QUANT_K)]; y [splits, M, N] (one split: y itself, in x's dtype)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     row_ok, col_ok = rows < M, cols < N
     ks = tl.arange(0, BLOCK_K)
     s_cols = scale_ptr + (cols // QUANT_N) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    start = split * K_PER_SPLIT
+    for k0 in range(start, tl.minimum(start + K_PER_SPLIT, K), BLOCK_K):
         k = k0 + ks
         k_ok = k < K
         a = tl.load(
@@ -44,10 +48,20 @@ def _fp8_linear_kernel(
         )
         s = tl.load(s_cols + k0 // QUANT_K, mask=col_ok, other=0.0)
         acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION) * s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    if HAS_BIAS:  # (added once: by split 0)
+        first = (tl.zeros([BLOCK_N], tl.int32) + split) == 0
+        acc += tl.load(bias_ptr + cols, mask=col_ok & first, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _splits(tiles: int, k_blocks: int, device: torch.device) -> int:
+    """Splits of K: enough programs to fill the GPU about twice over at decode sizes (kv_a's 576
+    outputs are 9 tiles of 64: 9 programs for 132 SMs without splits), each split at least 4 K
+    tiles; a power of two."""
+    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = max(1, min(-(-2 * units // tiles), k_blocks // 4))
+    return 1 << (want.bit_length() - 1)  # (the power of two at or below)
 
 
 def fp8_linear(
@@ -56,10 +70,12 @@ def fp8_linear(
     scale: torch.Tensor,
     block: tuple[int, int],
     bias: torch.Tensor | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor | None:
     """x [..., K] fp32/bf16/fp16, weight [N, K] float8_e4m3fn, scale [ceil(N/bn), ceil(K/bk)]
-    fp32, block (bn, bk), bias [N] -> [..., N] in x's dtype. None where the kernel does not
-    apply (another weight dtype, a column block that is not a multiple of 16)."""
+    fp32, block (bn, bk), bias [N] -> [..., N] in x's dtype. `splits` of K (heuristic: `_splits`)
+    are summed in fp32 in a fixed order (deterministic). None where the kernel does not apply
+    (another weight dtype, a column block that is not a multiple of 16)."""
     N, K = weight.shape
     bn, bk = block
     block_k = 64 if bk % 64 == 0 else 32 if bk % 32 == 0 else 16  # a power of two dividing bk
@@ -74,15 +90,23 @@ def fp8_linear(
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     scale = scale.float().contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return y.view(*x.shape[:-1], N)
-    block_m = 16 if M <= 16 else 64  # decode sizes: small M tiles, many N tiles
+        return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    block_m, block_n = (16 if M <= 16 else 64), 64  # decode sizes: small M tiles, many N tiles
+    grid_mn = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    k_blocks = triton.cdiv(K, block_k)
+    splits = max(1, min(splits or _splits(grid_mn[0] * grid_mn[1], k_blocks, x.device), k_blocks))
+    k_per_split = triton.cdiv(k_blocks, splits) * block_k
+    splits = triton.cdiv(K, k_per_split)  # (no empty split)
+    y = (torch.empty(M, N, dtype=x.dtype, device=x.device) if splits == 1
+         else torch.empty(splits, M, N, dtype=torch.float32, device=x.device))  # fmt: skip
     dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPE[x.dtype]
-    _fp8_linear_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, 64))](
-        x2, weight, scale, scale if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0),
-        scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, QUANT_N=bn, QUANT_K=bk,
+    _fp8_linear_kernel[(*grid_mn, splits)](
+        x2, weight, scale, scale if bias is None else bias, y, M, N, K, k_per_split, x2.stride(0),
+        weight.stride(0), scale.stride(0), y.stride(-2), y.stride(0) if splits > 1 else 0,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, QUANT_N=bn, QUANT_K=bk,
         DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else None,
     )  # fmt: skip
+    if splits > 1:
+        y = y.sum(0).to(x.dtype)
     return y.view(*x.shape[:-1], N)
