@@ -18,3 +18,26 @@ def tiny_cluster(model_dir, **settings):
         yield cluster
     finally:
         cluster.stop()
+
+
+@contextmanager
+def expert_servers_in_process(model_dir, n: int = 2):
+    """`n` expert servers (real gRPC, in this process, no Ray) holding the model's routed experts
+    round robin, their placement loaded: yields (placement, model config); released on exit."""
+    from services.experts.client import load_placement, release_version
+    from services.experts.server import ExpertServer, ExpertWorkerConfig
+    from services.model.config import ModelConfig
+    from services.model.placement import Placement
+
+    cfg = ModelConfig.from_dir(model_dir)
+    servers = [ExpertServer(ExpertWorkerConfig(model=str(model_dir))) for _ in range(n)]
+    try:
+        workers = tuple(s.start() for s in servers)
+        slots = -(-cfg.n_routed_experts // n)
+        placement = Placement.round_robin(cfg.num_moe_layers, cfg.n_routed_experts, workers, slots)
+        load_placement(placement, {a: a for a in workers}, cfg.moe_layers)
+        yield placement, cfg
+        release_version(placement.version, workers)
+    finally:
+        for s in servers:
+            s.stop(0)

@@ -88,10 +88,15 @@ def test_fp8_experts_kept_fp8_give_the_dequantised_engines_bits(tmp_path):
     loaded = LocalEngine(EngineConfig(model=str(path)))
     assert kept.experts.packed.w13[1].dtype == torch.float8_e4m3fn
     assert kept.experts.packed.nbytes() < loaded.experts.packed.nbytes() / 3.5  # scales included
-    a, la = generate_with_logits(kept, prompts, params)
-    b, lb = generate_with_logits(loaded, prompts, params)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    for x, y in zip(la, lb, strict=True):
+    assert_same_bits(
+        generate_with_logits(kept, prompts, params), generate_with_logits(loaded, prompts, params)
+    )
+
+
+def assert_same_bits(got, want) -> None:
+    """Two generate_with_logits results: the same tokens, and logits equal bit for bit."""
+    assert [o.token_ids for o in got[0]] == [o.token_ids for o in want[0]]
+    for x, y in zip(got[1], want[1], strict=True):
         assert torch.equal(x, y)
 
 
@@ -139,14 +144,9 @@ def test_linears_kept_fp8_give_the_tokens_of_linears_dequantized_at_load(tmp_pat
         monkeypatch.setattr(
             module, name, lambda *a, _k=kernel, _n=name: calls.setdefault(_n, []).append(a) or _k(*a)
         )
-    a, la = generate_with_logits(kept, prompts, params)
-    assert calls["expert_ffn_fp8"] and all(
-        len(args[-3]) == 5 for args in calls["mla_decode_layer"]
-    )  # FP8 scales
-    b, lb = generate_with_logits(loaded, prompts, params)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    for x, y in zip(la, lb, strict=True):
-        assert torch.equal(x, y)
+    got = generate_with_logits(kept, prompts, params)
+    assert calls["expert_ffn_fp8"] and all(len(a[-3]) == 5 for a in calls["mla_decode_layer"])  # FP8 scales
+    assert_same_bits(got, generate_with_logits(loaded, prompts, params))
 
 
 def test_keep_fp8_linears_refuses_what_it_cannot_hold(tmp_path, tiny_model):

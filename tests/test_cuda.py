@@ -106,26 +106,17 @@ def test_cuda_segmented_graphs_with_remote_experts_match_eager(tiny_model, micro
     process, on CPU): decode steps replayed from the captured pieces between expert messages
     (decode_graphs.SegmentedDecodeGraphs) give the eager engine's tokens; the capture must succeed."""
     from services.attention.dispatch import RemoteExperts
-    from services.experts.client import load_placement, release_version
-    from services.experts.server import ExpertServer, ExpertWorkerConfig
     from services.model.checkpoint import CheckpointReader
-    from services.model.config import ModelConfig
     from services.model.engine import Engine
     from services.model.model import DeepseekV3
-    from services.model.placement import Placement
 
-    cfg = ModelConfig.from_dir(tiny_model)
-    servers = [ExpertServer(ExpertWorkerConfig(model=str(tiny_model))) for _ in range(2)]
-    workers = tuple(s.start() for s in servers)
-    placement = Placement.round_robin(
-        cfg.num_moe_layers, cfg.n_routed_experts, workers, cfg.n_routed_experts // 2
-    )
-    load_placement(placement, {a: a for a in workers}, cfg.moe_layers)
-    model = DeepseekV3.load(CheckpointReader.for_config(tiny_model, cfg), cfg, torch.float32).to("cuda")
+    from .clusters import expert_servers_in_process
+
     prompts = [[0, 5, 6, 7], list(range(3, 90)), [0] + [9] * 40]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs = {}
-    try:
+    with expert_servers_in_process(tiny_model) as (placement, cfg):
+        model = DeepseekV3.load(CheckpointReader.for_config(tiny_model, cfg), cfg, torch.float32).to("cuda")
         for graphs in (False, True):
             experts = RemoteExperts(cfg, placement)
             ecfg = EngineConfig(model=str(tiny_model), device="cuda", max_num_seqs=8, micro_batches=micro_batches,
@@ -134,8 +125,4 @@ def test_cuda_segmented_graphs_with_remote_experts_match_eager(tiny_model, micro
             assert bool(engine.segment_graphs) == graphs  # (captured at construction)
             outs[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
             experts.close()
-    finally:
-        release_version(placement.version, workers)
-        for s in servers:
-            s.stop(0)
     assert outs[True] == outs[False]

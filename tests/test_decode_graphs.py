@@ -9,6 +9,8 @@ from services.model.decode_graphs import buckets_up_to
 from services.model.engine import EngineConfig, LocalEngine
 from services.model.sampling import SamplingParams
 
+from .clusters import expert_servers_in_process
+
 
 def test_buckets_cover_every_batch_size():
     assert buckets_up_to(1) == [1]
@@ -74,22 +76,8 @@ def test_the_scratch_block_takes_the_padding_and_nothing_else(tiny_model):
 def expert_servers(tiny_model):
     """Two expert servers (real gRPC, in this process) holding the tiny model's experts round robin:
     (placement, model config)."""
-    from services.experts.client import load_placement, release_version
-    from services.experts.server import ExpertServer, ExpertWorkerConfig
-    from services.model.config import ModelConfig
-    from services.model.placement import Placement
-
-    cfg = ModelConfig.from_dir(tiny_model)
-    servers = [ExpertServer(ExpertWorkerConfig(model=str(tiny_model))) for _ in range(2)]
-    workers = tuple(s.start() for s in servers)
-    placement = Placement.round_robin(
-        cfg.num_moe_layers, cfg.n_routed_experts, workers, cfg.n_routed_experts // 2
-    )
-    load_placement(placement, {a: a for a in workers}, cfg.moe_layers)
-    yield placement, cfg
-    release_version(placement.version, workers)
-    for s in servers:
-        s.stop(0)
+    with expert_servers_in_process(tiny_model) as (placement, cfg):
+        yield placement, cfg
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
