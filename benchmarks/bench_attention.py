@@ -2,7 +2,8 @@
 
 `small` preset; the cluster path is one attention engine (this process, like an attention
 worker's engine thread) + 2 expert workers (Ray actors, gRPC); batch 1/8/32/64; ping-pong
-(2 micro-batches) off vs on; attention tensor parallelism over `--tp` ranks (this process is
+(2 micro-batches) off vs on; with `--device cuda` every engine on the GPU and the cluster once
+more without CUDA graphs (remote experts: the step captured in pieces, decode_graphs.py); attention tensor parallelism over `--tp` ranks (this process is
 rank 0, the others are spawned processes, gloo; ping-pong off); LocalEngine (all experts in
 process) in the same run. They take turns (`--rounds` per batch size) and each row is the median
 round. Each TP rank holds the whole latent cache (`kv_cache_bytes_per_rank`).
@@ -13,6 +14,7 @@ combine waiting for expert workers, other = the rest (norms, shared experts, den
 sampling, scheduling).
 
     python -m benchmarks.bench_attention [--out benchmarks/results/attention.json]
+    python -m benchmarks.bench_attention --device cuda --dtype bfloat16 --tp 1 --out benchmarks/results/attention_h100.json
 """
 
 from __future__ import annotations
@@ -135,8 +137,13 @@ def main() -> None:
     ap.add_argument(
         "--tp", type=int, default=2, help="attention tensor-parallel ranks of the TP row (1: no TP row)"
     )
+    ap.add_argument(
+        "--device", default="cpu", help="cuda: every engine on the GPU, and a cluster row without graphs"
+    )
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     args = ap.parse_args()
+    on = {"device": args.device, "dtype": args.dtype}  # every engine's
     model_dir = args.model or str(init_model(Path(tempfile.mkdtemp()) / "small", "small"))
     batches = [int(b) for b in args.batches.split(",")]
     timers = Timers()
@@ -148,12 +155,18 @@ def main() -> None:
     try:
         torch.set_num_threads(args.local_threads)
         engines["local"] = (
-            LocalEngine(EngineConfig(model=model_dir, max_num_seqs=max(batches))),
+            LocalEngine(EngineConfig(model=model_dir, max_num_seqs=max(batches), **on)),
             args.local_threads,
         )
         placement = None
-        for name, micro in (("cluster_pingpong_off", 1), ("cluster_pingpong_on", 2)):
-            ecfg = EngineConfig(model=model_dir, max_num_seqs=max(batches), micro_batches=micro)
+        cluster = [("cluster_pingpong_off", 1, True), ("cluster_pingpong_on", 2, True)]
+        if args.device == "cuda":  # the same without CUDA graphs (remote experts: captured in pieces)
+            cluster.append(("cluster_pingpong_off_eager", 1, False))
+            rows["cluster_pingpong_off_eager"] = []
+        for name, micro, graphs in cluster:
+            ecfg = EngineConfig(
+                model=model_dir, max_num_seqs=max(batches), micro_batches=micro, cuda_graphs=graphs, **on
+            )
 
             def make_experts(cfg, reader, dtype):
                 nonlocal placement
@@ -168,7 +181,7 @@ def main() -> None:
         if args.tp > 1:
             name = f"cluster_tp{args.tp}"
             ecfg = EngineConfig(
-                model=model_dir, max_num_seqs=max(batches), num_threads=args.attention_threads
+                model=model_dir, max_num_seqs=max(batches), num_threads=args.attention_threads, **on
             )
             init_method = f"tcp://127.0.0.1:{free_port()}"
             tp_pool = multiprocessing.get_context("spawn").Pool(args.tp - 1)
@@ -217,6 +230,10 @@ def main() -> None:
             "target_cluster_step<=1.5x_local": on["step_s"] / loc["step_s"] <= 1.5,
             "target_pingpong>=1.2x": off["step_s"] / on["step_s"] >= 1.2,
         }
+        if args.device == "cuda":
+            summary["batch32_cluster_graphs_speedup"] = (
+                at("cluster_pingpong_off_eager", 32)["step_s"] / off["step_s"]
+            )
         if args.tp > 1:
             summary[f"batch32_tp{args.tp}_step_over_tp1"] = (
                 at(f"cluster_tp{args.tp}", 32)["step_s"] / off["step_s"]
@@ -231,6 +248,8 @@ def main() -> None:
         "rounds": args.rounds,
         "prompt_len": PROMPT_LEN,
         "machine_cores": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "dtype": args.dtype,
         "tp": args.tp,
         "kv_cache_bytes_per_rank": kv_cache_bytes_per_rank if args.tp > 1 else None,
         "rows": rows,
