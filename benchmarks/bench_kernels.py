@@ -9,6 +9,8 @@
   `--slots` experts on one worker, bf16 and block-FP8 weights, against torch's grouped_mm path
   (layers.grouped_expert_ffn) on the same tokens.
 - RMSNorm (services/model/triton_norm.py) at [tokens, 7168] against the torch ops.
+- FP8 linears (services/model/triton_linear.py, `keep_fp8_linears`) at V3's MLA shapes against
+  cuBLAS on the bf16 weights.
 
     python -m benchmarks.bench_kernels [--out benchmarks/results/kernels_<gpu>.json]
 """
@@ -131,6 +133,31 @@ def bench_moe(tokens: int, slots: int, H: int = 7168, I: int = 2048, top_k: int 
     return row
 
 
+V3_LINEARS = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o": (7168, 16384)}  # [N, K]
+
+
+def bench_fp8_linear(tokens: int, name: str) -> dict:
+    """A DeepSeek-V3 MLA linear kept FP8 (triton_linear.fp8_linear, bf16 activations) against
+    cuBLAS on the bf16 weight; bandwidth of reading the weight (the floor at decode sizes)."""
+    from services.model import triton_linear
+    from services.model.checkpoint import quantize_fp8_blocks
+
+    N, K = V3_LINEARS[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
+    q, scale = (t.cuda() for t in quantize_fp8_blocks(w.float().cpu(), (128, 128)))
+    x = torch.randn(tokens, K, device="cuda", generator=g).bfloat16()
+    fp8 = lambda: triton_linear.fp8_linear(x, q, scale, (128, 128))  # noqa: E731
+    row = {"linear": name, "tokens": tokens, "out": N, "in": K}
+    row["max_abs_diff_vs_bf16"] = (
+        (fp8().float() - torch.nn.functional.linear(x, w).float()).abs().max().item()
+    )
+    for label, fn, nbytes in (("triton_fp8", fp8, N * K), ("cublas_bf16", lambda: x @ w.T, 2 * N * K)):
+        ms = timed_ms(fn)
+        row[f"{label}_ms"], row[f"{label}_weight_tbps"] = ms, nbytes / ms / 1e9
+    return row
+
+
 def bench_norm(tokens: int, H: int = 7168) -> dict:
     from services.model import triton_norm
 
@@ -163,6 +190,7 @@ def main() -> None:
         "mla_decode": [bench_mla(b, args.context) for b in (1, 8, 64)],
         "fused_moe": [bench_moe(t, args.slots) for t in (1, 8, 64, 512)],
         "rms_norm": [bench_norm(t) for t in (1, 64, 4096)],
+        "fp8_linear": [bench_fp8_linear(t, n) for n in V3_LINEARS for t in (1, 64, 512)],
     }
     for row in result["mla_decode"]:
         row["triton_vs_copy"] = row["triton_tbps"] / result["copy_tbps"]
