@@ -53,10 +53,10 @@ from .checkpoint import Fp8Weight
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # small_linear streams each weight row once for up to this many rows (a weight read)
-FP8_TILE_ROWS = 64  # linears kept FP8: register tiles up to this many rows (decode batches; MKL
-# would need the whole weight dequantised per call)
 TILE_ROWS = 32  # and up to this many (K % 16 == 0, K >= 256) in register tiles (1.2-1.8x MKL's
 # small-M GEMMs here); MKL beyond (cpu_kernels.cpp's `lin` uses the same bounds)
+FP8_TILE_ROWS = 64  # linears kept FP8: register tiles up to this many rows (decode batches; MKL
+# would need the whole weight dequantised per call; `lin` again the same)
 
 _SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()  # the C++ side, beside this file
 

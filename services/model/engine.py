@@ -527,21 +527,29 @@ def check_weight_dtype(
     return wd
 
 
-def check_keep_fp8_experts(cfg: ModelConfig, what: str = "keep_fp8_experts") -> None:
-    """A clear error where `EngineConfig.keep_fp8_experts` (or, with what="keep_fp8_linears",
-    keep_fp8_linears: the same conditions on the dense MLPs and shared experts) cannot hold."""
+def check_keep_fp8_experts(cfg: ModelConfig) -> None:
+    """A clear error where `EngineConfig.keep_fp8_experts` cannot hold."""
+    _check_keep_fp8(cfg, "keep_fp8_experts", [cfg.moe_intermediate_size])
+
+
+def check_keep_fp8_linears(cfg: ModelConfig) -> None:
+    """A clear error where `EngineConfig.keep_fp8_linears` cannot hold (the dense layers' MLPs and
+    the shared experts stack gate and up as the experts do)."""
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    widths = [cfg.intermediate_size] if dense else []
+    widths += [cfg.moe_intermediate_size * cfg.n_shared_experts] if cfg.n_shared_experts else []
+    _check_keep_fp8(cfg, "keep_fp8_linears", widths)
+
+
+def _check_keep_fp8(cfg: ModelConfig, what: str, mlp_widths: list[int]) -> None:
+    """An FP8 block-quantised, non-V4 checkpoint whose MLPs (gate and up stacked by rows, sharing
+    one scale grid) are multiples of the block's rows wide; ValueError naming `what` otherwise."""
     if cfg.fp8_block_size is None:
         raise ValueError(f"{what}: the checkpoint is not FP8 block-quantised (no quantization_config)")
     if cfg.is_v4:
         raise ValueError(f"{what} is not supported for DeepSeek-V4 checkpoints yet")
     bn = cfg.fp8_block_size[0]
-    if what == "keep_fp8_experts":
-        widths = [cfg.moe_intermediate_size]
-    else:  # the dense layers' MLPs, the shared experts
-        dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        widths = [cfg.intermediate_size] if dense else []
-        widths += [cfg.moe_intermediate_size * cfg.n_shared_experts] if cfg.n_shared_experts else []
-    for width in widths:
+    for width in mlp_widths:
         if width % bn:
             raise ValueError(
                 f"{what}: MLP width {width} is not a multiple of the FP8 block's rows ({bn}), so gate and up "
@@ -566,7 +574,7 @@ def load_engine(
     if engine_cfg.keep_fp8_experts:
         check_keep_fp8_experts(cfg)
     if engine_cfg.keep_fp8_linears:
-        check_keep_fp8_experts(cfg, "keep_fp8_linears")
+        check_keep_fp8_linears(cfg)
     reader = CheckpointReader.for_config(model_dir, cfg)
     if cfg.is_v4:
         model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device)  # same forward(batch, cache) contract

@@ -18,16 +18,17 @@ from .indexer import IndexerWeights
 
 @dataclass
 class MLAWeights:
-    """One layer's MLA weights. `kv_b` [N*(D+V), C]; q either via q_a/q_b (q_lora) or q_proj."""
+    """One layer's MLA weights. `kv_b` [N*(D+V), C]; q either via q_a/q_b (q_lora) or q_proj. The
+    linears (kv_a, o, q_a, q_b, q_proj) are tensors, or Fp8Weight with `keep_fp8` (load_layer)."""
 
-    kv_a: torch.Tensor  # [C+R, H]
+    kv_a: torch.Tensor | Fp8Weight  # [C+R, H]
     kv_a_norm: torch.Tensor  # [C]
     kv_b: torch.Tensor  # [N*(D+V), C]
-    o: torch.Tensor  # [H, N*V]
-    q_a: torch.Tensor | None = None  # [q_lora, H]
+    o: torch.Tensor | Fp8Weight  # [H, N*V]
+    q_a: torch.Tensor | Fp8Weight | None = None  # [q_lora, H]
     q_a_norm: torch.Tensor | None = None  # [q_lora]
-    q_b: torch.Tensor | None = None  # [N*(D+R), q_lora]
-    q_proj: torch.Tensor | None = None  # [N*(D+R), H]
+    q_b: torch.Tensor | Fp8Weight | None = None  # [N*(D+R), q_lora]
+    q_proj: torch.Tensor | Fp8Weight | None = None  # [N*(D+R), H]
     q_a_bias: torch.Tensor | None = None
     kv_a_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
@@ -40,8 +41,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     attn: MLAWeights
     # dense MLP (layers < first_k_dense_replace) or MoE shared experts: gate and up packed
-    mlp_w13: torch.Tensor | None = None  # [2I, H]: gate_proj rows, then up_proj rows
-    mlp_down: torch.Tensor | None = None  # [H, I]
+    mlp_w13: torch.Tensor | Fp8Weight | None = None  # [2I, H]: gate_proj rows, then up_proj rows
+    mlp_down: torch.Tensor | Fp8Weight | None = None  # [H, I]
     # MoE gate
     router: torch.Tensor | None = None  # [E, H] fp32 (the model dtype's values: the gate runs in fp32)
     router_bias: torch.Tensor | None = None  # [E] fp32 e_score_correction_bias
