@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import cpu_kernels
-from .checkpoint import CheckpointReader
+from .checkpoint import CheckpointReader, check_keep_fp8_experts, check_keep_fp8_linears
 from .config import ModelConfig, parse_dtype
 from .decode_graphs import DecodeGraphs, SegmentedDecodeGraphs
 from .deepseek_v4 import DeepseekV4
@@ -525,36 +525,6 @@ def check_weight_dtype(
     if cfg is not None and cfg.is_v4:
         raise ValueError("weight_dtype bfloat16 is not supported for DeepSeek-V4 checkpoints yet")
     return wd
-
-
-def check_keep_fp8_experts(cfg: ModelConfig) -> None:
-    """A clear error where `EngineConfig.keep_fp8_experts` cannot hold."""
-    _check_keep_fp8(cfg, "keep_fp8_experts", [cfg.moe_intermediate_size])
-
-
-def check_keep_fp8_linears(cfg: ModelConfig) -> None:
-    """A clear error where `EngineConfig.keep_fp8_linears` cannot hold (the dense layers' MLPs and
-    the shared experts stack gate and up as the experts do)."""
-    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    widths = [cfg.intermediate_size] if dense else []
-    widths += [cfg.moe_intermediate_size * cfg.n_shared_experts] if cfg.n_shared_experts else []
-    _check_keep_fp8(cfg, "keep_fp8_linears", widths)
-
-
-def _check_keep_fp8(cfg: ModelConfig, what: str, mlp_widths: list[int]) -> None:
-    """An FP8 block-quantised, non-V4 checkpoint whose MLPs (gate and up stacked by rows, sharing
-    one scale grid) are multiples of the block's rows wide; ValueError naming `what` otherwise."""
-    if cfg.fp8_block_size is None:
-        raise ValueError(f"{what}: the checkpoint is not FP8 block-quantised (no quantization_config)")
-    if cfg.is_v4:
-        raise ValueError(f"{what} is not supported for DeepSeek-V4 checkpoints yet")
-    bn = cfg.fp8_block_size[0]
-    for width in mlp_widths:
-        if width % bn:
-            raise ValueError(
-                f"{what}: MLP width {width} is not a multiple of the FP8 block's rows ({bn}), so gate and up "
-                "cannot share one stacked scale grid"
-            )
 
 
 def load_engine(
