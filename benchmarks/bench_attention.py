@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 import tempfile
@@ -247,7 +248,7 @@ def main() -> None:
         "decode_steps": DECODE_STEPS,
         "rounds": args.rounds,
         "prompt_len": PROMPT_LEN,
-        "machine_cores": torch.get_num_threads(),
+        "machine_cores": os.cpu_count(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "dtype": args.dtype,
         "tp": args.tp,

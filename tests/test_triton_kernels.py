@@ -276,9 +276,12 @@ def test_fp8_experts_kept_fp8_run_in_the_fused_moe(tmp_path, kernels, monkeypatc
         (3, 40, 96, (16, 48), torch.float32),  # a 48-wide column block: 16-wide K tiles
     ],
 )
-def test_fp8_linear_matches_the_dequantized_weight(kernels, M, N, K, block, dtype):
+@pytest.mark.parametrize("native", [True, False], ids=["e4m3", "uint8 bits"])
+def test_fp8_linear_matches_the_dequantized_weight(kernels, monkeypatch, M, N, K, block, dtype, native):
     """A linear kept FP8 (weight-only FP8 GEMM): F.linear on checkpoint.dequantize_fp8_blocks's
-    values, with and without a bias, with K whole or split (the bias added once)."""
+    values, with and without a bias, with K whole or split (the bias added once); the weights read
+    as e4m3 (sm_89+) and as uint8 bytes converted with integer ops (GPUs without e4m3: A100)."""
+    monkeypatch.setattr(triton_kernels, "fp8_native", lambda t: native)
     from services.model.checkpoint import dequantize_fp8_blocks, fp8_scale_shape, quantize_fp8_blocks
 
     load, device = kernels

@@ -127,8 +127,12 @@ def fp8_experts(S, H, I, block, seed=2):
         (12, 80, 56, (32, 32), torch.bfloat16),
     ],
 )
-def test_fused_moe_fp8_blocks(moe, T, H, I, block, dtype):
+@pytest.mark.parametrize("native", [True, False], ids=["e4m3", "uint8 bits"])
+def test_fused_moe_fp8_blocks(moe, monkeypatch, T, H, I, block, dtype, native):
+    """FP8 experts with their block scales: as e4m3 (sm_89+) and as uint8 bytes converted with
+    integer ops (GPUs without e4m3: A100)."""
     mod, device = moe
+    monkeypatch.setattr(triton_kernels, "fp8_native", lambda t: native)
     K, S = 2, 4
     w13, s13, w13_real, w2, s2, w2_real = fp8_experts(S, H, I, block)
     slot, weight = routing(T, K, S, seed=4)

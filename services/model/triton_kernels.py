@@ -67,6 +67,13 @@ def enabled(t: torch.Tensor, name: str = "mla") -> bool:
     return on
 
 
+def fp8_native(t: torch.Tensor) -> bool:
+    """Whether Triton has float8_e4m3fn on t's device: CUDA sm_89 and up (Ada, Hopper, Blackwell),
+    and the interpreter on CPU. Below that (A100's sm_80) the FP8 kernels take the weights' bytes
+    as uint8 and convert them with integer ops (`triton_linear.e4m3_bits_to_fp16`)."""
+    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
 def reset() -> None:
     """Forget the loaded modules and the environment's answer (tests change them)."""
     _modules.clear()

@@ -5,7 +5,9 @@ block) (`weight_scale_inv`, checkpoint.dequantize_fp8_blocks). Weight-only FP8: 
 BLOCK_N] weight tile is converted to x's dtype in the kernel and its dot product scaled per
 output column (BLOCK_K divides the quantisation block's width, so a tile spans one column block;
 its columns may span several row blocks of W, hence a per-column scale vector), the sums in fp32.
-The weights stay 1 byte each in memory, as in triton_moe's FP8 experts.
+The weights stay 1 byte each in memory, as in triton_moe's FP8 experts. On GPUs without an e4m3
+type in Triton (before sm_89: A100) the kernels read the weights' bytes as uint8 and convert them
+with integer ops (`e4m3_bits_to_fp16`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,20 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_kernels
 from .triton_kernels import INTERPRETED
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def e4m3_bits_to_fp16(bits):
+    """uint8 bits of float8_e4m3fn values -> fp16 values 256 times smaller, exactly: e4m3's sign,
+    4 exponent and 3 mantissa bits go to fp16's sign, low 4 exponent and top 3 mantissa bits, and
+    the exponent biases (7 and 15) differ by 8; subnormals stay subnormals. (The caller multiplies
+    the 256 back into the block's scale. e4m3's NaN becomes 1.875: checkpoints hold none.)"""
+    b = bits.to(tl.uint16)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -24,11 +37,13 @@ def _fp8_linear_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
     stride_ys, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_N: tl.constexpr, QUANT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    FP8_BITS: tl.constexpr,
 ):  # fmt: skip
     """y[split, m, n] = sum over the split's k of x[m, k] * w[n, k] * scale[n // QUANT_N, k //
     QUANT_K] (+ bias[n] in split 0) for one [BLOCK_M, BLOCK_N] tile; split = program_id(2) covers
     k in [split * K_PER_SPLIT, +K_PER_SPLIT) (a multiple of BLOCK_K). x [M, K], w [N, K] FP8, scale
-    [ceil(N/QUANT_N), ceil(K/QUANT_K)]; y [splits, M, N] (one split: y itself, in x's dtype)."""
+    [ceil(N/QUANT_N), ceil(K/QUANT_K)]; y [splits, M, N] (one split: y itself, in x's dtype).
+    FP8_BITS: w holds the FP8 values' bytes as uint8 (GPUs without e4m3)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -47,6 +62,8 @@ def _fp8_linear_kernel(
             w_ptr + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0
         )
         s = tl.load(s_cols + k0 // QUANT_K, mask=col_ok, other=0.0)
+        if FP8_BITS:
+            w, s = e4m3_bits_to_fp16(w), s * 256.0
         acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION) * s[None, :]
     if HAS_BIAS:  # (added once: by split 0)
         first = (tl.zeros([BLOCK_N], tl.int32) + split) == 0
@@ -101,11 +118,12 @@ def fp8_linear(
     y = (torch.empty(M, N, dtype=x.dtype, device=x.device) if splits == 1
          else torch.empty(splits, M, N, dtype=torch.float32, device=x.device))  # fmt: skip
     dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPE[x.dtype]
+    bits = not triton_kernels.fp8_native(weight)
     _fp8_linear_kernel[(*grid_mn, splits)](
-        x2, weight, scale, scale if bias is None else bias, y, M, N, K, k_per_split, x2.stride(0),
+        x2, weight.view(torch.uint8) if bits else weight, scale, scale if bias is None else bias, y, M, N, K, k_per_split, x2.stride(0),
         weight.stride(0), scale.stride(0), y.stride(-2), y.stride(0) if splits > 1 else 0,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, QUANT_N=bn, QUANT_K=bk,
-        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else None,
+        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else None, FP8_BITS=bits,
     )  # fmt: skip
     if splits > 1:
         y = y.sum(0).to(x.dtype)

@@ -19,7 +19,9 @@ call; blocks past the busy slots are marked -1 and return at once.
 Block-FP8 weights (DeepSeek's float8_e4m3fn checkpoints with `weight_scale_inv`) stay FP8 in
 memory: each [BLOCK_K, BLOCK_N] tile is converted to x's dtype in the kernel and its dot product
 scaled per output row (BLOCK_K divides the quantisation block's width, so a tile spans one column
-block; its rows may span several row blocks, hence a per-row scale vector).
+block; its rows may span several row blocks, hence a per-row scale vector). GPUs without an e4m3
+type in Triton (before sm_89: A100) read the weights' bytes as uint8, converted with integer ops
+(`triton_linear.e4m3_bits_to_fp16`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_kernels
 from .triton_kernels import INTERPRETED
+from .triton_linear import e4m3_bits_to_fp16
 
 MAX_PAIRS = 32768  # (token, choice) pairs per kernel launch
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -66,7 +70,7 @@ def _gate_up_kernel(
     P, H, I, limit, stride_xt, stride_ws, stride_wn, stride_wk, stride_ss, stride_sn, stride_sk,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, QUANT_N: tl.constexpr, QUANT_K: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, FP8_BITS: tl.constexpr,
 ):  # fmt: skip
     """inter[m, n] = swiglu(x[token] . w13[slot, n], x[token] . w13[slot, I + n]) for the rows m
     of one M-block and columns n of one N-tile of I. x [T, H], w13 [S, 2I, H], scale [S,
@@ -94,11 +98,16 @@ def _gate_up_kernel(
         k_ok = k < H
         a = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        wg = tl.load(w_gate + k[:, None] * stride_wk, mask=w_mask, other=0.0).to(DOT_DTYPE)
-        wu = tl.load(w_up + k[:, None] * stride_wk, mask=w_mask, other=0.0).to(DOT_DTYPE)
+        wg = tl.load(w_gate + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        wu = tl.load(w_up + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        if FP8_BITS:
+            wg, wu = e4m3_bits_to_fp16(wg), e4m3_bits_to_fp16(wu)
+        wg, wu = wg.to(DOT_DTYPE), wu.to(DOT_DTYPE)
         if FP8:
             sg = tl.load(s_gate + (k0 // QUANT_K) * stride_sk, mask=col_ok, other=0.0)
             su = tl.load(s_up + (k0 // QUANT_K) * stride_sk, mask=col_ok, other=0.0)
+            if FP8_BITS:
+                sg, su = sg * 256.0, su * 256.0
             gate += tl.dot(a, wg, input_precision=PRECISION) * sg[None, :]
             up += tl.dot(a, wu, input_precision=PRECISION) * su[None, :]
         else:
@@ -118,7 +127,7 @@ def _down_kernel(
     P, H, I, stride_ws, stride_wn, stride_wk, stride_ss, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, QUANT_N: tl.constexpr, QUANT_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8_BITS: tl.constexpr,
 ):  # fmt: skip
     """pair_out[pair, n] = route[pair] * (inter[m] . w2[slot, n]) for the rows m of one M-block and
     columns n of one N-tile of H. inter [EM, I], w2 [S, H, I], scale [S, ceil(H/QUANT_N),
@@ -143,9 +152,13 @@ def _down_kernel(
         a_mask = row_ok[:, None] & k_ok[None, :]
         a = tl.load(inter_ptr + rows[:, None] * I + k[None, :], mask=a_mask, other=0.0).to(DOT_DTYPE)
         w = tl.load(w_cols + k[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP8_BITS:
+            w = e4m3_bits_to_fp16(w)
         w = w.to(DOT_DTYPE)
         if FP8:
             s = tl.load(s_cols + (k0 // QUANT_K) * stride_sk, mask=col_ok, other=0.0)
+            if FP8_BITS:
+                s = s * 256.0
             acc += tl.dot(a, w, input_precision=PRECISION) * s[None, :]
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
@@ -220,17 +233,19 @@ def fused_moe(
     dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPE[x.dtype]
     precision = "ieee" if dot_dtype == tl.float32 else None  # fp32: no TF32 rounding
     num_m = EM // block_m
+    bits = fp8 and not triton_kernels.fp8_native(w13)  # (uint8 views of the FP8 bytes)
+    w13, w2 = (w13.view(torch.uint8), w2.view(torch.uint8)) if bits else (w13, w2)
     _gate_up_kernel[(num_m * triton.cdiv(I, block_n),)](
         x, w13, s13, sorted_pair, block_slot, inter,
         P, H, I, float(swiglu_limit or 0.0), x.stride(0), *w13.stride(), *s13_strides,
         K=K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, QUANT_N=quant_n, QUANT_K=quant_k,
-        HAS_LIMIT=swiglu_limit is not None, DOT_DTYPE=dot_dtype, PRECISION=precision,
+        HAS_LIMIT=swiglu_limit is not None, DOT_DTYPE=dot_dtype, PRECISION=precision, FP8_BITS=bits,
     )  # fmt: skip
     _down_kernel[(num_m * triton.cdiv(H, block_n),)](
         inter, w2, s2, sorted_pair, block_slot, route, pair_out,
         P, H, I, *w2.stride(), *s2_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, QUANT_N=quant_n, QUANT_K=quant_k,
-        DOT_DTYPE=dot_dtype, PRECISION=precision,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, FP8_BITS=bits,
     )  # fmt: skip
     summed = pair_out.view(T, K, H).sum(1)
     return result.copy_(summed)

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Issue #25's GPU checks as one call of a lent GPU machine (about 9 minutes at most).
+#
+#   bash benchmarks/gpu_session.sh wheels        # here, once: .whl/ <- what the GPU image lacks
+#   bash benchmarks/gpu_session.sh [STEP ...]    # there (device `run`, carry [".whl"], timeout_s 600)
+#
+# Steps, in order (default: all): tests, local, kernels, attention_gpu, attention_cpu, dispatch,
+# kernel_tests. Each has its own time limit, cut to what is left of BUDGET seconds (default 540),
+# and writes its results under $OUT as it goes, so a step that overruns costs only itself and the
+# steps after it still run while time is left. Files back ($OUT, at most 8): log.txt (everything,
+# each step's rc and seconds), env.txt, local_engine.json, kernels.json, attention_gpu.json,
+# attention_cpu.json, dispatch.json.
+#
+# The GPU machine (../.library/device/KINDS.md) has python3 with a CUDA torch, triton,
+# transformers, numpy, safetensors, pytest, yaml, jinja2, tokenizers and no network; the wheels
+# carried in .whl/ are the project's other imports on that path (cp312).
+set -u
+cd "$(dirname "$0")/.."
+WHEELS="llguidance==1.9.1 grpcio==1.85.3 grpcio-health-checking==1.85.1 protobuf==7.36.2"
+
+if [ "${1:-}" = wheels ]; then
+    platforms=$(for n in 17 24 27 28 31 34 35; do printf -- "--platform manylinux_2_%s_x86_64 " $n; done)
+    # shellcheck disable=SC2086
+    exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp $platforms --platform manylinux2014_x86_64 -d .whl $WHEELS
+fi
+
+OUT=${OUT:-/tmp/gpu_session}
+BUDGET=${BUDGET:-540}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+START=$(date +%s)
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MOE_CPU_KERNELS=0  # (the C++ CPU kernels: no build here)
+
+step() {  # step NAME LIMIT_S COMMAND...: COMMAND under the smaller of LIMIT_S and the budget left
+    local name=$1 limit=$2 left t0 rc
+    shift 2
+    left=$((BUDGET - ($(date +%s) - START)))
+    ((left < limit)) && limit=$left
+    if ((limit < 30)); then
+        echo "== $name: skipped, ${left}s of the budget left" | tee -a "$LOG"
+        return
+    fi
+    echo "== $name (at most ${limit}s): $*" | tee -a "$LOG"
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    rc=$?
+    echo "== $name: rc=$rc in $(($(date +%s) - t0))s" | tee -a "$LOG"
+}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 && export PYTHONPATH=/tmp/site:$PWD
+fi
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+    nproc
+    python3 -c "import sys, torch, triton, transformers, grpc, google.protobuf as pb
+print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__,
+      'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__)
+print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+    python3 -c "import flash_mla" 2>&1 | tail -1
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt" | tee -a "$LOG"
+
+steps=${*:-tests local kernels attention_gpu attention_cpu dispatch kernel_tests}
+for s in $steps; do
+    case $s in
+    tests) # correctness first: the engine on CUDA against the CPU, graphs against eager
+        step tests 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py ;;
+    local) # Must show: LocalEngine >= 2x transformers at B=32 and >= 1.5x at B=1 (small preset, bf16)
+        step local 150 python3 -m benchmarks.bench_local_engine --device cuda --dtype bfloat16 \
+            --prompt-lens 16 --out "$OUT/local_engine.json" ;;
+    kernels) # Must show: MLA decode >= 60 % of peak bandwidth at V3 shapes; fused MoE vs grouped_mm
+        step kernels 120 python3 -m benchmarks.bench_kernels --out "$OUT/kernels.json" ;;
+    attention_gpu) # the cluster's attention worker on the GPU: segmented graphs vs eager, ping-pong
+        step attention_gpu 120 python3 -m benchmarks.bench_attention --device cuda --dtype bfloat16 \
+            --tp 1 --no-ray --batches 1,32 --rounds 2 --out "$OUT/attention_gpu.json" ;;
+    attention_cpu) # Must show (16 cores): ping-pong on vs off >= 1.2x
+        step attention_cpu 120 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 8,32 \
+            --rounds 2 --attention-threads 4 --local-threads 4 --out "$OUT/attention_cpu.json" ;;
+    dispatch) # Must show (16 cores): dispatch overhead over a plain echo <= 25 %
+        step dispatch 90 python3 -m benchmarks.bench_dispatch --quick --label gpu-host-16core \
+            --out "$OUT/dispatch.json" ;;
+    kernel_tests) # the kernels' own tests, compiled for this GPU
+        step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+            tests/test_triton_moe.py tests/test_decode_graphs.py tests/test_flashmla.py ;;
+    *) echo "unknown step $s" | tee -a "$LOG" ;;
+    esac
+done
+echo "== done in $(($(date +%s) - START))s; results in $OUT" | tee -a "$LOG"
+grep -h -A12 '"targets"\|"summary"' "$OUT"/*.json 2>/dev/null | tail -40
