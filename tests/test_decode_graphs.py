@@ -10,6 +10,7 @@ from services.model.engine import EngineConfig, LocalEngine
 from services.model.sampling import SamplingParams
 
 from .clusters import expert_servers_in_process
+from .sync_probe import HostSyncs
 
 
 def test_buckets_cover_every_batch_size():
@@ -149,3 +150,90 @@ def test_a_segmented_pass_builds_its_batch_inside_its_first_piece(tiny_model, mo
     step = graphs._pass(4)
     assert built == []
     assert isinstance(next(step), ExpertDispatch) and built == [4]
+
+
+def test_the_sync_probe_sees_what_synchronises():
+    """tests/sync_probe.py itself: each call that waits for a GPU is listed, plain device work is not."""
+    x = torch.arange(6.0) - 2
+    with HostSyncs() as probe:
+        x.item() if x.numel() == 1 else x[0].item()
+        x.tolist(), bool(x.any()), x[x > 0], torch.nonzero(x), x.cpu(), torch.bincount(x.long().clamp(min=0))
+        torch.repeat_interleave(x, 2), torch.tensor([1, 2])
+        x.sum(), x[1:3], x.index_select(0, torch.tensor([0])[0:1].new_zeros(1)), torch.where(x > 0, x, 0.0)
+        x.repeat_interleave(2, output_size=12)
+    names = [call.split(" at ")[0] for call in probe.calls]
+    assert names == ["item", "tolist", "__bool__", "__getitem__", "nonzero", "cpu", "bincount",
+                     "repeat_interleave", "tensor", "tensor"]  # fmt: skip
+
+
+@pytest.fixture
+def gpu_code_path(monkeypatch):
+    """The Triton kernels on (under the interpreter) and the C++ CPU kernels off: a decode step
+    runs the torch code a GPU runs. Yields the names of the kernel modules that ran and never
+    failed, once the test has run its steps."""
+    from services.model import cpu_kernels, triton_kernels
+
+    monkeypatch.setenv("MOE_TRITON", "1")
+    monkeypatch.setitem(cpu_kernels._state, "module", None)
+    triton_kernels.reset()
+    yield lambda: {name for name, module in triton_kernels._modules.items() if module is not None}
+    monkeypatch.undo()
+    triton_kernels.reset()
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "fp8"])
+def test_a_graphed_decode_step_synchronises_nowhere(tmp_path, gpu_code_path, monkeypatch, weights):
+    """What a CUDA graph captures (DecodeGraphs._step on the GPU code path, fp32 / bf16 / FP8 experts
+    and linears kept FP8) makes no call that waits for the device: a capture would fail on it."""
+    from services.model.presets import init_model
+
+    path = init_model(tmp_path / weights, "tiny", seed=3, fp8=weights == "fp8", fp8_block=(16, 16))
+    fp8 = weights == "fp8"
+    engine = LocalEngine(EngineConfig(model=str(path), max_num_seqs=4, dtype="bfloat16" if weights == "bfloat16"
+                                      else "float32", keep_fp8_experts=fp8, keep_fp8_linears=fp8))  # fmt: skip
+    assert engine.enable_decode_graphs(capture=False)
+    probe, step, steps = HostSyncs(), engine.graphs._step, []
+
+    def probed(bucket):
+        steps.append(bucket)
+        with probe:
+            return step(bucket)
+
+    monkeypatch.setattr(engine.graphs, "_step", probed)
+    engine.generate([[0, 5, 6, 7], [1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert steps and probe.calls == []
+    assert gpu_code_path() == {"mla", "moe", "norm"} | ({"linear"} if fp8 else set())
+
+
+def test_the_pieces_of_a_segmented_step_synchronise_nowhere(
+    tiny_model, expert_servers, gpu_code_path, monkeypatch
+):
+    """The same for the pieces SegmentedDecodeGraphs captures with remote experts (their gRPC
+    dispatches run between the pieces, outside the graphs, and are not probed)."""
+    from services.attention.dispatch import RemoteExperts
+    from services.model import decode_graphs
+    from services.model.checkpoint import CheckpointReader
+    from services.model.engine import Engine
+    from services.model.model import DeepseekV3
+
+    placement, cfg = expert_servers
+    model = DeepseekV3.load(CheckpointReader.for_config(tiny_model, cfg), cfg, torch.float32)
+    experts = RemoteExperts(cfg, placement)
+    probe, advance, pieces = HostSyncs(), decode_graphs._advance, []
+
+    def probed(step, reply):
+        pieces.append(reply)
+        with probe:
+            return advance(step, reply)
+
+    monkeypatch.setattr(decode_graphs, "_advance", probed)
+    try:
+        engine = Engine(cfg, model, experts, EngineConfig(model=str(tiny_model), max_num_seqs=4))
+        assert engine.enable_decode_graphs(capture=False)
+        engine.generate(
+            [[0, 5, 6, 7], [1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        )
+    finally:
+        experts.close()
+    assert len(pieces) > 2 * cfg.num_moe_layers and probe.calls == []
+    assert {"mla", "norm"} <= gpu_code_path()

@@ -51,14 +51,11 @@ class ExpertDispatch:
 
     @classmethod
     def routed(cls, decoder_layer: int, moe_layer: int, x, topk_idx, topk_weight, num_experts: int):
-        """The message for routed tokens, with their per-expert counts (on a GPU by scatter-add:
+        """The message for routed tokens, with their per-expert counts (by scatter-add: on a GPU
         torch.bincount waits for the device to size its output, which a CUDA graph cannot capture)."""
         flat = topk_idx.reshape(-1)
-        if flat.is_cuda:
-            counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-            counts.scatter_add_(0, flat, torch.ones_like(flat))
-        else:
-            counts = torch.bincount(flat, minlength=num_experts)
+        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         return cls(decoder_layer, moe_layer, x, topk_idx, topk_weight, counts)
 
 
