@@ -9,6 +9,8 @@
   `--slots` experts on one worker, bf16 and block-FP8 weights, against torch's grouped_mm path
   (layers.grouped_expert_ffn) on the same tokens.
 - RMSNorm (services/model/triton_norm.py) at [tokens, 7168] against the torch ops.
+- The MLA latent's per-token work (triton_mla.latent_to_cache) against the unfused ops, both
+  replayed from CUDA graphs.
 - FP8 linears (services/model/triton_linear.py, `keep_fp8_linears`) at V3's MLA shapes against
   cuBLAS on the bf16 weights.
 
@@ -103,6 +105,56 @@ def bench_mla(batch: int, context: int, heads: int = 128, C: int = 512, R: int =
     return row
 
 
+def graphed_ms(fn) -> float:
+    """fn replayed from a CUDA graph (as a decode step runs it): median ms per replay."""
+    fn()  # (compiles the Triton kernels outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed_ms(graph.replay)
+
+
+def bench_latent(tokens: int, heads: int = 128, C: int = 512, R: int = 64, D: int = 128) -> dict:
+    """An MLA layer's per-token work at V3's shapes (latent RMSNorm, rope of k_pe and of the
+    heads' q_pe, the cache write): triton_mla.latent_to_cache against the ops of the unfused path
+    (model.mla_forward: the Triton RMSNorm, Rope.apply's torch ops, cat and index write), both
+    replayed from CUDA graphs."""
+    from services.model import triton_mla
+    from services.model.layers import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kv = torch.randn(tokens, C + R, device="cuda", generator=g).bfloat16()
+    q = torch.randn(tokens, heads, D + R, device="cuda", generator=g).bfloat16()
+    norm = torch.rand(C, device="cuda", generator=g).bfloat16()
+    angles = torch.rand(tokens, R // 2, device="cuda", generator=g) * 6
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    cache = torch.zeros(max(4, tokens), 64, 1, C + R, device="cuda").bfloat16()
+    slots = torch.randperm(cache.shape[0] * 64, device="cuda", generator=g)[:tokens]
+
+    def rope(x):  # Rope.apply, interleaved
+        c, s = (
+            cos.view(tokens, *(1,) * (x.dim() - 2), R // 2),
+            sin.view(tokens, *(1,) * (x.dim() - 2), R // 2),
+        )
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+
+    def unfused():
+        cache.view(-1, C + R)[slots] = torch.cat((rms_norm(kv[:, :C], norm, 1e-6), rope(kv[:, C:])), dim=-1)
+        return rope(q[..., D:])
+
+    def fused():
+        return triton_mla.latent_to_cache(kv, q[..., D:], norm, cos, sin, slots, cache, True, 1e-6)
+
+    q_pe = unfused()
+    want = cache.view(-1, C + R)[slots].clone()
+    row = {"tokens": tokens, "heads": heads, "q_pe_equal": torch.equal(fused(), q_pe)}
+    row["cache_rows_max_abs_diff"] = (cache.view(-1, C + R)[slots].float() - want.float()).abs().max().item()
+    row["fused_ms"], row["unfused_ms"] = graphed_ms(fused), graphed_ms(unfused)
+    return row
+
+
 def bench_moe(tokens: int, slots: int, H: int = 7168, I: int = 2048, top_k: int = 8) -> dict:
     from services.model import triton_moe
     from services.model.checkpoint import quantize_fp8_blocks
@@ -190,6 +242,7 @@ def main() -> None:
         "mla_decode": [bench_mla(b, args.context) for b in (1, 8, 64)],
         "fused_moe": [bench_moe(t, args.slots) for t in (1, 8, 64, 512)],
         "rms_norm": [bench_norm(t) for t in (1, 64, 4096)],
+        "mla_latent": [bench_latent(t) for t in (1, 64)],
         "fp8_linear": [bench_fp8_linear(t, n) for n in V3_LINEARS for t in (1, 64, 512)],
     }
     for row in result["mla_decode"]:

@@ -146,6 +146,68 @@ def test_mla_decode_bf16_and_int64_tables(kernels):
     torch.testing.assert_close(o.float(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_torch_path(kernels, dtype):
+    """Rows read with a stride (a slice of a wider tensor, as kv[:, :C]); bf16 rounded as torch
+    rounds it: one step at most where the sum of squares, in another order, moves a rounding (two
+    under the interpreter, whose fp32 -> bf16 conversion truncates)."""
+    load, device = kernels
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 100, generator=g).to(dtype)[:, :72], (torch.rand(72, generator=g) + 0.5).to(dtype)
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got = load("norm").rms_norm(x.to(device), w.to(device), 1e-6).cpu()
+    tol = 1e-6 if dtype == torch.float32 else 2**-7 if device == "cuda" else 2**-6
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("T, N, C, R", [(3, 5, 24, 8), (2, 128, 512, 64)])
+def test_latent_to_cache_matches_the_torch_path(kernels, dtype, interleave, T, N, C, R):
+    """The fused per-token MLA work (latent norm, both ropes, the cache write) against
+    layers.rms_norm / Rope.apply's math and the cache write of the torch path: the ropes bit for
+    bit (but for bf16 under the interpreter, whose fp32 -> bf16 conversion truncates), the norm up
+    to the order of its sum; the other cache rows untouched."""
+    load, device = kernels
+    g = torch.Generator().manual_seed(T * N + interleave)
+    kv, q = torch.randn(T, C + R, generator=g).to(dtype), torch.randn(T, N, 7 + R, generator=g).to(dtype)
+    norm = (torch.rand(C, generator=g) + 0.5).to(dtype)
+    angles = torch.rand(T, R // 2, generator=g) * 6
+    cos, sin = (angles.cos() * 1.1).to(dtype), (angles.sin() * 1.1).to(dtype)
+    slots = torch.randperm(3 * 64, generator=g)[:T]
+    cache = torch.randn(3, 64, 1, C + R, generator=g).to(dtype)
+
+    def rope(x):  # layers.Rope.apply, op by op in x's dtype
+        c, s = cos.view(T, *(1,) * (x.dim() - 2), R // 2), sin.view(T, *(1,) * (x.dim() - 2), R // 2)
+        if interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+        x1, x2 = x[..., : R // 2], x[..., R // 2 :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    xf = kv[:, :C].float()
+    want_latent = norm * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    want_cache = cache.clone().view(-1, C + R)
+    want_cache[slots] = torch.cat((want_latent, rope(kv[:, C:])), dim=-1)
+
+    got_cache = cache.to(device)
+    q_pe = load("mla").latent_to_cache(kv.to(device), q.to(device)[..., 7:], norm.to(device), cos.to(device),
+                                       sin.to(device), slots.to(device), got_cache, interleave, 1e-6)  # fmt: skip
+    got = got_cache.cpu().view(-1, C + R)
+    others = torch.ones(got.shape[0], dtype=torch.bool).index_fill_(0, slots, False)
+    assert torch.equal(got[others], want_cache[others])
+    if dtype == torch.float32 or device == "cuda":
+        assert torch.equal(q_pe.cpu(), rope(q[..., 7:])) and torch.equal(
+            got[slots, C:], want_cache[slots, C:]
+        )
+    else:  # (a few truncations instead of roundings: within 2 bf16 steps)
+        torch.testing.assert_close(q_pe.cpu(), rope(q[..., 7:]), rtol=2**-6, atol=2**-6)
+        torch.testing.assert_close(got[slots, C:], want_cache[slots, C:], rtol=2**-6, atol=2**-6)
+    tol = 1e-6 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(got[slots, :C], want_cache[slots, :C], rtol=tol, atol=tol)
+
+
 def test_mla_decode_declines_a_mismatched_cache(kernels):
     load, device = kernels
     mla = load("mla")
@@ -200,7 +262,7 @@ def test_deepseek_v32_engine_on_the_triton_kernels_keeps_greedy_outputs(tmp_path
 
 
 def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, monkeypatch):
-    """LocalEngine with every Triton kernel on (MLA decode, fused MoE, RMSNorm) against the torch
+    """LocalEngine with every Triton kernel on (MLA decode and latent, fused MoE, RMSNorm) against the torch
     path: the same greedy tokens and close last-step logits, across a block boundary and a batch
     mixing prefill chunks and decodes."""
     from services.model.engine import EngineConfig, LocalEngine
@@ -210,10 +272,11 @@ def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, 
 
     load, device = kernels
     calls = {}
-    for name, fn in (("mla", "mla_decode"), ("moe", "fused_moe"), ("norm", "rms_norm")):
+    kernels = (("mla", "mla_decode"), ("mla", "latent_to_cache"), ("moe", "fused_moe"), ("norm", "rms_norm"))
+    for name, fn in kernels:
         kernel = getattr(load(name), fn)
         monkeypatch.setattr(
-            load(name), fn, lambda *a, _k=kernel, _n=name, **kw: calls.update({_n: 1}) or _k(*a, **kw)
+            load(name), fn, lambda *a, _k=kernel, _f=fn, **kw: calls.update({_f: 1}) or _k(*a, **kw)
         )
     prompts = [[0, 5, 6, 7], list(range(3, 70)), [0] + [9] * 20]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -229,7 +292,7 @@ def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, 
     ref, ref_logits = run("0")
     assert not calls
     out, logits = run("1")
-    assert set(calls) == {"mla", "moe", "norm"}  # every kernel ran
+    assert set(calls) == {fn for _, fn in kernels}  # every kernel ran
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     for a, b in zip(logits, ref_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -54,6 +54,22 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
             yield f"mla {str(dtype)[6:]} splits={splits}", mla(dtype, splits)
     yield "mla bfloat16 sparse (V3.2)", mla(bf16, 8, width=latent + rope + 128, sparse=True)
 
+    def latent_to_cache(dtype, interleave=True):  # the per-token work: latent norm, ropes, cache write
+        kv, q = torch.empty(2, latent + rope, dtype=dtype), torch.empty(2, heads, 128 + rope, dtype=dtype)
+        norm, cos, sin = (
+            torch.empty(latent, dtype=dtype),
+            torch.empty(2, 32, dtype=dtype),
+            torch.empty(2, 32, dtype=dtype),
+        )
+        cache, slots = torch.empty(8, 64, 1, latent + rope, dtype=dtype), torch.zeros(2, dtype=torch.int64)
+        return lambda: triton_mla.latent_to_cache(
+            kv, q[..., 128:], norm, cos, sin, slots, cache, interleave, 1e-6
+        )
+
+    for dtype in (bf16, torch.float32):
+        yield f"mla latent_to_cache {str(dtype)[6:]}", latent_to_cache(dtype)
+    yield "mla latent_to_cache bfloat16 halves", latent_to_cache(bf16, interleave=False)
+
     def moe(tokens, dtype=bf16, fp8_weights=False, limit=None, S=32, H=7168, I=2048, K=8):
         x = torch.empty(tokens, H, dtype=dtype)
         slot = torch.randint(0, S, (tokens, K))

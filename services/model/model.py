@@ -313,17 +313,19 @@ def mla_forward(
     q = q.view(T, -1, D + R)
     N = q.shape[1]
     cos, sin = cos_sin
-    q_nope, q_pe = q[..., :D], rope.apply(q[..., D:], cos, sin)
-
     kv = linear(x, w.kv_a, w.kv_a_bias)
-    c_kv = rms_norm(kv[:, :C], w.kv_a_norm, NORM_EPS_LATENT)
-    k_pe = rope.apply(kv[:, C:], cos, sin)
-    rows, index = [c_kv, k_pe], None
-    if w.indexer is not None:  # V3.2: cache the indexer keys too; score the context for our queries
-        rows.append(index_keys(x, w.indexer, cos_sin))
-        index = IndexQueries.build(x, q_lora, w.indexer, cfg, cos_sin)
-    W = cache.shape[-1]
-    cache.view(-1, W)[batch.slot_mapping] = torch.cat(rows, dim=-1).to(cache.dtype)
+    W, index = cache.shape[-1], None
+    q_nope, q_pe = q[..., :D], None
+    if w.indexer is None:  # on a GPU one kernel: the latent norm, both ropes and the cache write
+        q_pe = triton_kernels.run("mla", "latent_to_cache", kv, q[..., D:], w.kv_a_norm, cos, sin,
+                                  batch.slot_mapping, cache, rope.interleave, NORM_EPS_LATENT)  # fmt: skip
+    if q_pe is None:
+        q_pe = rope.apply(q[..., D:], cos, sin)
+        rows = [rms_norm(kv[:, :C], w.kv_a_norm, NORM_EPS_LATENT), rope.apply(kv[:, C:], cos, sin)]
+        if w.indexer is not None:  # V3.2: cache the indexer keys too; score the context for our queries
+            rows.append(index_keys(x, w.indexer, cos_sin))
+            index = IndexQueries.build(x, q_lora, w.indexer, cfg, cos_sin)
+        cache.view(-1, W)[batch.slot_mapping] = torch.cat(rows, dim=-1).to(cache.dtype)
 
     kv_b = w.kv_b.view(N, D + V, C)
     out = None if only_decodes else torch.empty(T, N, V, dtype=x.dtype, device=x.device)

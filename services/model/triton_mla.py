@@ -25,6 +25,8 @@ import triton.language as tl
 from .kv_cache import BLOCK_SIZE
 from .triton_kernels import INTERPRETED
 
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
 
 @triton.jit
 def _mla_decode_split(
@@ -161,3 +163,94 @@ def mla_decode(
     o = torch.empty(B, N, C, dtype=q.dtype, device=q.device)
     _mla_decode_merge[(B * N,)](mid_o, mid_lse, o, N, C, BLOCK_C=BLOCK_C, SPLITS=splits)
     return o
+
+
+@triton.jit
+def _rounded(v, DTYPE: tl.constexpr):
+    """v (fp32) rounded to DTYPE (to nearest, ties to even) and back: one elementwise torch op in
+    DTYPE (computed in fp32, rounded once), so the kernel gives the torch path's bits."""
+    if DTYPE == tl.float32:  # noqa: SIM300 (a constexpr, known when the kernel compiles)
+        return v
+    return v.to(DTYPE, fp_downcast_rounding="rtne").to(tl.float32)
+
+
+@triton.jit
+def _rotate(x_ptr, o1, o2, mask, cos, sin, out_ptr, DTYPE: tl.constexpr):
+    """out[o1], out[o2] = x[o1] cos - x[o2] sin, x[o2] cos + x[o1] sin, op by op in DTYPE (as
+    layers.Rope.apply)."""
+    x1 = tl.load(x_ptr + o1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + o2, mask=mask, other=0.0).to(tl.float32)
+    y1 = _rounded(_rounded(x1 * cos, DTYPE) - _rounded(x2 * sin, DTYPE), DTYPE)
+    y2 = _rounded(_rounded(x2 * cos, DTYPE) + _rounded(x1 * sin, DTYPE), DTYPE)
+    tl.store(out_ptr + o1, y1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + o2, y2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _latent_to_cache(
+    kv_ptr, q_ptr, norm_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_pe_ptr,
+    N, stride_kv, stride_q_t, stride_q_n, stride_cs, eps,
+    C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERLEAVE: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Token t = program id: cache row slot[t] <- [rms_norm(kv[t, :C]) * norm | rope(kv[t, C:])],
+    q_pe[t] <- rope(q[t, :, :R]) for its N heads."""
+    t = tl.program_id(0)
+    kv = kv_ptr + t * stride_kv
+    row = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * (C + R)
+    c = tl.arange(0, BLOCK_C)
+    x = tl.load(kv + c, mask=c < C, other=0.0).to(tl.float32)
+    normed = _rounded(x * tl.rsqrt(tl.sum(x * x, 0) / C + eps), DTYPE)  # (layers.rms_norm's math)
+    w = tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    tl.store(row + c, _rounded(w * normed, DTYPE).to(cache_ptr.dtype.element_ty), mask=c < C)
+
+    i = tl.arange(0, BLOCK_HALF)
+    i_ok = i < R // 2
+    if INTERLEAVE:  # pairs (2i, 2i + 1), DeepSeek's layout
+        o1, o2 = 2 * i, 2 * i + 1
+    else:  # halves (i, i + R/2)
+        o1, o2 = i, i + R // 2
+    cos = tl.load(cos_ptr + t * stride_cs + i, mask=i_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_cs + i, mask=i_ok, other=0.0).to(tl.float32)
+    _rotate(kv + C, o1, o2, i_ok, cos, sin, row + C, DTYPE)
+    n = tl.arange(0, BLOCK_N)[:, None]
+    heads = (n < N) & i_ok[None, :]
+    q_rows, out_rows = q_ptr + t * stride_q_t + n * stride_q_n, q_pe_ptr + (t * N + n) * R
+    _rotate(q_rows, o1[None, :], o2[None, :], heads, cos[None, :], sin[None, :], out_rows, DTYPE)
+
+
+def latent_to_cache(
+    kv: torch.Tensor,
+    q_pe: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache: torch.Tensor,
+    interleave: bool,
+    eps: float,
+) -> torch.Tensor | None:
+    """The MLA layer's per-token work between its projections, in one launch: kv [T, C+R] (kv_a's
+    output), q_pe [T, N, R] (the queries' rope part, a view), norm_weight [C], cos / sin [T, R/2],
+    slot_mapping [T] int64 -> writes each token's latent row [rms_norm(c_kv) | rope(k_pe)] into
+    cache [blocks, 64, 1, C+R] at its slot and returns rope(q_pe) [T, N, R]: the torch path's math
+    (layers.rms_norm, Rope.apply, the cache write) op by op in kv's dtype, the norm's sum in
+    another order. None where it does not apply (V3.2's wider rows, mixed dtypes)."""
+    T, N, R = q_pe.shape
+    C = kv.shape[1] - R
+    dtypes = {kv.dtype, q_pe.dtype, cos.dtype, norm_weight.dtype}
+    if cache.shape[-1] != C + R or not cache.is_contiguous() or len(dtypes) > 1 or kv.dtype not in _TL_DTYPE:
+        return None
+    if kv.stride(-1) != 1:
+        return None
+    if q_pe.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        return None
+    out = torch.empty(T, N, R, dtype=q_pe.dtype, device=q_pe.device)
+    if T:
+        _latent_to_cache[(T,)](
+            kv, q_pe, norm_weight, cos, sin, slot_mapping, cache, out,
+            N, kv.stride(0), q_pe.stride(0), q_pe.stride(1), cos.stride(0), eps,
+            C=C, R=R, BLOCK_C=triton.next_power_of_2(C), BLOCK_HALF=max(2, triton.next_power_of_2(R // 2)),
+            BLOCK_N=triton.next_power_of_2(N), INTERLEAVE=interleave, DTYPE=_TL_DTYPE[kv.dtype],
+        )  # fmt: skip
+    return out

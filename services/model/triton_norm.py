@@ -15,10 +15,11 @@ def _rms_norm(x_ptr, w_ptr, y_ptr, K, stride_x, eps, BLOCK: tl.constexpr):
     k = tl.arange(0, BLOCK)
     ok = k < K
     x = tl.load(x_ptr + row * stride_x + k, mask=ok, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, 0) / K + eps)
-    w = tl.load(w_ptr + k, mask=ok, other=0.0)
-    y = w * normed.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * K + k, y.to(y_ptr.dtype.element_ty), mask=ok)
+    normed = (x * tl.rsqrt(tl.sum(x * x, 0) / K + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + k, mask=ok, other=0.0).to(tl.float32)
+    # (the product in fp32, rounded once: a bf16 multiply's bits, also under triton's interpreter,
+    # which multiplies bf16 values' raw bits)
+    tl.store(y_ptr + row * K + k, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
