@@ -162,6 +162,27 @@ def test_rms_norm_matches_the_torch_path(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_the_torch_path(kernels, dtype):
+    """The residual add fused into the norm: (h + delta, rms_norm(h + delta)) as torch computes
+    them (the sum rounded once to the dtype: its bits in fp32 and on a GPU)."""
+    load, device = kernels
+    g = torch.Generator().manual_seed(1)
+    h, delta = (torch.randn(4, 72, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(72, generator=g) + 0.5).to(dtype)
+    total, y = (
+        t.cpu() for t in load("norm").add_rms_norm(h.to(device), delta.to(device), w.to(device), 1e-6)
+    )
+    want_total = h + delta
+    sf = want_total.float()
+    want = w * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7 if device == "cuda" else 2**-6
+    if dtype == torch.float32 or device == "cuda":
+        assert torch.equal(total, want_total)
+    torch.testing.assert_close(total, want_total, rtol=tol, atol=tol)
+    torch.testing.assert_close(y, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("T, N, C, R", [(3, 5, 24, 8), (2, 128, 512, 64)])
 def test_latent_to_cache_matches_the_torch_path(kernels, dtype, interleave, T, N, C, R):
@@ -272,7 +293,13 @@ def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, 
 
     load, device = kernels
     calls = {}
-    kernels = (("mla", "mla_decode"), ("mla", "latent_to_cache"), ("moe", "fused_moe"), ("norm", "rms_norm"))
+    kernels = (
+        ("mla", "mla_decode"),
+        ("mla", "latent_to_cache"),
+        ("moe", "fused_moe"),
+        ("norm", "rms_norm"),
+        ("norm", "add_rms_norm"),
+    )
     for name, fn in kernels:
         kernel = getattr(load(name), fn)
         monkeypatch.setattr(

@@ -90,6 +90,10 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
     for dtype, width in ((bf16, 7168), (bf16, 512), (torch.float32, 7168)):
         x, w = torch.empty(4, width, dtype=dtype), torch.empty(width, dtype=dtype)
         yield f"rms_norm {str(dtype)[6:]} {width}", lambda x=x, w=w: triton_norm.rms_norm(x, w, 1e-6)
+        yield (
+            f"add_rms_norm {str(dtype)[6:]} {width}",
+            lambda x=x, w=w: triton_norm.add_rms_norm(x, x, w, 1e-6),
+        )
 
     def linear(tokens, out, inp, dtype=bf16, splits=None, bias=False):
         x = torch.empty(tokens, inp, dtype=dtype)

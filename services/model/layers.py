@@ -33,11 +33,13 @@ def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream h [T, H] plus a sublayer's output delta [T, H] (None: nothing to add
-    yet), and its RMSNorm: (h + delta, rms_norm(h + delta)); one op on an fp32 CPU (as vLLM's
-    fused_add_rms_norm)."""
+    yet), and its RMSNorm: (h + delta, rms_norm(h + delta)); one op on a GPU and on an fp32 CPU
+    (as vLLM's fused_add_rms_norm)."""
     if delta is None:
         return h, rms_norm(h, weight, eps)
-    fused = cpu_kernels.add_rms_norm(h, delta, weight, eps)
+    fused = triton_kernels.run("norm", "add_rms_norm", h, delta, weight, eps)  # CUDA
+    if fused is None:
+        fused = cpu_kernels.add_rms_norm(h, delta, weight, eps)
     if fused is not None:
         return fused
     h = h + delta
