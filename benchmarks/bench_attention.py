@@ -37,6 +37,7 @@ from services.attention.dispatch import RemoteExperts
 from services.attention.tensor_parallel import TPGroup, lead, run_follower
 from services.balancer.policy import Pool, initial_placement, slots_per_worker
 from services.experts.client import load_placement
+from services.model import cpu_kernels
 from services.model.engine import Engine, EngineConfig, LocalEngine, load_engine
 from services.model.presets import init_model
 from services.model.sampling import SamplingParams
@@ -249,6 +250,7 @@ def main() -> None:
         "rounds": args.rounds,
         "prompt_len": PROMPT_LEN,
         "machine_cores": os.cpu_count(),
+        "cpu_kernels": cpu_kernels.available(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "dtype": args.dtype,
         "tp": args.tp,

@@ -62,6 +62,7 @@ sys.path.insert(0, str(REPO))  # `proto` must resolve to this repo's package (pr
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from services.model import cpu_kernels  # noqa: E402
 from services.rpc import wire  # noqa: E402
 
 ECHO_METHOD = "/bench.Echo/Echo"
@@ -328,6 +329,7 @@ def main() -> None:
             "torch": torch.__version__,
             "grpcio": grpc.__version__,
             "torch_threads_per_process": 1,
+            "cpu_kernels": cpu_kernels.available(),
         },
         "statistic": "median over interleaved iterations (calls in a seeded shuffled order)",
         "overhead_definition": "(dispatch_ms - compute_ms - echo_ms) / echo_ms",

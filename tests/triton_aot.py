@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-# (name -> largest dynamic shared memory per block, bytes) of the targets we compile for
+# the targets we compile for: largest dynamic shared memory per block (bytes), multiprocessors
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+SMS = {90: 132, 80: 108}  # (H100 SXM, A100)
 
 
 def cases() -> Iterator[tuple[str, Callable[[], object]]]:
@@ -107,14 +108,14 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
         ("q_b", 24576, 1536),
         ("o", 7168, 16384),
     ):
-        yield f"fp8_linear {name} tokens=1", linear(1, out, inp, splits=16)
-        yield f"fp8_linear {name} tokens=512", linear(512, out, inp)
+        for tokens in (1, 512):  # (K split to fill the GPU: kv_a 16 ways at decode, q_b not at all)
+            yield f"fp8_linear {name} tokens={tokens}", linear(tokens, out, inp)
     yield "fp8_linear float32 bias", linear(8, 1536, 7168, dtype=torch.float32, bias=True)
 
 
 def record_launches(call: Callable[[], object], arch: int) -> list[tuple[object, tuple, dict]]:
-    """The (JITFunction, args, kwargs) of every launch `call` makes for an sm_<arch> GPU (the FP8
-    kernels read uint8 bytes below sm_89); none of them runs."""
+    """The (JITFunction, args, kwargs) of every launch `call` makes for an sm_<arch> GPU (its
+    multiprocessors; the FP8 kernels read uint8 bytes below sm_89); none of them runs."""
     from triton.runtime.jit import JITFunction
 
     from services.model import triton_kernels
@@ -124,12 +125,13 @@ def record_launches(call: Callable[[], object], arch: int) -> list[tuple[object,
     def record(self, *args, grid, warmup=False, **kwargs):
         launches.append((self, args, kwargs))
 
-    run, fp8_native = JITFunction.run, triton_kernels.fp8_native
+    saved = JITFunction.run, triton_kernels.fp8_native, triton_kernels.multiprocessors
     JITFunction.run, triton_kernels.fp8_native = record, lambda t: arch >= 89
+    triton_kernels.multiprocessors = lambda device: SMS[arch]  # (the split heuristics' input)
     try:
         call()
     finally:
-        JITFunction.run, triton_kernels.fp8_native = run, fp8_native
+        JITFunction.run, triton_kernels.fp8_native, triton_kernels.multiprocessors = saved
     return launches
 
 
@@ -178,7 +180,10 @@ def main() -> None:
         raise SystemExit("unset TRITON_INTERPRET: the interpreter builds no GPU code")
     for arch in (int(a) for a in args.arch.split(",")):
         for label, call in cases():
-            for fn, fargs, fkwargs in record_launches(call, arch):
+            launches = record_launches(call, arch)
+            if not launches:  # (a wrapper that declined these inputs)
+                print(json.dumps({"case": label, "arch": arch, "kernel": None, "error": "nothing launched"}))
+            for fn, fargs, fkwargs in launches:
                 try:
                     result = compile_launch(fn, fargs, dict(fkwargs), arch)
                 except Exception as e:  # reported, so that one failure does not hide the others

@@ -67,6 +67,12 @@ def enabled(t: torch.Tensor, name: str = "mla") -> bool:
     return on
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (how many programs run at once: the kernels split
+    their work to fill them); 4 elsewhere (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def fp8_native(t: torch.Tensor) -> bool:
     """Whether Triton has float8_e4m3fn on t's device: CUDA sm_89 and up (Ada, Hopper, Blackwell),
     and the interpreter on CPU. Below that (A100's sm_80) the FP8 kernels take the weights' bytes

@@ -76,7 +76,7 @@ def _splits(tiles: int, k_blocks: int, device: torch.device) -> int:
     """Splits of K: enough programs to fill the GPU about twice over at decode sizes (kv_a's 576
     outputs are 9 tiles of 64: 9 programs for 132 SMs without splits), each split at least 4 K
     tiles; a power of two."""
-    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    units = triton_kernels.multiprocessors(device)
     want = max(1, min(-(-2 * units // tiles), k_blocks // 4))
     return 1 << (want.bit_length() - 1)  # (the power of two at or below)
 

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_kernels
 from .kv_cache import BLOCK_SIZE
 from .triton_kernels import INTERPRETED
 
@@ -114,7 +115,7 @@ def _mla_decode_merge(
 
 def _splits(batch: int, head_groups: int, max_blocks: int, device: torch.device) -> int:
     """Enough programs to fill the GPU about twice over; a power of two, at most one per block."""
-    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    units = triton_kernels.multiprocessors(device)
     want = max(1, -(-2 * units // max(batch * head_groups, 1)))
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks))
 
