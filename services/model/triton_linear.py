@@ -19,7 +19,8 @@ import triton.language as tl
 from . import triton_kernels
 from .triton_kernels import INTERPRETED
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# the activation dtypes the kernels take (shared by triton_mla and triton_moe)
+TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -96,7 +97,7 @@ def fp8_linear(
     N, K = weight.shape
     bn, bk = block
     block_k = 64 if bk % 64 == 0 else 32 if bk % 32 == 0 else 16  # a power of two dividing bk
-    if weight.dtype != torch.float8_e4m3fn or x.dtype not in _TL_DTYPE or bk % block_k:
+    if weight.dtype != torch.float8_e4m3fn or x.dtype not in TL_DTYPE or bk % block_k:
         return None
     if x.shape[-1] != K or scale.shape != (-(-N // bn), -(-K // bk)):
         raise ValueError(
@@ -117,10 +118,11 @@ def fp8_linear(
     splits = triton.cdiv(K, k_per_split)  # (no empty split)
     y = (torch.empty(M, N, dtype=x.dtype, device=x.device) if splits == 1
          else torch.empty(splits, M, N, dtype=torch.float32, device=x.device))  # fmt: skip
-    dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPE[x.dtype]
+    dot_dtype = tl.float32 if INTERPRETED else TL_DTYPE[x.dtype]
     bits = not triton_kernels.fp8_native(weight)
+    weight = weight.view(torch.uint8) if bits else weight  # (the FP8 bytes, converted in the kernel)
     _fp8_linear_kernel[(*grid_mn, splits)](
-        x2, weight.view(torch.uint8) if bits else weight, scale, scale if bias is None else bias, y, M, N, K, k_per_split, x2.stride(0),
+        x2, weight, scale, scale if bias is None else bias, y, M, N, K, k_per_split, x2.stride(0),
         weight.stride(0), scale.stride(0), y.stride(-2), y.stride(0) if splits > 1 else 0,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, QUANT_N=bn, QUANT_K=bk,
         DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else None, FP8_BITS=bits,

@@ -25,8 +25,7 @@ import triton.language as tl
 from . import triton_kernels
 from .kv_cache import BLOCK_SIZE
 from .triton_kernels import INTERPRETED
-
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+from .triton_linear import TL_DTYPE
 
 
 @triton.jit
@@ -240,7 +239,7 @@ def latent_to_cache(
     T, N, R = q_pe.shape
     C = kv.shape[1] - R
     dtypes = {kv.dtype, q_pe.dtype, cos.dtype, norm_weight.dtype}
-    if cache.shape[-1] != C + R or not cache.is_contiguous() or len(dtypes) > 1 or kv.dtype not in _TL_DTYPE:
+    if cache.shape[-1] != C + R or not cache.is_contiguous() or len(dtypes) > 1 or kv.dtype not in TL_DTYPE:
         return None
     if kv.stride(-1) != 1:
         return None
@@ -252,6 +251,6 @@ def latent_to_cache(
             kv, q_pe, norm_weight, cos, sin, slot_mapping, cache, out,
             N, kv.stride(0), q_pe.stride(0), q_pe.stride(1), cos.stride(0), eps,
             C=C, R=R, BLOCK_C=triton.next_power_of_2(C), BLOCK_HALF=max(2, triton.next_power_of_2(R // 2)),
-            BLOCK_N=triton.next_power_of_2(N), INTERLEAVE=interleave, DTYPE=_TL_DTYPE[kv.dtype],
+            BLOCK_N=triton.next_power_of_2(N), INTERLEAVE=interleave, DTYPE=TL_DTYPE[kv.dtype],
         )  # fmt: skip
     return out

@@ -32,10 +32,9 @@ import triton.language as tl
 
 from . import triton_kernels
 from .triton_kernels import INTERPRETED
-from .triton_linear import e4m3_bits_to_fp16
+from .triton_linear import TL_DTYPE, e4m3_bits_to_fp16
 
 MAX_PAIRS = 32768  # (token, choice) pairs per kernel launch
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def align_pairs(slot: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +229,7 @@ def fused_moe(
     s2 = w2_scale if fp8 else route
     s13_strides = s13.stride() if fp8 else (0, 0, 0)
     s2_strides = s2.stride() if fp8 else (0, 0, 0)
-    dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPE[x.dtype]
+    dot_dtype = tl.float32 if INTERPRETED else TL_DTYPE[x.dtype]
     precision = "ieee" if dot_dtype == tl.float32 else None  # fp32: no TF32 rounding
     num_m = EM // block_m
     bits = fp8 and not triton_kernels.fp8_native(w13)  # (uint8 views of the FP8 bytes)
