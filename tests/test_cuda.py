@@ -23,10 +23,40 @@ def test_cuda_engine_matches_cpu(tiny_model, micro_batches):
         assert (a.cpu() - b).abs().max() <= 1e-3  # TF32-free fp32 on GPU, different reduction order
 
 
-def test_cuda_bf16_grouped_mm_path(tiny_model):
-    engine = LocalEngine(EngineConfig(model=str(tiny_model), device="cuda", dtype="bfloat16"))
-    out = engine.generate([[0, 5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 8
+@pytest.fixture
+def torch_moe(monkeypatch):
+    """MOE_TRITON=0 (the torch path of every Triton kernel) for one test: the kernels' switches
+    read again before and after it, whatever it ends with."""
+    from services.model import triton_kernels
+
+    monkeypatch.setenv("MOE_TRITON", "0")
+    triton_kernels.reset()
+    yield
+    monkeypatch.undo()
+    triton_kernels.reset()
+
+
+def test_cuda_bf16_grouped_mm_path(tiny_model, torch_moe, monkeypatch):
+    """MOE_TRITON=0: the routed experts go through torch's grouped_mm (bf16 on CUDA). Its sorting
+    synchronises, so the decode graphs are refused in the checked warm-up, before any capture:
+    the engine runs eagerly, on the default stream, with the tokens of an engine built eager."""
+    from torch.nn import functional as F
+
+    calls, grouped_mm = [], F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    prompts = [[0, 5, 6, 7], list(range(3, 90))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for graphs in (True, False):
+        engine = LocalEngine(EngineConfig(model=str(tiny_model), device="cuda", dtype="bfloat16",
+                                          max_num_seqs=8, cuda_graphs=graphs))  # fmt: skip
+        assert engine.graphs is None
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        assert torch.cuda.get_sync_debug_mode() == 0
+        calls.clear()
+        outs[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+        assert calls  # (the generation's own)
+    assert outs[True] == outs[False] and len(outs[True][0]) == 8
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

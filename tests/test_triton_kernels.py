@@ -73,19 +73,52 @@ def test_mla_decode_matches_torch(kernels, lens, heads, C, R, extra, splits):
     )
 
 
-def test_mla_decode_over_wide_tables_and_small_dims(kernels):
+def test_mla_decode_over_wide_tables_and_small_dims(kernels, monkeypatch):
     """A block table much wider than the contexts (a CUDA graph's static one: each row splits its
-    own blocks), and a latent narrower than tl.dot's 16."""
+    own blocks; the splits past a row's end write no partial and the merge reads none: the
+    partials start as NaN here), and a latent narrower than tl.dot's 16."""
     load, device = kernels
     mla = load("mla")
     cache, table, lens = paged_context([100, 7, 64], 8 + 8, torch.float32, device, seed=6)
     wide = torch.cat((table, torch.zeros(3, 30, dtype=table.dtype, device=device)), dim=1)
     q = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(7)).to(device)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
     for splits in (1, 4, 32):
         o = mla.mla_decode(q, cache, wide, lens, 8, 0.3, splits=splits)
         torch.testing.assert_close(
             o, mla_decode_reference(q, cache, table, lens, 8, 0.3), rtol=1e-4, atol=1e-5
         )
+
+
+def test_mla_decode_splits_hold_a_minimum_of_blocks(kernels, monkeypatch):
+    """The heuristic's 8 splits (from the 32-block static table) each take at least
+    MIN_SPLIT_BLOCKS of a row's blocks: its 10 blocks in 4 + 4 + 2, 1 block in one split, 5 in
+    4 + 1, the other splits empty (log-sum-exp -inf); the reference's result."""
+    load, device = kernels
+    mla = load("mla")
+    monkeypatch.setattr(triton_kernels, "multiprocessors", lambda device: 132)
+    cache, table, lens = paged_context([640, 50, 260], 16 + 8, torch.float32, device, seed=10)
+    wide = torch.cat((table, torch.zeros(3, 32 - table.shape[1], dtype=table.dtype, device=device)), dim=1)
+    q = torch.randn(3, 4, 24, generator=torch.Generator().manual_seed(11)).to(device)
+    made, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(empty(*a, **k)) or made[-1])
+    o = mla.mla_decode(q, cache, wide, lens, 16, 0.3)
+    (lse,) = [t for t in made if t.shape == (3, 4, 8)]
+    assert (lse > float("-inf")).all(1).tolist() == [[True] * n + [False] * (8 - n) for n in (3, 1, 2)]
+    torch.testing.assert_close(o, mla_decode_reference(q, cache, table, lens, 16, 0.3), rtol=1e-4, atol=1e-5)
+
+
+def test_mla_decode_split_count(kernels, monkeypatch):
+    """Enough programs to fill the GPU twice, in splits of at least MIN_SPLIT_BLOCKS blocks of the
+    widest context: on an H100 (132 SMs) at V3's 128 heads (8 groups) and 4k contexts, 16 splits
+    at batch 1, one (no merge) at 64; a power of two."""
+    load, _ = kernels
+    mla = load("mla")
+    monkeypatch.setattr(triton_kernels, "multiprocessors", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert [mla._splits(b, 8, 64, cpu) for b in (1, 2, 4, 8, 16, 33, 64)] == [16, 16, 16, 8, 4, 1, 1]
+    assert [mla._splits(1, 8, blocks, cpu) for blocks in (1, 4, 5, 9, 2048)] == [1, 1, 2, 4, 64]
 
 
 def test_a_failing_kernel_leaves_its_work_to_torch(kernels, monkeypatch, caplog):
@@ -102,7 +135,9 @@ def test_a_failing_kernel_leaves_its_work_to_torch(kernels, monkeypatch, caplog)
     monkeypatch.setenv("MOE_CPU_KERNELS", "0")
     torch.testing.assert_close(rms_norm(x, w, 1e-6), expected, rtol=1e-5, atol=1e-6)
     assert "Triton norm.rms_norm failed" in caplog.text
-    assert triton_kernels.get("norm", x) is None and triton_kernels.get("mla", x) is not None  # only that one
+    # only that function: the module's others still run
+    assert triton_kernels.run("norm", "rms_norm", x, w, 1e-6) is None
+    assert triton_kernels.run("norm", "add_rms_norm", x, x, w, 1e-6) is not None
 
 
 def test_mla_decode_over_chosen_rows(kernels):
@@ -116,11 +151,10 @@ def test_mla_decode_over_chosen_rows(kernels):
     rows = torch.stack([torch.randperm(cache.shape[0] * 64, generator=g)[:70] for _ in range(3)]).to(device)
     count = torch.tensor([70, 1, 33], device=device)
     q = torch.randn(3, 20, 80, generator=g).to(device)
-    triton_kernels._enabled[q.is_cuda] = False  # the reference: sparse_decode's torch gather
-    try:
+    with triton_kernels.off(cuda=q.is_cuda):  # the reference: sparse_decode's torch gather
+        assert triton_kernels.get("mla", q) is None
         ref = sparse_decode(q, cache, rows, count, 64, 0.2)
-    finally:
-        del triton_kernels._enabled[q.is_cuda]
+    assert triton_kernels.get("mla", q) is not None
     for splits in (None, 2):
         o = load("mla").mla_decode(q, cache, None, count, 64, 0.2, splits=splits, rows=rows)
         torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)

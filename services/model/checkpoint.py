@@ -50,12 +50,12 @@ def quantize_fp8_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `dequantize_fp8_blocks` (used to write FP8 test checkpoints).
 
-    w [M, N] -> (fp8 e4m3 [M, N], scale_inv fp32 [ceil(M/bm), ceil(N/bn)]), scale = amax/448.
+    w [M, N] -> (fp8 e4m3 [M, N], scale_inv fp32 [ceil(M/bm), ceil(N/bn)]) on w's device, scale = amax/448.
     """
     bm, bn = block
     m, n = w.shape
     gm, gn = (m + bm - 1) // bm, (n + bn - 1) // bn
-    padded = torch.zeros(gm * bm, gn * bn, dtype=torch.float32)
+    padded = torch.zeros(gm * bm, gn * bn, dtype=torch.float32, device=w.device)
     padded[:m, :n] = w.float()
     blocks = padded.view(gm, bm, gn, bn)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)

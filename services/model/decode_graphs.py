@@ -23,7 +23,10 @@ same expert messages (the real rows only) to the same driver (`model.run_interle
 load, ping-pong micro-batches (one instance each) and failures work as in an eager step.
 
 Whatever does not capture (a torch op that synchronises: the routed experts' torch path without
-Triton, DeepSeek-V4's per-sequence loops) is logged and the engine stays eager. `capture=False`
+Triton, DeepSeek-V4's per-sequence loops) is logged and the engine stays eager: after a first
+eager pass (Triton compiles, libraries do their first-call set-up), each bucket's eager warm-up
+runs with torch's sync check raising (`_syncs_raise`), so such a step fails before a capture
+begins; a capture that fails still leaves the stream that was current. `capture=False`
 runs the same static-buffer steps eagerly: how CPU tests check everything here but the capture
 itself.
 """
@@ -40,6 +43,33 @@ from .kv_cache import BLOCK_SIZE
 from .model import DecodeRows, ExpertCombine, ExpertDispatch, StepBatch, StepGen
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _syncs_raise():
+    """Inside: a call that waits for the GPU (`.item()`, `nonzero`, a copy to the host, ...) raises,
+    as torch's sync debug mode makes it; a capture would refuse it, less cleanly. (The mode is the
+    process's: used while an engine is being built, before it serves.)"""
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+@contextlib.contextmanager
+def capturing(device: torch.device):
+    """Around capturing graphs on `device`: it is the current GPU (a capture records the current
+    device's stream), and the stream that was current is current again after a failed capture
+    (torch.cuda.graph leaves its side stream current when the capture's end raises)."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream()
+        try:
+            yield
+        except BaseException:
+            torch.cuda.set_stream(stream)
+            raise
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -174,15 +204,19 @@ class DecodeGraphs(StaticDecode):
         """Capture every bucket, largest first, sharing one memory pool (as vLLM does); each
         bucket runs once eagerly first (Triton compiles its kernels outside the capture)."""
         pool = None
-        for bucket in reversed(self.buckets):
-            self._pad(0, bucket)
-            self._step(bucket)  # warm-up
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits, load = self._step(bucket)
-            pool = graph.pool()
-            self._graphs[bucket] = (graph, logits, load)
+        with capturing(self.cache.device):
+            self._pad(0, self.buckets[-1])
+            self._step(self.buckets[-1])  # the first pass: unchecked (first-call set-up)
+            for bucket in reversed(self.buckets):
+                self._pad(0, bucket)
+                with _syncs_raise():
+                    self._step(bucket)  # warm-up: nothing in it may wait for the GPU
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits, load = self._step(bucket)
+                pool = graph.pool()
+                self._graphs[bucket] = (graph, logits, load)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
 
@@ -248,18 +282,29 @@ class SegmentedDecodeGraphs(StaticDecode):
         runs once eagerly first (Triton compiles its kernels outside the capture). The pool is
         this instance's own: another micro-batch's pieces run between ours."""
         pool = None
-        for bucket in reversed(self.buckets):
-            self._pad(0, bucket)
-            for capture in (False, True):  # warm-up, then capture
+        with capturing(self.cache.device):
+            self._pad(0, self.buckets[-1])
+            self._run_pieces(self.buckets[-1])  # the first pass: unchecked (first-call set-up)
+            for bucket in reversed(self.buckets):
+                self._pad(0, bucket)
+                with _syncs_raise():
+                    self._run_pieces(bucket)  # warm-up: nothing in it may wait for the GPU
                 torch.cuda.synchronize()
-                step, reply, pieces = self._pass(bucket), None, []
-                while not pieces or isinstance(pieces[-1][1], ExpertDispatch | ExpertCombine):
-                    graph = torch.cuda.CUDAGraph() if capture else None
-                    with torch.cuda.graph(graph, pool=pool) if capture else contextlib.nullcontext():
-                        out = _advance(step, reply)
-                    if capture:
-                        pool = graph.pool()
-                    pieces.append((graph, out))
-                    reply = _HANDLE if isinstance(out, ExpertDispatch) else self.routed[:bucket]
-            self._pieces[bucket] = pieces
+                self._pieces[bucket], pool = self._run_pieces(bucket, pool, capture=True)
+        pieces = self._pieces[self.buckets[0]]
         log.info("captured decode CUDA graphs in %d pieces for batch sizes %s", len(pieces), self.buckets)
+
+    def _run_pieces(self, bucket: int, pool=None, capture: bool = False) -> tuple[list, object]:
+        """One pass over the first `bucket` static rows, cut at its expert messages: ([(graph, the
+        piece's output)], pool); each piece captured into a graph in `pool` when `capture`, else
+        run (graph None)."""
+        step, reply, pieces = self._pass(bucket), None, []
+        while not pieces or isinstance(pieces[-1][1], ExpertDispatch | ExpertCombine):
+            graph = torch.cuda.CUDAGraph() if capture else None
+            with torch.cuda.graph(graph, pool=pool) if capture else contextlib.nullcontext():
+                out = _advance(step, reply)
+            if capture:
+                pool = graph.pool()
+            pieces.append((graph, out))
+            reply = _HANDLE if isinstance(out, ExpertDispatch) else self.routed[:bucket]
+        return pieces, pool

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 _modules: dict[str, ModuleType | None] = {}
 # (kernel family, is_cuda) -> whether its kernels run there (read from the environment once)
 _enabled: dict[tuple[str, bool], bool] = {}
+_failed: set[tuple[str, str]] = set()  # (module name, function) that failed here: the torch path's
 
 # triton 3.9's interpreter multiplies bf16/fp16 tiles wrongly in tl.dot (it multiplies their raw
 # bits); under it the kernels widen their dot operands to fp32 (bf16 products are exact in fp32:
@@ -81,9 +82,25 @@ def fp8_native(t: torch.Tensor) -> bool:
 
 
 def reset() -> None:
-    """Forget the loaded modules and the environment's answer (tests change them)."""
+    """Forget the loaded modules, the environment's answer and the failed kernels (tests change them)."""
     _modules.clear()
     _enabled.clear()
+    _failed.clear()
+
+
+@contextlib.contextmanager
+def off(family: str = "triton", cuda: bool = True):
+    """Inside: the family's kernels ("triton" or "flashmla") off on CUDA (cuda=True) or the CPU,
+    whatever the environment says: the torch path, as the references of benchmarks and tests."""
+    key = (family, cuda)
+    saved = _enabled.pop(key, None)
+    _enabled[key] = False
+    try:
+        yield
+    finally:
+        _enabled.pop(key, None)
+        if saved is not None:
+            _enabled[key] = saved
 
 
 def get(name: str, t: torch.Tensor) -> ModuleType | None:
@@ -94,20 +111,20 @@ def get(name: str, t: torch.Tensor) -> ModuleType | None:
 def run(name: str, fn: str, *args, **kwargs):
     """`module(name).fn(*args, **kwargs)` with args[0]'s GPU as the current device (Triton
     launches on the current one); None where the kernels are off, where the function declines,
-    or once it has failed: a kernel that does not compile or launch here is logged and left to
-    the caller's torch path from then on (inside a CUDA-graph capture the error propagates: the
-    engine then stays eager)."""
+    or once it has failed: a kernel function that does not compile or launch here is logged and
+    left to the caller's torch path from then on, the module's other functions still run (inside a
+    CUDA-graph capture the error propagates: the engine then stays eager)."""
     t = args[0]
     kernels = get(name, t)
-    if kernels is None:
+    if kernels is None or (name, fn) in _failed:
         return None
     try:
         with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
             return getattr(kernels, fn)(*args, **kwargs)
     except Exception as e:
-        if t.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise
+        if t.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode()):
+            raise  # (a capture, or the check before one: decode_graphs; the kernel itself is fine)
         kind = "FlashMLA" if name == "flashmla" else "Triton"
         log.error("%s %s.%s failed (%s: %s); the next path from now on", kind, name, fn, type(e).__name__, e)
-        _modules[name] = None
+        _failed.add((name, fn))
         return None

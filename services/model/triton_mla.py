@@ -4,11 +4,12 @@ The absorbed decode form of model.mla_forward: each decode row's N latent querie
 score the rows [c_kv | k_pe] of its context in the paged cache [blocks, 64, 1, W] (FlashMLA's
 layout, W >= C+R) and take the softmax-weighted sum of their first C values. The context is cut
 into `splits` ranges of whole 64-row blocks (each row's own: cdiv(blocks, splits) per range);
-stage 1 runs one program per (row, group of
-BLOCK_H heads, split) with an online softmax over the split's rows and writes a partial output
-and its log-sum-exp; stage 2 merges a row's splits. The number of splits comes from the block
-table's width, not from the lengths, so launching needs no device-to-host copy (a CUDA graph
-can capture it).
+stage 1 runs one program per (group of
+BLOCK_H heads, row, split) with an online softmax over the split's rows and writes a partial output
+and its log-sum-exp; stage 2 merges a row's splits (with one split, stage 1 writes the output and
+there is no stage 2). The number of splits comes from the block table's width, not from the
+lengths, so launching needs no device-to-host copy (a CUDA graph can capture it); a split past the
+end of a shorter row's context writes only its log-sum-exp (-inf).
 
 Every group of 16 heads reads each cache row once for all of them (DeepSeek-V3 has 128 heads
 sharing one latent KV head: 8 groups per row and split), in tiles of 32 rows (sizes as SGLang's
@@ -33,13 +34,18 @@ def _mla_decode_split(
     q_ptr, cache_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
     N, C, R, W, stride_q_b, stride_q_n, stride_table_b, scale, SPARSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PAGE: tl.constexpr, SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: the softmax of heads [BLOCK_H] of row b over its split's context rows.
-    mid_o [B, N, SPLITS, C] fp32 (normalised by the split's own sum), mid_lse [B, N, SPLITS].
-    SPARSE: table_ptr holds each row's chosen flat cache rows (V3.2's top-k), not block ids."""
-    b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mid_o [B, N, SPLITS, C] fp32 (normalised by the split's own sum; not written for a split past
+    the end of the row's context), mid_lse [B, N, SPLITS] (-inf there); with one split, the
+    output itself: mid_o is o [B, N, C] in its dtype and mid_lse is not used.
+    SPARSE: table_ptr holds each row's chosen flat cache rows (V3.2's top-k), not block ids.
+    The head group is the fastest-varying program id: a row's groups run side by side and read
+    its cache rows once from memory between them (the others hit the L2)."""
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     c = tl.arange(0, BLOCK_C)
     r = tl.arange(0, BLOCK_R)
@@ -51,7 +57,8 @@ def _mla_decode_split(
         q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
 
     length = tl.load(lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(length, PAGE), SPLITS) * PAGE  # this row's context, in whole blocks
+    # this row's context in whole blocks, at least MIN_BLOCKS per split (the last splits may be empty)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(length, PAGE), SPLITS), MIN_BLOCKS) * PAGE
     start = split * per_split
     end = tl.minimum(start + per_split, length)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -81,12 +88,12 @@ def _mla_decode_split(
         m = m_new
 
     out = mid_o_ptr + ((b * N + heads[:, None]) * SPLITS + split) * C + c[None, :]
-    lse = mid_lse_ptr + (b * N + heads) * SPLITS + split
     empty = total == 0.0  # a split past the end of the context: weight 0 in stage 2
-    tl.store(
-        out, tl.where(empty[:, None], 0.0, acc / total[:, None]), mask=head_ok[:, None] & (c[None, :] < C)
-    )
-    tl.store(lse, tl.where(empty, float("-inf"), m + tl.log(total)), mask=head_ok)
+    mask = head_ok[:, None] & (c[None, :] < C) & ~empty[:, None]
+    tl.store(out, (acc / total[:, None]).to(mid_o_ptr.dtype.element_ty), mask=mask)
+    if SPLITS > 1:
+        lse = mid_lse_ptr + (b * N + heads) * SPLITS + split
+        tl.store(lse, tl.where(empty, float("-inf"), m + tl.log(total)), mask=head_ok)
 
 
 @triton.jit
@@ -105,18 +112,27 @@ def _mla_decode_merge(
         lse = tl.load(mid_lse_ptr + bn * SPLITS + s)
         new_top = tl.maximum(top, lse)
         keep, add = tl.exp(top - new_top), tl.exp(lse - new_top)
-        part = tl.load(mid_o_ptr + (bn * SPLITS + s) * C + c, mask=c < C, other=0.0)
+        written = tl.where(lse > float("-inf"), C, 0)  # (an empty split's partial: not written, not read)
+        part = tl.load(mid_o_ptr + (bn * SPLITS + s) * C + c, mask=c < written, other=0.0)
         acc = acc * keep + add * part
         total = total * keep + add
         top = new_top
     tl.store(o_ptr + bn * C + c, (acc / total).to(o_ptr.dtype.element_ty), mask=c < C)
 
 
+MIN_SPLIT_BLOCKS = 4  # cache blocks per split at least: a split's partials (heads x C fp32, 256 KB
+# on V3) are written and read back once, its rows (64 x 576 bf16 per block, 74 KB) read once
+
+
 def _splits(batch: int, head_groups: int, max_blocks: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU about twice over; a power of two, at most one per block."""
+    """Enough programs to fill the GPU about twice over, a power of two, and no more than splits of
+    MIN_SPLIT_BLOCKS blocks of the widest context (max_blocks) need (the kernel gives each of a
+    row's splits at least MIN_SPLIT_BLOCKS of its blocks: the last ones of a short row are empty)."""
     units = triton_kernels.multiprocessors(device)
     want = max(1, -(-2 * units // max(batch * head_groups, 1)))
-    return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks))
+    return min(
+        triton.next_power_of_2(want), triton.next_power_of_2(triton.cdiv(max_blocks, MIN_SPLIT_BLOCKS))
+    )
 
 
 def mla_decode(
@@ -132,7 +148,8 @@ def mla_decode(
     """q [B, N, C+R] (the absorbed latent query: q_nope @ W_UK, then q_pe), cache [blocks, 64, 1,
     W] (rows [c_kv | k_pe | ...]), table [B, max_blocks] int32/int64, lens [B] context lengths
     (>= 1) -> o [B, N, C] in q's dtype: softmax(scale * q . row[:C+R]) weighted sum of row[:C]
-    over each sequence's first lens[b] rows. `splits` (a power of two) overrides the heuristic.
+    over each sequence's first lens[b] rows. `splits` (a power of two) overrides the heuristic (then
+    each row's blocks are cut in exactly `splits` ranges, without the minimum per split).
     rows [B, k] int64 (then `table` is not used): each sequence's chosen flat cache rows (block *
     64 + offset; V3.2's top-k), of which the first lens[b] are attended to.
     None where the kernel does not apply (a cache of another dtype or layout).
@@ -147,21 +164,24 @@ def mla_decode(
     BLOCK_H = 16  # heads per program: the [16, C] fp32 accumulator stays in registers (C = 512: 32 KB)
     groups = triton.cdiv(N, BLOCK_H)
     width = table.shape[1] if rows is None else triton.cdiv(rows.shape[1], BLOCK_SIZE)  # in blocks
+    min_blocks = 1 if splits else MIN_SPLIT_BLOCKS  # (splits given: exactly cdiv(blocks, splits) each)
     splits = splits or _splits(B, groups, width, q.device)
-    mid_o = torch.empty(B, N, splits, C, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(B, N, splits, dtype=torch.float32, device=q.device)
+    o = torch.empty(B, N, C, dtype=q.dtype, device=q.device)
+    mid_o = torch.empty(B, N, splits, C, dtype=torch.float32, device=q.device) if splits > 1 else o
+    mid_lse = torch.empty(B, N, splits, dtype=torch.float32, device=q.device) if splits > 1 else o
     fp32 = q.dtype == torch.float32
     BLOCK_C = max(16, triton.next_power_of_2(C))
-    _mla_decode_split[(B, groups, splits)](
+    _mla_decode_split[(groups, B, splits)](
         q, cache, table, lens, mid_o, mid_lse,
         N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale, rows is not None,
         BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_N=16 if fp32 else 32,  # (fp32 tiles are twice the registers)
-        PAGE=BLOCK_SIZE, SPLITS=splits, PRECISION="ieee" if fp32 else None,  # fp32: no TF32 rounding
+        PAGE=BLOCK_SIZE, SPLITS=splits, MIN_BLOCKS=min_blocks,
+        PRECISION="ieee" if fp32 else None,  # fp32: no TF32 rounding
         UPCAST=INTERPRETED, num_warps=4, num_stages=2,
     )  # fmt: skip
-    o = torch.empty(B, N, C, dtype=q.dtype, device=q.device)
-    _mla_decode_merge[(B * N,)](mid_o, mid_lse, o, N, C, BLOCK_C=BLOCK_C, SPLITS=splits)
+    if splits > 1:
+        _mla_decode_merge[(B * N,)](mid_o, mid_lse, o, N, C, BLOCK_C=BLOCK_C, SPLITS=splits)
     return o
 
 
