@@ -1,18 +1,27 @@
 """The Triton kernels on a GPU at DeepSeek-V3 shapes (needs CUDA and triton; exits otherwise).
 
+Every time is GPU time per call: the calls replayed back to back from one CUDA graph (as a graphed
+decode step runs them, so the host's launch overhead is not counted), each on its own copy of the
+data it reads where one call reads less than twice the L2 (up to MAX_COPIES copies), so that no call
+finds its data there: the bandwidths of the MLA, MoE and linear cases are HBM's. The smallest
+cases (RMSNorm at 1 and 64 tokens, the latent work) are latency-bound: their times are what counts.
+
 - MLA decode (services/model/triton_mla.py): 128 heads, 576-wide latent rows (512 + 64 rope),
   bf16 paged cache, B sequences of `--context` tokens each. Reported as the bandwidth of reading
   the cache rows (the bytes that must move) against this GPU's measured device-to-device copy
   bandwidth and its nominal peak; beside it the torch path (gather + two bmm) and FlashMLA when
   it is installed.
 - Fused MoE (services/model/triton_moe.py): hidden 7168, intermediate 2048, top-8 over
-  `--slots` experts on one worker, bf16 and block-FP8 weights, against torch's grouped_mm path
-  (layers.grouped_expert_ffn) on the same tokens.
+  `--slots` experts on one worker, bf16 and block-FP8 weights, against torch's grouped_mm on the
+  same (token, expert) pairs already sorted by expert (its two grouped GEMMs and the SwiGLU,
+  graphed), and the whole torch layer as the engine runs it without Triton (it sorts with
+  synchronising ops, so it is timed eagerly).
 - RMSNorm (services/model/triton_norm.py) at [tokens, 7168] against the torch ops.
-- The MLA latent's per-token work (triton_mla.latent_to_cache) against the unfused ops, both
-  replayed from CUDA graphs.
+- The MLA latent's per-token work (triton_mla.latent_to_cache) against the unfused ops.
 - FP8 linears (services/model/triton_linear.py, `keep_fp8_linears`) at V3's MLA shapes against
   cuBLAS on the bf16 weights.
+
+The JSON is written after each section (a section that fails records its error; the others run).
 
     python -m benchmarks.bench_kernels [--out benchmarks/results/kernels_<gpu>.json]
 """
@@ -21,11 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from services.model.decode_graphs import capturing
 
 NOMINAL_TBPS = {
     "H100 80GB HBM3": 3.35,
@@ -36,9 +48,9 @@ NOMINAL_TBPS = {
 }
 
 
-def timed_ms(fn, reps: int = 50) -> float:
-    """Median milliseconds of fn() over `reps` runs, timed with CUDA events after 5 warm-ups."""
-    for _ in range(5):
+def timed_ms(fn, reps: int = 30) -> float:
+    """Median milliseconds of fn() over `reps` runs, timed with CUDA events after 3 warm-ups."""
+    for _ in range(3):
         fn()
     torch.cuda.synchronize()
     times = []
@@ -50,6 +62,31 @@ def timed_ms(fn, reps: int = 50) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+MAX_COPIES = 64
+
+
+def copies(nbytes: int) -> int:
+    """How many copies of a call's data (nbytes read per call) make the calls of one graph read
+    more than twice the L2 between two uses of the same bytes (at most MAX_COPIES)."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(MAX_COPIES, math.ceil(2 * l2 / max(nbytes, 1))))
+
+
+def graphed_ms(calls, reps: int = 20) -> float:
+    """Milliseconds per call of `calls` (one closure per copy of the data) replayed back to back
+    from one CUDA graph: the GPU's time, as a graphed decode step spends it (median replay / calls)."""
+    for fn in calls:
+        fn()  # (Triton compiles outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with capturing(torch.device("cuda", torch.cuda.current_device())), torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    ms = timed_ms(graph.replay, reps) / len(calls)
+    del graph
+    return ms
 
 
 def copy_bandwidth_tbps() -> float:
@@ -65,54 +102,65 @@ def nominal_tbps() -> float | None:
     return next((v for k, v in NOMINAL_TBPS.items() if k in name), None)
 
 
-def bench_mla(batch: int, context: int, heads: int = 128, C: int = 512, R: int = 64) -> dict:
+def bench_mla(
+    batch: int, context: int, heads: int = 128, C: int = 512, R: int = 64, width: int | None = None
+) -> dict:
+    """`width`: the block table's width in blocks (a graphed decode step's static table covers
+    max_model_len: the split count comes from it, each row splits its own blocks)."""
     from services.model import triton_mla
 
     blocks = context // 64
+    width = width or blocks
+    n = copies(batch * blocks * 64 * (C + R) * 2)
     g = torch.Generator(device="cuda").manual_seed(0)
-    cache = torch.randn(batch * blocks, 64, 1, C + R, device="cuda", generator=g).bfloat16()
-    table = torch.randperm(batch * blocks, device="cuda", generator=g).view(batch, blocks).int()
+    cache = torch.randn(n * batch * blocks, 64, 1, C + R, device="cuda", generator=g).bfloat16()
+    tables = torch.zeros(n, batch, width, dtype=torch.int32, device="cuda")
+    tables[..., :blocks] = torch.randperm(n * batch * blocks, device="cuda", generator=g).view(
+        n, batch, blocks
+    )
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, heads, C + R, device="cuda", generator=g).bfloat16()
+    qs = torch.randn(n, batch, heads, C + R, device="cuda", generator=g).bfloat16()
     scale = 0.1352338
-    moved = cache.numel() * cache.element_size() + 2 * q.numel() * 2  # cache rows, q in, o out (~)
-    row = {"batch": batch, "context": context, "heads": heads, "bytes": moved}
+    moved = batch * blocks * 64 * (C + R) * 2 + batch * heads * (2 * C + R) * 2  # rows, q in, o out
+    row = {
+        "batch": batch,
+        "context": context,
+        "table_blocks": width,
+        "heads": heads,
+        "bytes": moved,
+        "copies": n,
+    }
 
-    def torch_path():
-        ctx = cache[table.long()].view(batch, -1, C + R)
-        probs = (torch.bmm(q, ctx.transpose(1, 2)).float() * scale).softmax(-1).to(q.dtype)
+    def torch_path(i):
+        ctx = cache[tables[i, :, :blocks].long()].view(batch, -1, C + R)
+        probs = (torch.bmm(qs[i], ctx.transpose(1, 2)).float() * scale).softmax(-1).to(qs.dtype)
         return torch.bmm(probs, ctx[..., :C])
 
-    ref = torch_path()
-    out = triton_mla.mla_decode(q, cache, table, lens, C, scale)
-    row["max_abs_diff_vs_torch"] = (out.float() - ref.float()).abs().max().item()
-    for name, fn in (("triton", lambda: triton_mla.mla_decode(q, cache, table, lens, C, scale)),
-                     ("torch", torch_path)):  # fmt: skip
-        ms = timed_ms(fn)
+    def triton_path(i):
+        return triton_mla.mla_decode(qs[i], cache, tables[i], lens, C, scale)
+
+    ref = torch_path(0).float()
+    row["splits"] = triton_mla._splits(batch, heads // 16, width, torch.device("cuda"))
+    row["max_abs_diff_vs_torch"] = (triton_path(0).float() - ref).abs().max().item()
+    for name, fn in (("triton", triton_path), ("torch", torch_path)):
+        ms = graphed_ms([lambda i=i, fn=fn: fn(i) for i in range(n)])
         row[f"{name}_ms"], row[f"{name}_tbps"] = ms, moved / ms / 1e9
     try:
         from flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
         meta, splits = get_mla_metadata(lens, heads, 1)
-        fn = lambda: flash_mla_with_kvcache(q[:, None], cache, table, lens, C, meta, splits,  # noqa: E731
-                                            softmax_scale=scale, causal=True)  # fmt: skip
-        ms = timed_ms(fn)
+        got = flash_mla_with_kvcache(qs[0][:, None], cache, tables[0], lens, C, meta, splits,
+                                     softmax_scale=scale, causal=True)[0]  # fmt: skip
+        row["flashmla_max_abs_diff_vs_torch"] = (got[:, 0].float() - ref).abs().max().item()
+        calls = [lambda i=i: flash_mla_with_kvcache(qs[i][:, None], cache, tables[i], lens, C, meta, splits,
+                                                    softmax_scale=scale, causal=True) for i in range(n)]  # fmt: skip
+        ms = graphed_ms(calls)
         row["flashmla_ms"], row["flashmla_tbps"] = ms, moved / ms / 1e9
     except ImportError:
         row["flashmla"] = "not installed"
     except Exception as e:  # another FlashMLA version's API
         row["flashmla"] = f"{type(e).__name__}: {e}"
     return row
-
-
-def graphed_ms(fn) -> float:
-    """fn replayed from a CUDA graph (as a decode step runs it): median ms per replay."""
-    fn()  # (compiles the Triton kernels outside the capture)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return timed_ms(graph.replay)
 
 
 def bench_latent(tokens: int, heads: int = 128, C: int = 512, R: int = 64, D: int = 128) -> dict:
@@ -151,61 +199,100 @@ def bench_latent(tokens: int, heads: int = 128, C: int = 512, R: int = 64, D: in
     want = cache.view(-1, C + R)[slots].clone()
     row = {"tokens": tokens, "heads": heads, "q_pe_equal": torch.equal(fused(), q_pe)}
     row["cache_rows_max_abs_diff"] = (cache.view(-1, C + R)[slots].float() - want.float()).abs().max().item()
-    row["fused_ms"], row["unfused_ms"] = graphed_ms(fused), graphed_ms(unfused)
+    row["fused_ms"], row["unfused_ms"] = graphed_ms([fused]), graphed_ms([unfused])
     return row
 
 
-def bench_moe(tokens: int, slots: int, H: int = 7168, I: int = 2048, top_k: int = 8) -> dict:
-    from services.model import triton_moe
+def moe_weights(slots: int, H: int = 7168, I: int = 2048) -> dict:
+    """One expert worker's `slots` experts at V3's shapes: bf16 w13 [S, 2I, H] and w2 [S, H, I],
+    and the same quantised to block FP8 (128 x 128) with their scales, all on the GPU."""
     from services.model.checkpoint import quantize_fp8_blocks
-    from services.model.layers import grouped_expert_ffn
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(slots, 2 * I, H, device="cuda", generator=g) * 0.02).bfloat16()
-    w2 = (torch.randn(slots, H, I, device="cuda", generator=g) * 0.02).bfloat16()
+    w = {
+        "w13": (torch.randn(slots, 2 * I, H, device="cuda", generator=g) * 0.02).bfloat16(),
+        "w2": (torch.randn(slots, H, I, device="cuda", generator=g) * 0.02).bfloat16(),
+    }
+    for name in ("w13", "w2"):
+        q, scale = zip(*(quantize_fp8_blocks(e, (128, 128)) for e in w[name]), strict=True)
+        w[f"{name}_fp8"], w[f"{name}_scale"] = torch.stack(q), torch.stack(scale)
+    return w
+
+
+def bench_moe(tokens: int, w: dict, top_k: int = 8) -> dict:
+    from services.model import layers, triton_kernels, triton_moe
+
+    w13, w2 = w["w13"], w["w2"]
+    slots, I2, H = w13.shape
+    g = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, H, device="cuda", generator=g).bfloat16()
     slot = torch.rand(tokens, slots, device="cuda", generator=g).topk(min(top_k, slots), -1).indices
     weight = torch.rand(slot.shape, device="cuda", generator=g)
-    row = {"tokens": tokens, "slots": slots, "hidden": H, "intermediate": I, "top_k": slot.shape[1]}
+    row = {"tokens": tokens, "slots": slots, "hidden": H, "intermediate": I2 // 2, "top_k": slot.shape[1]}
     busy = slot.unique().numel()
-    moved = busy * 3 * H * I * 2  # the busy experts' bf16 weights: the floor at decode sizes
-    ref = grouped_expert_ffn(x, slot, weight, w13, w2)
-    out = triton_moe.fused_moe(x, slot, weight, w13, w2)
-    row["max_abs_diff_vs_grouped_mm"] = (out.float() - ref.float()).abs().max().item()
-    for name, fn in (("triton_bf16", lambda: triton_moe.fused_moe(x, slot, weight, w13, w2)),
-                     ("grouped_mm_bf16", lambda: grouped_expert_ffn(x, slot, weight, w13, w2))):  # fmt: skip
-        ms = timed_ms(fn, reps=20)
-        row[f"{name}_ms"], row[f"{name}_weight_tbps"] = ms, moved / ms / 1e9
-    q13, s13 = zip(*(quantize_fp8_blocks(w, (128, 128)) for w in w13.float()), strict=True)
-    q2, s2 = zip(*(quantize_fp8_blocks(w, (128, 128)) for w in w2.float()), strict=True)
-    q13, s13, q2, s2 = (torch.stack(t) for t in (q13, s13, q2, s2))
-    fp8 = lambda: triton_moe.fused_moe(x, slot, weight, q13, q2, w13_scale=s13, w2_scale=s2)  # noqa: E731
-    ms = timed_ms(fp8, reps=20)
-    row["triton_fp8_ms"], row["triton_fp8_weight_tbps"] = ms, moved / 2 / ms / 1e9
+    moved = busy * 3 * H * (I2 // 2) * 2  # the busy experts' bf16 weights: the floor at decode sizes
+    # (8 busy experts at least: 704 MB per call, far more than twice an H100's L2: no copies needed)
+    fused = lambda: triton_moe.fused_moe(x, slot, weight, w13, w2)  # noqa: E731
+    fp8 = lambda: triton_moe.fused_moe(x, slot, weight, w["w13_fp8"], w["w2_fp8"],  # noqa: E731
+                                       w13_scale=w["w13_scale"], w2_scale=w["w2_scale"])  # fmt: skip
+    # grouped_mm's own work: the (token, choice) pairs sorted by expert beforehand
+    pair = torch.argsort(slot.reshape(-1), stable=True)
+    xs = x[pair // slot.shape[1]]
+    offs = torch.cumsum(torch.bincount(slot.reshape(-1), minlength=slots), 0).to(torch.int32)
+    grouped = lambda: layers._expert_mlp_grouped_mm(xs, offs, w13, w2)  # noqa: E731
+    with triton_kernels.off():
+        ref = layers.grouped_expert_ffn(x, slot, weight, w13, w2)  # the torch path, as the engine's
+        row["max_abs_diff_vs_torch"] = (fused().float() - ref.float()).abs().max().item()
+        row["fp8_max_abs_diff_vs_torch"] = (fp8().float() - ref.float()).abs().max().item()
+        row["torch_layer_eager_ms"] = timed_ms(lambda: layers.grouped_expert_ffn(x, slot, weight, w13, w2))
+    for name, fn, nbytes in (("triton_bf16", fused, moved), ("triton_fp8", fp8, moved // 2),
+                             ("grouped_mm_bf16", grouped, moved)):  # fmt: skip
+        try:
+            ms = graphed_ms([fn])
+            row[f"{name}_ms"], row[f"{name}_weight_tbps"] = ms, nbytes / ms / 1e9
+        except Exception as e:  # (grouped_mm: bf16 on some GPUs only)
+            row[name] = f"{type(e).__name__}: {e}"
     return row
 
 
 V3_LINEARS = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o": (7168, 16384)}  # [N, K]
 
 
-def bench_fp8_linear(tokens: int, name: str) -> dict:
-    """A DeepSeek-V3 MLA linear kept FP8 (triton_linear.fp8_linear, bf16 activations) against
-    cuBLAS on the bf16 weight; bandwidth of reading the weight (the floor at decode sizes)."""
-    from services.model import triton_linear
+def linear_weights(name: str) -> dict:
+    """A V3 MLA linear's bf16 weight [N, K] and its block-FP8 quantisation, `copies` of each."""
     from services.model.checkpoint import quantize_fp8_blocks
 
     N, K = V3_LINEARS[name]
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
-    q, scale = (t.cuda() for t in quantize_fp8_blocks(w.float().cpu(), (128, 128)))
-    x = torch.randn(tokens, K, device="cuda", generator=g).bfloat16()
-    fp8 = lambda: triton_linear.fp8_linear(x, q, scale, (128, 128))  # noqa: E731
-    row = {"linear": name, "tokens": tokens, "out": N, "in": K}
+    q, scale = quantize_fp8_blocks(w, (128, 128))
+    n = copies(N * K)
+    return {"name": name, "w": [w] + [w.clone() for _ in range(n - 1)],
+            "fp8": [(q, scale)] + [(q.clone(), scale.clone()) for _ in range(n - 1)]}  # fmt: skip
+
+
+def bench_fp8_linear(tokens: int, lin: dict) -> dict:
+    """A DeepSeek-V3 MLA linear kept FP8 (triton_linear.fp8_linear, bf16 activations) against
+    cuBLAS on the bf16 weight; bandwidth of reading the weight (the floor at decode sizes)."""
+    from services.model import triton_linear
+
+    ws, fp8s = lin["w"], lin["fp8"]
+    N, K = ws[0].shape
+    x = torch.randn(
+        tokens, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)
+    ).bfloat16()
+    row = {"linear": lin["name"], "tokens": tokens, "out": N, "in": K, "copies": len(ws)}
+    got = triton_linear.fp8_linear(x, *fp8s[0], (128, 128))
     row["max_abs_diff_vs_bf16"] = (
-        (fp8().float() - torch.nn.functional.linear(x, w).float()).abs().max().item()
+        (got.float() - torch.nn.functional.linear(x, ws[0]).float()).abs().max().item()
     )
-    for label, fn, nbytes in (("triton_fp8", fp8, N * K), ("cublas_bf16", lambda: x @ w.T, 2 * N * K)):
-        ms = timed_ms(fn)
+    triton_calls = [lambda q=q, s=s: triton_linear.fp8_linear(x, q, s, (128, 128)) for q, s in fp8s]
+    cublas_calls = [lambda w=w: x @ w.T for w in ws]
+    for label, calls, nbytes in (
+        ("triton_fp8", triton_calls, N * K),
+        ("cublas_bf16", cublas_calls, 2 * N * K),
+    ):
+        ms = graphed_ms(calls)
         row[f"{label}_ms"], row[f"{label}_weight_tbps"] = ms, nbytes / ms / 1e9
     return row
 
@@ -213,15 +300,17 @@ def bench_fp8_linear(tokens: int, name: str) -> dict:
 def bench_norm(tokens: int, H: int = 7168) -> dict:
     from services.model import triton_norm
 
-    x = torch.randn(tokens, H, device="cuda").bfloat16()
+    n = copies(tokens * H * 2 * 2)
+    xs = torch.randn(n, tokens, H, device="cuda").bfloat16()
     w = torch.randn(H, device="cuda").bfloat16()
 
-    def torch_path():
+    def torch_path(x):
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
-    return {"tokens": tokens, "triton_ms": timed_ms(lambda: triton_norm.rms_norm(x, w, 1e-6)),
-            "torch_ms": timed_ms(torch_path)}  # fmt: skip
+    return {"tokens": tokens, "copies": n,
+            "triton_ms": graphed_ms([lambda x=x: triton_norm.rms_norm(x, w, 1e-6) for x in xs]),
+            "torch_ms": graphed_ms([lambda x=x: torch_path(x) for x in xs])}  # fmt: skip
 
 
 def main() -> None:
@@ -234,25 +323,41 @@ def main() -> None:
         sys.exit("bench_kernels needs a CUDA device (and triton: pip install -e '.[gpu]')")
     os.environ.setdefault("MOE_TRITON", "1")
     name = torch.cuda.get_device_name()
-    result = {
-        "device": name,
-        "torch": torch.__version__,
-        "copy_tbps": copy_bandwidth_tbps(),
-        "nominal_tbps": nominal_tbps(),
-        "mla_decode": [bench_mla(b, args.context) for b in (1, 8, 64)],
-        "fused_moe": [bench_moe(t, args.slots) for t in (1, 8, 64, 512)],
-        "rms_norm": [bench_norm(t) for t in (1, 64, 4096)],
-        "mla_latent": [bench_latent(t) for t in (1, 64)],
-        "fp8_linear": [bench_fp8_linear(t, n) for n in V3_LINEARS for t in (1, 64, 512)],
-    }
-    for row in result["mla_decode"]:
-        row["triton_vs_copy"] = row["triton_tbps"] / result["copy_tbps"]
-        if result["nominal_tbps"]:
-            row["triton_vs_nominal"] = row["triton_tbps"] / result["nominal_tbps"]
-    text = json.dumps(result, indent=2)
-    print(text)
     out = args.out or Path("benchmarks/results") / f"kernels_{name.replace(' ', '_')}.json"
-    out.write_text(text + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    result = {"device": name, "torch": torch.__version__, "l2_bytes": props.L2_cache_size,
+              "copy_tbps": copy_bandwidth_tbps(), "nominal_tbps": nominal_tbps()}  # fmt: skip
+
+    def moe():
+        w = moe_weights(args.slots)
+        return [bench_moe(t, w) for t in (1, 8, 64, 512)]
+
+    sections = {
+        "mla_decode": lambda: (
+            [bench_mla(b, args.context) for b in (1, 8, 64)]
+            + [bench_mla(b, args.context // 4, width=512) for b in (1, 64)]
+        ),  # a graphed step's wide table
+        "fused_moe": moe,
+        "rms_norm": lambda: [bench_norm(t) for t in (1, 64, 4096)],
+        "mla_latent": lambda: [bench_latent(t) for t in (1, 64)],
+        "fp8_linear": lambda: [
+            bench_fp8_linear(t, lin) for lin in map(linear_weights, V3_LINEARS) for t in (1, 64, 512)
+        ],  # fmt: skip
+    }
+    for section, run in sections.items():
+        try:
+            result[section] = run()
+        except Exception as e:  # the next section still runs
+            result[section] = {"error": f"{type(e).__name__}: {e}"}
+        if section == "mla_decode" and isinstance(result[section], list):
+            for row in result[section]:
+                row["triton_vs_copy"] = row["triton_tbps"] / result["copy_tbps"]
+                if result["nominal_tbps"]:
+                    row["triton_vs_nominal"] = row["triton_tbps"] / result["nominal_tbps"]
+        torch.cuda.empty_cache()
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(section, json.dumps(result[section], indent=2), flush=True)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ for s in $steps; do
         step local 150 $GPU python3 -m benchmarks.bench_local_engine --device cuda --dtype bfloat16 \
             --prompt-lens 16 --out "$OUT/local_engine.json" ;;
     kernels) # Must show: MLA decode >= 60 % of peak bandwidth at V3 shapes; fused MoE vs grouped_mm
-        step kernels 120 $GPU python3 -m benchmarks.bench_kernels --out "$OUT/kernels.json" ;;
+        step kernels 150 $GPU python3 -m benchmarks.bench_kernels --out "$OUT/kernels.json" ;;
     attention_gpu) # the cluster's attention worker on the GPU: segmented graphs vs eager, ping-pong
         step attention_gpu 120 $GPU python3 -m benchmarks.bench_attention --device cuda --dtype bfloat16 \
             --tp 1 --no-ray --batches 1,32 --rounds 2 --out "$OUT/attention_gpu.json" ;;
