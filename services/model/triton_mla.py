@@ -3,13 +3,13 @@
 The absorbed decode form of model.mla_forward: each decode row's N latent queries q [N, C+R]
 score the rows [c_kv | k_pe] of its context in the paged cache [blocks, 64, 1, W] (FlashMLA's
 layout, W >= C+R) and take the softmax-weighted sum of their first C values. The context is cut
-into `splits` ranges of whole 64-row blocks (each row's own: cdiv(blocks, splits) per range);
-stage 1 runs one program per (group of
-BLOCK_H heads, row, split) with an online softmax over the split's rows and writes a partial output
-and its log-sum-exp; stage 2 merges a row's splits (with one split, stage 1 writes the output and
-there is no stage 2). The number of splits comes from the block table's width, not from the
-lengths, so launching needs no device-to-host copy (a CUDA graph can capture it); a split past the
-end of a shorter row's context writes only its log-sum-exp (-inf).
+into `splits` ranges of whole 64-row blocks (each row's own: cdiv(blocks, splits) per range, at
+least MIN_SPLIT_BLOCKS); stage 1 runs one program per (group of BLOCK_H heads, row, split) with an
+online softmax over the split's rows and writes a partial output and its log-sum-exp; stage 2
+merges a row's splits (with one split, stage 1 writes the output and there is no stage 2). The
+number of splits comes from the block table's width, not from the lengths, so launching needs no
+device-to-host copy (a CUDA graph can capture it); a split past the end of a row's context writes
+only its log-sum-exp (-inf).
 
 Every group of 16 heads reads each cache row once for all of them (DeepSeek-V3 has 128 heads
 sharing one latent KV head: 8 groups per row and split), in tiles of 32 rows (sizes as SGLang's
