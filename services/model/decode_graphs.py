@@ -158,6 +158,22 @@ class StaticDecode:
         batch.__dict__["decode"] = DecodeRows(rows, rows, table.long(), seq_lens.long())
         return batch
 
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool (as vLLM does): after a
+        first eager pass (unchecked: Triton compiles, libraries do their first-call set-up), each
+        bucket runs once eagerly with syncs raising, then is captured (`_run` / `_capture`)."""
+        pool = None
+        with capturing(self.cache.device):
+            self._pad(0, self.buckets[-1])
+            self._run(self.buckets[-1])
+            for bucket in reversed(self.buckets):
+                self._pad(0, bucket)
+                with _syncs_raise():
+                    self._run(bucket)  # nothing in it may wait for the GPU
+                torch.cuda.synchronize()
+                pool = self._capture(bucket, pool)
+        log.info("captured decode CUDA graphs (%s) for batch sizes %s", type(self).__name__, self.buckets)
+
 
 class DecodeGraphs(StaticDecode):
     """Whole decode steps of one model + in-process experts + cache, one graph per bucket (see the
@@ -200,24 +216,15 @@ class DecodeGraphs(StaticDecode):
             except StopIteration as stop:
                 return stop.value, load[:, :E]
 
-    def _capture_all(self) -> None:
-        """Capture every bucket, largest first, sharing one memory pool (as vLLM does); each
-        bucket runs once eagerly first (Triton compiles its kernels outside the capture)."""
-        pool = None
-        with capturing(self.cache.device):
-            self._pad(0, self.buckets[-1])
-            self._step(self.buckets[-1])  # the first pass: unchecked (first-call set-up)
-            for bucket in reversed(self.buckets):
-                self._pad(0, bucket)
-                with _syncs_raise():
-                    self._step(bucket)  # warm-up: nothing in it may wait for the GPU
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits, load = self._step(bucket)
-                pool = graph.pool()
-                self._graphs[bucket] = (graph, logits, load)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+    def _run(self, bucket: int) -> None:  # (for _capture_all)
+        self._step(bucket)
+
+    def _capture(self, bucket: int, pool):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits, load = self._step(bucket)
+        self._graphs[bucket] = (graph, logits, load)
+        return graph.pool()
 
 
 _HANDLE = object()  # what a captured forward pass is given for a dispatch (it only passes it back)
@@ -277,22 +284,13 @@ class SegmentedDecodeGraphs(StaticDecode):
         hold the capture's padding, and their memory be reused once the capture's pass ends)."""
         return (yield from self.model.forward(self._batch(bucket), self.cache))
 
-    def _capture_all(self) -> None:
-        """Capture every bucket's pieces, largest bucket first, sharing one memory pool; each bucket
-        runs once eagerly first (Triton compiles its kernels outside the capture). The pool is
-        this instance's own: another micro-batch's pieces run between ours."""
-        pool = None
-        with capturing(self.cache.device):
-            self._pad(0, self.buckets[-1])
-            self._run_pieces(self.buckets[-1])  # the first pass: unchecked (first-call set-up)
-            for bucket in reversed(self.buckets):
-                self._pad(0, bucket)
-                with _syncs_raise():
-                    self._run_pieces(bucket)  # warm-up: nothing in it may wait for the GPU
-                torch.cuda.synchronize()
-                self._pieces[bucket], pool = self._run_pieces(bucket, pool, capture=True)
-        pieces = self._pieces[self.buckets[0]]
-        log.info("captured decode CUDA graphs in %d pieces for batch sizes %s", len(pieces), self.buckets)
+    def _run(self, bucket: int) -> None:  # (for _capture_all)
+        self._run_pieces(bucket)
+
+    def _capture(self, bucket: int, pool):
+        """(The pool is this instance's own: another micro-batch's pieces run between ours.)"""
+        self._pieces[bucket], pool = self._run_pieces(bucket, pool, capture=True)
+        return pool
 
     def _run_pieces(self, bucket: int, pool=None, capture: bool = False) -> tuple[list, object]:
         """One pass over the first `bucket` static rows, cut at its expert messages: ([(graph, the
