@@ -1,7 +1,8 @@
 """Decode throughput and per-step time breakdown of the disaggregated path vs LocalEngine.
 
 `small` preset; the cluster path is one attention engine (this process, like an attention
-worker's engine thread) + 2 expert workers (Ray actors, gRPC); batch 1/8/32/64; ping-pong
+worker's engine thread) + 2 expert workers (Ray actors) over each data plane of `--transports`
+(gRPC, shared memory: services/attention/transport.py); batch 1/8/32/64; ping-pong
 (2 micro-batches) off vs on; with `--device cuda` every engine on the GPU and the cluster once
 more without CUDA graphs (remote experts: the step captured in pieces, decode_graphs.py); attention tensor parallelism over `--tp` ranks (this process is
 rank 0, the others are spawned processes, gloo; ping-pong off); LocalEngine (all experts in
@@ -33,15 +34,15 @@ from pathlib import Path
 import torch
 
 import services.model.model as model_mod
-from services.attention.dispatch import RemoteExperts
+from services.attention.dispatch import DispatchConfig, RemoteExperts
 from services.attention.tensor_parallel import TPGroup, lead, run_follower
 from services.balancer.policy import Pool, initial_placement, slots_per_worker
+from services.engine.engine import Engine, EngineConfig, LocalEngine, load_engine
+from services.engine.sampling import SamplingParams
 from services.experts.client import load_placement
-from services.model import cpu_kernels
-from services.model.engine import Engine, EngineConfig, LocalEngine, load_engine
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
+from services.model.kernels import cpu_kernels
 from services.net import free_port
+from services.presets import init_model
 
 PROMPT_LEN = 16
 DECODE_STEPS = 16
@@ -143,6 +144,9 @@ def main() -> None:
         "--device", default="cpu", help="cuda: every engine on the GPU, and a cluster row without graphs"
     )
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--transports", default="grpc,shm", help="the cluster rows' data planes (DispatchConfig.transport)"
+    )
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     args = ap.parse_args()
     on = {"device": args.device, "dtype": args.dtype}  # every engine's
@@ -151,7 +155,8 @@ def main() -> None:
     timers = Timers()
 
     addresses, stop_workers = start_expert_workers(model_dir, args.expert_workers, args.no_ray)
-    rows = {"local": [], "cluster_pingpong_off": [], "cluster_pingpong_on": []}
+    transports = args.transports.split(",")
+    rows = {"local": []}
     engines = {}
     tp_group = tp_pool = None
     try:
@@ -161,22 +166,23 @@ def main() -> None:
             args.local_threads,
         )
         placement = None
-        cluster = [("cluster_pingpong_off", 1, True), ("cluster_pingpong_on", 2, True)]
+        cluster = [(f"cluster_{t}_pingpong_{pp}", micro, True, t) for t in transports
+                   for pp, micro in (("off", 1), ("on", 2))]  # fmt: skip
         if args.device == "cuda":  # the same without CUDA graphs (remote experts: captured in pieces)
-            cluster.append(("cluster_pingpong_off_eager", 1, False))
-            rows["cluster_pingpong_off_eager"] = []
-        for name, micro, graphs in cluster:
+            cluster.append((f"cluster_{transports[0]}_pingpong_off_eager", 1, False, transports[0]))
+        for name, micro, graphs, transport in cluster:
+            rows[name] = []
             ecfg = EngineConfig(
                 model=model_dir, max_num_seqs=max(batches), micro_batches=micro, cuda_graphs=graphs, **on
             )
 
-            def make_experts(cfg, reader, dtype):
+            def make_experts(cfg, reader, dtype, transport=transport):
                 nonlocal placement
                 if placement is None:
                     pool = Pool(tuple(addresses), ("node",) * len(addresses))
                     placement = initial_placement(cfg, pool, slots_per_worker(cfg, len(addresses), 0))
                     load_placement(placement, addresses, cfg.moe_layers)
-                return RemoteExperts(cfg, placement, addresses)
+                return RemoteExperts(cfg, placement, addresses, DispatchConfig(transport=transport))
 
             cfg, model, experts, tok = load_engine(ecfg, make_experts)
             engines[name] = (Engine(cfg, model, experts, ecfg, tok), args.attention_threads)
@@ -223,23 +229,30 @@ def main() -> None:
         return next(r for r in rows[name] if r["batch"] == b)
 
     summary = {}
-    if 32 in batches:
-        on, off, loc = at("cluster_pingpong_on", 32), at("cluster_pingpong_off", 32), at("local", 32)
-        summary = {
-            "batch32_cluster_step_over_local": on["step_s"] / loc["step_s"],
-            "batch32_cluster_pingpong_off_step_over_local": off["step_s"] / loc["step_s"],
-            "batch32_pingpong_speedup": off["step_s"] / on["step_s"],
-            "target_cluster_step<=1.5x_local": on["step_s"] / loc["step_s"] <= 1.5,
-            "target_pingpong>=1.2x": off["step_s"] / on["step_s"] >= 1.2,
-        }
-        if args.device == "cuda":
-            summary["batch32_cluster_graphs_speedup"] = (
-                at("cluster_pingpong_off_eager", 32)["step_s"] / off["step_s"]
+    for t in transports:  # decode tok/s of the cluster over LocalEngine's, per transport and batch
+        for b in batches:
+            off, on_, loc = (
+                at(f"cluster_{t}_pingpong_off", b),
+                at(f"cluster_{t}_pingpong_on", b),
+                at("local", b),
             )
-        if args.tp > 1:
-            summary[f"batch32_tp{args.tp}_step_over_tp1"] = (
-                at(f"cluster_tp{args.tp}", 32)["step_s"] / off["step_s"]
+            summary[f"{t}_batch{b}_tok_s_over_local"] = off["tok_s"] / loc["tok_s"]
+            summary[f"{t}_batch{b}_pingpong_speedup"] = off["step_s"] / on_["step_s"]
+        if 1 in batches and 32 in batches:
+            summary[f"{t}_target_batch1>=0.7x_batch32>=0.9x"] = (
+                summary[f"{t}_batch1_tok_s_over_local"] >= 0.7
+                and summary[f"{t}_batch32_tok_s_over_local"] >= 0.9
             )
+    first = transports[0]
+    if 32 in batches and args.device == "cuda":
+        summary["batch32_cluster_graphs_speedup"] = (
+            at(f"cluster_{first}_pingpong_off_eager", 32)["step_s"]
+            / at(f"cluster_{first}_pingpong_off", 32)["step_s"]
+        )
+    if 32 in batches and args.tp > 1:
+        summary[f"batch32_tp{args.tp}_step_over_tp1"] = (
+            at(f"cluster_tp{args.tp}", 32)["step_s"] / at(f"cluster_{first}_pingpong_off", 32)["step_s"]
+        )
     result = {
         "benchmark": "attention_worker_decode",
         "model": "small preset" if not args.model else model_dir,

@@ -5,7 +5,7 @@
 
 Two cases: DeepSeek-V3 width (hidden 7168, bf16, top-8 of 16 experts with a tiny expert
 intermediate size so the FFN does not dominate) and the `small` preset's experts (hidden 384,
-fp32, top-6 of 64, intermediate 128). For T = 1, 8, 64, 256 tokens it measures, interleaved:
+fp32, top-6 of 64, intermediate 128). For T = 1, 8, 32, 64, 256 tokens it measures, interleaved:
 
   echo_ms          raw bytes echo (identity serializers) of the hidden states' bytes
   matched_echo_ms  a raw echo of the Dispatch request's bytes whose handler first runs the same
@@ -27,6 +27,13 @@ fp32, top-6 of 64, intermediate 128). For T = 1, 8, 64, 256 tokens it measures, 
   no_compute_overhead  the same for a request of the same bytes whose slots are all -1 (the
                    worker validates and answers zeros): our fixed cost without the expert
                    compute and the idle wake-ups a long compute causes on both sides
+  shm_ms           the same Dispatch through shared memory (services/rpc/shm.py): rows copied
+                   into the pair's buffer, doorbell, compute from and into the buffer, answer;
+                   shm_minus_compute_ms is it beyond the worker's compute (the AFD budget's
+                   measure: ~0.3 ms per MoE layer for both directions), shm_no_compute_* the
+                   same with every slot -1; remote_experts_shm_ms the full client path over it
+  memcpy_payloads_ms  one copy of the request's and the answer's payloads in this process (this
+                   machine's copy bandwidth over the bytes a call moves)
 
 The calls of one iteration go in a shuffled order (seeded), so every kind follows every other
 kind equally often on average: a call that follows an expert compute pays more (the caches hold expert
@@ -62,13 +69,13 @@ sys.path.insert(0, str(REPO))  # `proto` must resolve to this repo's package (pr
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from services.model import cpu_kernels  # noqa: E402
+from services.model.kernels import cpu_kernels  # noqa: E402
 from services.rpc import wire  # noqa: E402
 
 ECHO_METHOD = "/bench.Echo/Echo"
 MATCHED_METHOD = "/bench.Echo/Matched"
 MATCHED_TIMES_METHOD = "/bench.Echo/MatchedTimes"
-TOKENS = [1, 8, 64, 256]
+TOKENS = [1, 8, 32, 64, 256]
 
 CASES = {
     # name: (preset overrides, compute dtype, iterations per T). bf16 GEMMs are slow on CPUs
@@ -95,24 +102,26 @@ CASES = {
             n_shared_experts=0,
         ),
         "bfloat16",
-        {1: 200, 8: 100, 64: 30, 256: 15},
+        {1: 200, 8: 100, 32: 30, 64: 30, 256: 15},
     ),
     "small-hidden-384-fp32": (
         dict(vocab_size=16, num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=16),
         "float32",
-        {1: 300, 8: 300, 64: 200, 256: 150},
+        {1: 300, 8: 300, 32: 200, 64: 200, 256: 150},
     ),
 }
 
 
 def serve(model_dir: str, dtype: str, port_queue) -> None:
     """Server process: the Expert service and a raw echo on one grpc server, set up as
-    `ExpertServer` sets up an expert worker's (sync server, a pool of threads)."""
+    `ExpertServer` sets up an expert worker's (sync server, a pool of threads), and the
+    shared-memory Dispatch beside it (as ExpertServer starts it)."""
     torch.set_num_threads(1)
     from services.experts.server import ExpertWorkerConfig
-    from services.experts.servicer import ExpertServicer, add_expert_service
+    from services.experts.servicer import ExpertServicer, add_expert_service, status_of
     from services.experts.store import SlotStore
     from services.model.config import ModelConfig, parse_dtype
+    from services.rpc import shm
 
     cfg = ModelConfig.from_dir(model_dir)
     store = SlotStore(cfg, model_dir, parse_dtype(dtype))
@@ -120,7 +129,8 @@ def serve(model_dir: str, dtype: str, port_queue) -> None:
     server = grpc.server(
         ThreadPoolExecutor(ExpertWorkerConfig(model=model_dir).rpc_threads), options=wire.grpc_options()
     )
-    add_expert_service(server, ExpertServicer(store))
+    servicer = ExpertServicer(store)
+    add_expert_service(server, servicer)
     raw = lambda b: b  # noqa: E731
     decoded, compute_seconds = {}, []
 
@@ -149,7 +159,9 @@ def serve(model_dir: str, dtype: str, port_queue) -> None:
         "MatchedTimes": unary(matched_times, raw, raw),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
-    port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+    port = server.add_insecure_port("127.0.0.1:0")
+    shm_server = shm.ShmServer(f"127.0.0.1:{port}", servicer.compute_into, status_of)  # noqa: F841 (serves)
+    port_queue.put(port)
     server.start()
     server.wait_for_termination()
 
@@ -169,7 +181,11 @@ def encode_request(req: wire.DispatchRequest) -> bytes:
 class Client:
     """The ways of sending T tokens to the server process, timed."""
 
-    def __init__(self, address: str, cfg, remote):
+    def __init__(self, address: str, cfg, remote, remote_shm):
+        from services.rpc import shm
+
+        self.shm = shm.ShmChannel.connect(address)
+        self.remote_shm = remote_shm
         self.channel = grpc.insecure_channel(address, options=wire.grpc_options())
         self.echo = self.channel.unary_unary(ECHO_METHOD)
         self.matched = self.channel.unary_unary(MATCHED_METHOD)
@@ -182,13 +198,23 @@ class Client:
         data = self.dispatch(encode_request(req), timeout=60)
         return wire.decode_dispatch_response(data).compute_seconds
 
-    def run_remote(self, msg) -> None:
-        from services.model.model import ExpertCombine
+    def run_remote(self, msg, remote=None) -> None:
+        from services.model.messages import ExpertCombine
 
-        self.remote.combine(ExpertCombine(self.remote.dispatch(msg)))
+        remote = remote or self.remote
+        remote.combine(ExpertCombine(remote.dispatch(msg)))
+
+    def run_shm(self, req: wire.DispatchRequest) -> float:
+        """The rows written into the shared buffer, the doorbell, the answer; compute_seconds."""
+        hidden, slot, weight = self.shm.request(*req.hidden.shape, req.slot.shape[1], req.hidden.dtype)
+        hidden.copy_(req.hidden)
+        slot.copy_(req.slot)
+        weight.copy_(req.weight)
+        self.shm.send(req.layer, req.placement_version)
+        return self.shm.result(60)[1]
 
     def measure(self, T: int, dtype: torch.dtype, iterations: int) -> dict:
-        from services.model.model import ExpertDispatch
+        from services.model.messages import ExpertDispatch
 
         cfg = self.cfg
         layer, E, K, H = cfg.moe_layers[0], cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size
@@ -206,9 +232,10 @@ class Client:
 
         for _ in range(5):  # warm up connections, allocator, kernels
             self.echo(echo_payload), self.matched(encoded_request), self.run_dispatch(req)
-            self.run_dispatch(idle_req), self.run_remote(msg)
+            self.run_dispatch(idle_req), self.run_remote(msg), self.run_shm(req), self.run_shm(idle_req)
+            self.run_remote(msg, self.remote_shm)
         self.matched_times(b"")
-        kinds = ("echo", "matched", "dispatch", "idle", "remote")
+        kinds = ("echo", "matched", "dispatch", "idle", "remote", "shm", "shm_idle", "remote_shm")
         times: dict[str, list[float]] = {k: [] for k in kinds}
         returned: dict[str, list] = {k: [] for k in kinds}  # dispatch / idle: the worker's compute_seconds
         calls = [
@@ -217,6 +244,9 @@ class Client:
             ("dispatch", lambda: self.run_dispatch(req)),
             ("idle", lambda: self.run_dispatch(idle_req)),
             ("remote", lambda: self.run_remote(msg)),
+            ("shm", lambda: self.run_shm(req)),
+            ("shm_idle", lambda: self.run_shm(idle_req)),
+            ("remote_shm", lambda: self.run_remote(msg, self.remote_shm)),
         ]
         rng = random.Random(T)
         for _ in range(iterations):  # interleaved, shuffled: all kinds see the same conditions
@@ -236,6 +266,17 @@ class Client:
         matched_ms = med(matched_s)
         request_bytes = len(encoded_request)
         output_bytes = T * H * dtype.itemsize
+        shm_net_ms = med([t - c for t, c in zip(times["shm"], returned["shm"], strict=True)])
+        shm_idle_ms = med([t - c for t, c in zip(times["shm_idle"], returned["shm_idle"], strict=True)])
+        # this machine's copy bandwidth over the same bytes: a request's and an answer's payloads
+        src, dst = torch.empty(req.nbytes() + output_bytes, dtype=torch.uint8), None
+        dst = torch.empty_like(src)
+        copies = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            copies.append(time.perf_counter() - t0)
+        memcpy_ms = med(copies)
         return {
             "tokens": T,
             "hidden": H,
@@ -257,6 +298,13 @@ class Client:
             "overhead_vs_matched": round((net_ms - matched_ms) / matched_ms, 4),
             "no_compute_dispatch_minus_compute_ms": round(idle_ms, 4),
             "no_compute_overhead": round((idle_ms - echo_ms) / echo_ms, 4),
+            "shm_ms": round(med(times["shm"]), 4),
+            "shm_compute_ms": round(med(returned["shm"]), 4),
+            "shm_minus_compute_ms": round(shm_net_ms, 4),
+            "shm_no_compute_minus_compute_ms": round(shm_idle_ms, 4),
+            "remote_experts_shm_ms": round(med(times["remote_shm"]), 4),
+            "memcpy_payloads_ms": round(memcpy_ms, 4),
+            "memcpy_GB_per_s": round((req.nbytes() + output_bytes) / statistics.median(copies) / 1e9, 2),
             "tokens_per_s": round(T / statistics.median(dispatch_s), 1),
             "MB_per_s": round((request_bytes + output_bytes) / statistics.median(dispatch_s) / 1e6, 1),
             "bytes_copied_client": req.nbytes(),  # encode; decoding the response is zero-copy
@@ -267,10 +315,10 @@ class Client:
 def bench_case(
     name: str, overrides: dict, dtype_name: str, workdir: Path, iters: dict[int, int]
 ) -> list[dict]:
-    from services.attention.dispatch import RemoteExperts
+    from services.attention.dispatch import DispatchConfig, RemoteExperts
     from services.model.config import ModelConfig, parse_dtype
     from services.model.placement import Placement
-    from services.model.presets import init_model
+    from services.presets import init_model
 
     preset = "tiny" if name.startswith("v3") else "small"
     model_dir = init_model(workdir / name, preset, seed=0, overrides=overrides, tokenizer=False)
@@ -283,8 +331,9 @@ def bench_case(
     placement = Placement.round_robin(
         cfg.num_moe_layers, cfg.n_routed_experts, (address,), cfg.n_routed_experts
     )
-    remote = RemoteExperts(cfg, placement)
-    client = Client(address, cfg, remote)
+    remote = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="grpc"))
+    remote_shm = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="shm"))
+    client = Client(address, cfg, remote, remote_shm)
     rows = []
     try:
         for T in TOKENS:
@@ -294,11 +343,15 @@ def bench_case(
                 f"{name:24s} T={T:4d}  echo {row['echo_ms']:7.3f} ms  dispatch {row['dispatch_ms']:7.3f} ms "
                 f"(compute {row['compute_ms']:6.3f})  remote {row['remote_experts_ms']:7.3f} ms  "
                 f"overhead {row['overhead']:+.1%} (no compute {row['no_compute_overhead']:+.1%}, "
-                f"vs matched transport {row['matched_transport_ms']:.3f} ms {row['overhead_vs_matched']:+.1%})",
+                f"vs matched transport {row['matched_transport_ms']:.3f} ms {row['overhead_vs_matched']:+.1%})  "
+                f"shm {row['shm_ms']:7.3f} ms (beyond compute {row['shm_minus_compute_ms']:.3f})  "
+                f"remote shm {row['remote_experts_shm_ms']:7.3f} ms",
                 flush=True,
             )
     finally:
         remote.close()
+        remote_shm.close()
+        client.shm.close()
         client.channel.close()
         proc.terminate()
         proc.join(10)

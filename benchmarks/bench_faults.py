@@ -31,10 +31,10 @@ import ray
 import torch
 
 from services.cluster import Cluster, ClusterConfig
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 from services.net import free_port
+from services.presets import init_model
 from services.redis_store import EmbeddedRedis
 from services.settings import BALANCER_NAME
 from tests.faults import scenario

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from services.model.grammar import GrammarCompiler
-from services.model.presets import cache_root
-from services.model.sampling import SamplingParams, sample
+from services.engine.grammar import GrammarCompiler
+from services.engine.sampling import SamplingParams, sample
+from services.presets import cache_root
 
 VOCAB = 129_280
 SCHEMA = {

@@ -6,19 +6,19 @@ data it reads where one call reads less than twice the L2 (up to MAX_COPIES copi
 finds its data there: the bandwidths of the MLA, MoE and linear cases are HBM's. The smallest
 cases (RMSNorm at 1 and 64 tokens, the latent work) are latency-bound: their times are what counts.
 
-- MLA decode (services/model/triton_mla.py): 128 heads, 576-wide latent rows (512 + 64 rope),
+- MLA decode (services/model/kernels/triton_mla.py): 128 heads, 576-wide latent rows (512 + 64 rope),
   bf16 paged cache, B sequences of `--context` tokens each. Reported as the bandwidth of reading
   the cache rows (the bytes that must move) against this GPU's measured device-to-device copy
   bandwidth and its nominal peak; beside it the torch path (gather + two bmm) and FlashMLA when
   it is installed.
-- Fused MoE (services/model/triton_moe.py): hidden 7168, intermediate 2048, top-8 over
+- Fused MoE (services/model/kernels/triton_moe.py): hidden 7168, intermediate 2048, top-8 over
   `--slots` experts on one worker, bf16 and block-FP8 weights, against torch's grouped_mm on the
   same (token, expert) pairs already sorted by expert (its two grouped GEMMs and the SwiGLU,
   graphed), and the whole torch layer as the engine runs it without Triton (it sorts with
   synchronising ops, so it is timed eagerly).
-- RMSNorm (services/model/triton_norm.py) at [tokens, 7168] against the torch ops.
+- RMSNorm (services/model/kernels/triton_norm.py) at [tokens, 7168] against the torch ops.
 - The MLA latent's per-token work (triton_mla.latent_to_cache) against the unfused ops.
-- FP8 linears (services/model/triton_linear.py, `keep_fp8_linears`) at V3's MLA shapes against
+- FP8 linears (services/model/kernels/triton_linear.py, `keep_fp8_linears`) at V3's MLA shapes against
   cuBLAS on the bf16 weights.
 
 The JSON is written after each section (a section that fails records its error; the others run).
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from services.model.decode_graphs import capturing
+from services.engine.decode_graphs import capturing
 
 NOMINAL_TBPS = {
     "H100 80GB HBM3": 3.35,
@@ -107,7 +107,7 @@ def bench_mla(
 ) -> dict:
     """`width`: the block table's width in blocks (a graphed decode step's static table covers
     max_model_len: the split count comes from it, each row splits its own blocks)."""
-    from services.model import triton_mla
+    from services.model.kernels import triton_mla
 
     blocks = context // 64
     width = width or blocks
@@ -168,7 +168,7 @@ def bench_latent(tokens: int, heads: int = 128, C: int = 512, R: int = 64, D: in
     heads' q_pe, the cache write): triton_mla.latent_to_cache against the ops of the unfused path
     (model.mla_forward: the Triton RMSNorm, Rope.apply's torch ops, cat and index write), both
     replayed from CUDA graphs."""
-    from services.model import triton_mla
+    from services.model.kernels import triton_mla
     from services.model.layers import rms_norm
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -206,7 +206,7 @@ def bench_latent(tokens: int, heads: int = 128, C: int = 512, R: int = 64, D: in
 def moe_weights(slots: int, H: int = 7168, I: int = 2048) -> dict:
     """One expert worker's `slots` experts at V3's shapes: bf16 w13 [S, 2I, H] and w2 [S, H, I],
     and the same quantised to block FP8 (128 x 128) with their scales, all on the GPU."""
-    from services.model.checkpoint import quantize_fp8_blocks
+    from services.model.fp8 import quantize_fp8_blocks
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = {
@@ -220,7 +220,8 @@ def moe_weights(slots: int, H: int = 7168, I: int = 2048) -> dict:
 
 
 def bench_moe(tokens: int, w: dict, top_k: int = 8) -> dict:
-    from services.model import layers, triton_kernels, triton_moe
+    from services.model import layers
+    from services.model.kernels import gpu, triton_moe
 
     w13, w2 = w["w13"], w["w2"]
     slots, I2, H = w13.shape
@@ -240,7 +241,7 @@ def bench_moe(tokens: int, w: dict, top_k: int = 8) -> dict:
     xs = x[pair // slot.shape[1]]
     offs = torch.cumsum(torch.bincount(slot.reshape(-1), minlength=slots), 0).to(torch.int32)
     grouped = lambda: layers._expert_mlp_grouped_mm(xs, offs, w13, w2)  # noqa: E731
-    with triton_kernels.off():
+    with gpu.TRITON.off():
         ref = layers.grouped_expert_ffn(x, slot, weight, w13, w2)  # the torch path, as the engine's
         row["max_abs_diff_vs_torch"] = (fused().float() - ref.float()).abs().max().item()
         row["fp8_max_abs_diff_vs_torch"] = (fp8().float() - ref.float()).abs().max().item()
@@ -260,7 +261,7 @@ V3_LINEARS = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o
 
 def linear_weights(name: str) -> dict:
     """A V3 MLA linear's bf16 weight [N, K] and its block-FP8 quantisation, `copies` of each."""
-    from services.model.checkpoint import quantize_fp8_blocks
+    from services.model.fp8 import quantize_fp8_blocks
 
     N, K = V3_LINEARS[name]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -274,7 +275,7 @@ def linear_weights(name: str) -> dict:
 def bench_fp8_linear(tokens: int, lin: dict) -> dict:
     """A DeepSeek-V3 MLA linear kept FP8 (triton_linear.fp8_linear, bf16 activations) against
     cuBLAS on the bf16 weight; bandwidth of reading the weight (the floor at decode sizes)."""
-    from services.model import triton_linear
+    from services.model.kernels import triton_linear
 
     ws, fp8s = lin["w"], lin["fp8"]
     N, K = ws[0].shape
@@ -298,7 +299,7 @@ def bench_fp8_linear(tokens: int, lin: dict) -> dict:
 
 
 def bench_norm(tokens: int, H: int = 7168) -> dict:
-    from services.model import triton_norm
+    from services.model.kernels import triton_norm
 
     n = copies(tokens * H * 2 * 2)
     xs = torch.randn(n, tokens, H, device="cuda").bfloat16()

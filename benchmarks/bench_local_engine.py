@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 from services.model.config import ModelConfig
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
+from services.presets import init_model
 
 NEW_TOKENS = 64
 

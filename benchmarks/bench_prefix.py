@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from services.model.engine import Engine, EngineConfig, LocalEngine
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
+from services.engine.engine import Engine, EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.presets import init_model
 from services.router.affinity import PrefixAffinity
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.sampling import SamplingParams
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 
 from .bench_local_engine import prompts
 

@@ -25,7 +25,7 @@ def _token_ids(text: str) -> list[int]:
 
 
 def cmd_init_model(args) -> int:
-    from services.model.presets import init_model
+    from services.presets import init_model
 
     path = init_model(args.dir, args.preset, seed=args.seed, fp8=args.fp8)
     print(f"wrote {args.preset} checkpoint to {path}")
@@ -33,10 +33,10 @@ def cmd_init_model(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from services.model.engine import EngineConfig, LocalEngine
-    from services.model.presets import default_model_dir
-    from services.model.sampling import SamplingParams
-    from services.model.scheduler import RequestError
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
+    from services.engine.scheduler import RequestError
+    from services.presets import default_model_dir
 
     model = args.model or default_model_dir()
     engine = LocalEngine(
@@ -159,6 +159,11 @@ def cmd_status(args) -> int:
         else:
             attention.append(f"{name} ({a.get('state', 'starting')})")
     print(f"attention workers: {', '.join(attention) or '-'}")
+    for name, stats in _attention_stats(list(st["attention"]), args.namespace).items():
+        transports = (stats.get("dispatch") or {}).get("transport", {})
+        pairs = ", ".join(f"{w} {t}" for w, t in sorted(transports.items()))
+        wait_ms = 1e3 * stats.get("expert_wait_per_moe_layer_s", 0.0)
+        print(f"  {name} -> experts: {pairs or '-'}; expert wait {wait_ms:.2f} ms per MoE layer and step")
     print(f"{'expert worker':16} {'state':9} {'address':22} {'node':14} {'slots':>6} {'load':>10}")
     for w in st["workers"]:
         load = "-" if w.get("load") is None else f"{w['load']:.0f}"
@@ -169,6 +174,20 @@ def cmd_status(args) -> int:
         healed = "not yet" if d["healed_s"] is None else f"in {d['healed_s']:.1f}s"
         print(f"{d['worker_id']:16} {'dead':9} {d['address']:22} {d['reason'][:40]}; healed {healed}")
     return 0
+
+
+def _attention_stats(attention: list[str], namespace: str) -> dict[str, dict]:
+    """Each attention worker's stats (its data plane to each expert worker, its expert wait);
+    workers that do not answer within 5 s are left out."""
+    import ray
+
+    out = {}
+    for name in attention:
+        try:
+            out[name] = ray.get(ray.get_actor(name, namespace=namespace).stats.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 (a worker restarting or gone: nothing to show for it)
+            continue
+    return out
 
 
 def cmd_scale_experts(args) -> int:

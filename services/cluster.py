@@ -76,6 +76,9 @@ class ClusterConfig:
         1, "tensor-parallel ranks per attention worker (heads split, latent cache replicated)"
     )
     attention_threads: int = _setting(1, "torch threads per attention worker")
+    expert_transport: str = _setting(
+        "auto", "attention <-> expert data plane: auto (shared memory on one node, gRPC across), shm, grpc"
+    )
     expert_threads: int = _setting(1, "torch threads per expert worker")
     balancer_period_s: float = _setting(30.0, "seconds between rebalancing checks (0: on demand only)")
     balancer_window_buckets: int = _setting(15, "load window, in buckets")
@@ -119,12 +122,13 @@ class ClusterConfig:
             raise ValueError("redundant_experts must be >= 0")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
+        if self.expert_transport not in ("auto", "shm", "grpc"):
+            raise ValueError(f"expert_transport {self.expert_transport!r}: auto, shm or grpc")
         if self.keep_fp8_linears and self.attention_tp > 1:
             raise ValueError(
                 "keep_fp8_linears with attention_tp > 1 (attention tensor parallelism): not supported yet"
             )
-        from services.model.config import parse_dtype  # (torch: not at import time)
-        from services.model.engine import check_weight_dtype
+        from services.model.config import check_weight_dtype, parse_dtype  # (torch: not at import time)
 
         for gpus in (self.attention_gpus, self.expert_gpus):
             check_weight_dtype(self.weight_dtype, parse_dtype(self.dtype), "cuda" if gpus > 0 else "cpu")
@@ -205,7 +209,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
     from services.attention.worker import AttentionWorker, AttentionWorkerConfig
     from services.balancer.actor import Balancer
     from services.balancer.service import BalancerConfig
-    from services.model.engine import EngineConfig
+    from services.engine.engine import EngineConfig
 
     step(f"starting {cfg.expert_workers} expert workers and loading the placement")
     balancer = Balancer.options(name=BALANCER_NAME, namespace=shared.namespace, **lifetime).remote(
@@ -223,6 +227,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             expert_threads=cfg.expert_threads,
             expert_resources=cfg.expert_resources,
             expert_gpus=cfg.expert_gpus,
+            expert_shm=cfg.expert_transport != "grpc",  # (grpc: no shared-memory listener at all)
         )
     )
     created.append(balancer)
@@ -248,7 +253,12 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
     for i in range(cfg.attention_workers):
         name = attention_worker_name(i)
         wcfg = AttentionWorkerConfig(
-            engine=engine, worker_id=name, tp=cfg.attention_tp, shared=shared, gpus=cfg.attention_gpus
+            engine=engine,
+            worker_id=name,
+            tp=cfg.attention_tp,
+            shared=shared,
+            gpus=cfg.attention_gpus,
+            expert_transport=cfg.expert_transport,
         )
         attention[name] = AttentionWorker.options(
             name=name, namespace=shared.namespace, resources=cfg.attention_resources or None,
@@ -276,7 +286,7 @@ def router_config(cfg: ClusterConfig, backend: Backend):
 
 
 def resolve_model(cfg: ClusterConfig) -> str:
-    from services.model.presets import default_model_dir
+    from services.presets import default_model_dir
 
     return str(Path(cfg.model).resolve()) if cfg.model else str(default_model_dir("tiny"))
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 def cpu_kernel():
     """Build the CPU kernels once, before any test or worker process needs them (~1 min on a
     fresh machine; later processes load them from the cache)."""
-    from services.model import cpu_kernels
+    from services.model.kernels import cpu_kernels
 
     return cpu_kernels.available()
 
@@ -24,7 +24,7 @@ def cpu_kernel():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The `tiny` preset written by our generator (with tokenizer)."""
-    from services.model.presets import init_model
+    from services.presets import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
 

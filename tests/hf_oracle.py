@@ -110,7 +110,7 @@ def make_hf_checkpoint(
     DeepseekV32ForCausalLM (with V32_INDEXER unless overridden; eager attention, one KV head per
     query head as its eager path needs); "deepseek_v4" a DeepseekV4ForCausalLM on V4_TINY (every
     override replaces a V4_TINY key). tokenizer: also write our byte-level tokenizer and chat
-    template (services.model.presets.write_tokenizer)."""
+    template (services.presets.write_tokenizer)."""
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
@@ -157,7 +157,7 @@ def make_hf_checkpoint(
                 p.copy_(torch.randn(p.shape, generator=g) * gain / math.sqrt(p.shape[-1]))
     model.save_pretrained(path)
     if tokenizer:
-        from services.model.presets import write_tokenizer
+        from services.presets import write_tokenizer
 
         write_tokenizer(path, cfg.vocab_size)
     return path
@@ -190,7 +190,7 @@ def run_requests(engine, prompts, params, retry_failed_steps=False):
     """What engine.generate does, step by step: the completions in input order, each request's
     logits at its final step, and the routed expert load [num_moe_layers, E] summed over steps.
     retry_failed_steps: a step that raises StepFailed is run again (as the attention worker does)."""
-    from services.model.engine import Completion, StepFailed
+    from services.engine.outputs import Completion, StepFailed
 
     ids = [engine.add_request(p, params) for p in prompts]
     done = {rid: Completion(rid, list(p), [], "", "", []) for rid, p in zip(ids, prompts, strict=True)}

@@ -3,9 +3,9 @@
 import openai
 import pytest
 
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.presets import init_model
 
 from .clusters import tiny_cluster
 

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from services.attention.worker import AttentionService, AttentionWorkerConfig
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.sampling import SamplingParams
-from services.model.scheduler import QueueFullError, RequestError
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import QueueFullError, RequestError
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -60,11 +60,14 @@ def test_consumer_going_away_aborts_and_frees_blocks(service):
         async for _ in gen:
             break
         await gen.aclose()
-        await asyncio.sleep(0.2)
-        e = service.engine
-        return await service.between_steps(
-            lambda: (e.has_unfinished(), e.scheduler.num_free_blocks, e.cache.num_blocks)
-        )
+        e, deadline = service.engine, time.monotonic() + 30
+        while True:  # the abort reaches the engine thread at its next step boundary
+            state = await service.between_steps(
+                lambda: (e.has_unfinished(), e.scheduler.num_free_blocks, e.cache.num_blocks)
+            )
+            if not state[0] or time.monotonic() > deadline:
+                return state
+            await asyncio.sleep(0.02)
 
     busy, free, total = asyncio.run(main())
     assert not busy and free == total
@@ -156,7 +159,10 @@ def test_a_failed_step_fails_only_the_requests_in_it(tiny_model):
 
         async def both():
             first = asyncio.ensure_future(_collect(svc, [0, 5, 6], GREEDY, "in-step"))
-            await asyncio.sleep(0.05)  # "waiting" queues behind it: max_num_seqs=1
+            deadline = time.monotonic() + 30
+            while engine.experts.since is None:  # "in-step" is in a (failing) step; then "waiting"
+                assert time.monotonic() < deadline  # queues behind it: max_num_seqs=1
+                await asyncio.sleep(0.01)
             second = asyncio.ensure_future(_collect(svc, [0, 9, 8], GREEDY, "waiting"))
             return await first, await second
 

@@ -12,8 +12,8 @@ import ray
 import torch
 
 from services.balancer.eplb import gpu_loads
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.sampling import SamplingParams
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 from services.redis_store import EmbeddedRedis
 
 from .clusters import tiny_cluster
@@ -99,6 +99,13 @@ class Traffic:
                 self.errors.append(repr(e))
             n += 1
 
+    def wait_for(self, results: int, deadline_s: float = 120.0) -> None:
+        """Until `results` requests have completed in all (or an error was recorded), at most deadline_s."""
+        deadline = time.monotonic() + deadline_s
+        while len(self.results) < results and not self.errors:
+            assert time.monotonic() < deadline, f"{len(self.results)} of {results} requests in {deadline_s} s"
+            time.sleep(0.05)
+
     def __enter__(self):
         for t in self._threads:
             t.start()
@@ -121,20 +128,33 @@ def _status(cluster) -> dict:
     return ray.get(cluster.balancer.status.remote())
 
 
+def _wait_counts_in_redis(cluster, deadline_s: float = 60.0) -> None:
+    """Until every attention worker's load reporter has written all it counted to Redis (it
+    counts a step's load before the step's tokens go out, so this covers every answered request)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        stats = ray.get([a.stats.remote() for a in cluster.attention.values()])
+        unflushed = [s["load_reporter"]["unflushed_tokens"] for s in stats]
+        if not any(unflushed):
+            return
+        assert time.monotonic() < deadline, f"load counts not in Redis after {deadline_s} s: {unflushed}"
+        time.sleep(0.1)
+
+
 def test_rebalance_raises_measured_balance_and_keeps_outputs(cluster, workload):
     v1, expected = _status(cluster)["version"], workload.expected
     for p, prompt in enumerate(workload.prompts):  # phase A on the uniform initial placement
         assert _complete(cluster.url, prompt) == expected[p]
-    time.sleep(2.5)  # the attention worker flushes its counts to Redis every second
+    _wait_counts_in_redis(cluster)
     before = _worker_balance(cluster, v1)
     # the workers' own counters agree with LocalEngine's routing (replicas take turns instead of
     # splitting exactly, hence the tolerance), and phase A is skewed
     assert before == pytest.approx(workload.predicted_balance, abs=0.02)
     assert before < 0.9, before
     with Traffic(cluster.url, workload) as traffic:
-        time.sleep(1.0)
+        traffic.wait_for(3)  # in flight while the placement changes
         result = ray.get(cluster.balancer.rebalance.remote())
-        time.sleep(1.0)
+        traffic.wait_for(len(traffic.results) + 3)  # and served after it
     assert result["migrated"], result
     assert not traffic.errors and traffic.results
     assert all(tokens == expected[p] for p, tokens in traffic.results)
@@ -150,20 +170,22 @@ def test_rebalance_raises_measured_balance_and_keeps_outputs(cluster, workload):
 
 def test_scale_2_to_3_to_1_under_traffic(cluster, workload):
     expected = workload.expected
-    with Traffic(cluster.url, workload) as traffic:
-        time.sleep(1.0)
-        up = ray.get(cluster.balancer.scale_experts.remote(3))
-        time.sleep(1.0)
-        down = ray.get(cluster.balancer.scale_experts.remote(1))
-        time.sleep(1.0)
-    assert up["ok"] and up["workers"] == 3, up
-    assert down["ok"] and down["workers"] == 1, down
-    assert not traffic.errors, traffic.errors[:3]
-    assert len(traffic.results) >= 6
-    assert all(tokens == expected[p] for p, tokens in traffic.results)
-    st = _status(cluster)
-    assert len(st["workers"]) == 1 and st["slots_per_worker"] >= 16
-    ray.get(cluster.balancer.scale_experts.remote(2))
+    try:
+        with Traffic(cluster.url, workload) as traffic:
+            traffic.wait_for(3)
+            up = ray.get(cluster.balancer.scale_experts.remote(3))
+            traffic.wait_for(len(traffic.results) + 3)  # served by 3 workers
+            down = ray.get(cluster.balancer.scale_experts.remote(1))
+            traffic.wait_for(len(traffic.results) + 3)  # and by 1
+        assert up["ok"] and up["workers"] == 3, up
+        assert down["ok"] and down["workers"] == 1, down
+        assert not traffic.errors, traffic.errors[:3]
+        assert len(traffic.results) >= 9
+        assert all(tokens == expected[p] for p, tokens in traffic.results)
+        st = _status(cluster)
+        assert len(st["workers"]) == 1 and st["slots_per_worker"] >= 16
+    finally:  # the module's cluster goes on with its 2 workers whatever happened here
+        assert ray.get(cluster.balancer.scale_experts.remote(2))["ok"]
 
 
 def test_redis_restart_stops_rebalancing_not_serving(cluster, workload):
@@ -180,6 +202,6 @@ def test_redis_restart_stops_rebalancing_not_serving(cluster, workload):
         cluster.redis = EmbeddedRedis.start(port=port)
     for p, prompt in enumerate(prompts[:3]):
         assert _complete(cluster.url, prompt) == expected[p]
-    time.sleep(2.5)  # counts kept while Redis was down are flushed now
+    _wait_counts_in_redis(cluster)  # counts kept while Redis was down are flushed now
     result = ray.get(cluster.balancer.rebalance.remote())
     assert "Redis" not in result.get("reason", ""), result

@@ -165,7 +165,7 @@ def test_forced_calls_become_tool_calls():
 
 def test_required_calls_keep_each_tools_definitions():
     """A tool whose parameters use $defs (pydantic / zod schemas) keeps them under `required`."""
-    from services.model.grammar import check_json_schema
+    from services.engine.grammar import check_json_schema
 
     nested = {"type": "function", "function": {"name": "book", "parameters": {
         "type": "object", "properties": {"who": {"$ref": "#/$defs/Person"}}, "required": ["who"],

@@ -3,20 +3,19 @@ import json
 import pytest
 import torch
 
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 from services.model.checkpoint import (
     CheckpointReader,
-    dequantize_fp8_blocks,
     is_routed_expert_tensor,
     load_expert_weights,
     load_expert_weights_fp8,
-    quantize_fp8_blocks,
 )
 from services.model.config import ModelConfig
-from services.model.engine import EngineConfig, LocalEngine
+from services.model.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from services.model.model import DeepseekV3
 from services.model.moe import PackedExperts
-from services.model.presets import init_model, random_weights, save_safetensors
-from services.model.sampling import SamplingParams
+from services.presets import init_model, random_weights, save_safetensors
 
 from .hf_oracle import generate_with_logits
 
@@ -117,8 +116,8 @@ def test_linears_kept_fp8_give_the_tokens_of_linears_dequantized_at_load(tmp_pat
     kernels read them as held (the fused MLA decode layer, the dense MLP's and shared experts'
     expert kernel; prefill dequantises them per call) and the engine
     gives the tokens and logits of linears dequantized at load, bit for bit."""
-    from services.model import cpu_kernels
-    from services.model.checkpoint import Fp8Weight
+    from services.model.fp8 import Fp8Weight
+    from services.model.kernels import cpu_kernels
 
     path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, fp8_block=(16, 16))
     prompts = [[0, 5, 9, 33, 2], list(range(2, 90)), [0] + [9] * 20]

@@ -16,7 +16,7 @@ def test_up_flags_are_the_scalar_cluster_settings():
 
 
 def test_init_model_offers_every_preset():
-    from services.model.presets import PRESETS
+    from services.presets import PRESETS
 
     init = build_parser()._subparsers._group_actions[0].choices["init-model"]
     (preset,) = [a for a in init._actions if a.dest == "preset"]

@@ -7,11 +7,11 @@ import openai
 import pytest
 import ray
 
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 from services.experts.client import ExpertClient
 from services.model.config import ModelConfig
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
+from services.presets import init_model
 
 from .clusters import tiny_cluster
 

@@ -11,17 +11,17 @@ import ray
 import torch
 
 from services.attention.dispatch import RemoteExperts
+from services.engine.engine import Engine, EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.engine.tokenizer import Tokenizer
 from services.experts.client import ExpertClient, load_placement, release_version
 from services.experts.server import ExpertWorkerConfig
 from services.experts.worker import ExpertWorker
 from services.model.checkpoint import CheckpointReader
 from services.model.config import ModelConfig
-from services.model.engine import Engine, EngineConfig, LocalEngine
 from services.model.model import DeepseekV3
 from services.model.placement import Placement
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
-from services.model.tokenizer import Tokenizer
+from services.presets import init_model
 
 from .hf_oracle import V3_YARN, generate_with_logits, hf_greedy, load_hf, make_hf_checkpoint, run_requests
 

@@ -6,8 +6,8 @@ import openai
 import pytest
 import ray
 
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.sampling import SamplingParams
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 
 from .clusters import tiny_cluster
 from .faults import scenario

@@ -1,10 +1,10 @@
-"""The CPU small-batch linear (services/model/cpu_kernels.py) against torch's."""
+"""The CPU small-batch linear (services/model/kernels/cpu_kernels.py) against torch's."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.model import cpu_kernels
+from services.model.kernels import cpu_kernels
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain: F.linear is used")
@@ -78,7 +78,7 @@ def _reference(torch_path, fn, *args, **kwargs):
 def test_rms_norm_and_rope_match_torch(torch_path):
     from services.model.config import ModelConfig
     from services.model.layers import Rope, rms_norm
-    from services.model.presets import PRESETS
+    from services.presets import PRESETS
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 3, 64, generator=g), torch.randn(64, generator=g)
@@ -134,7 +134,7 @@ def test_add_rms_norm_is_the_add_then_the_norm(torch_path):
 def test_route_matches_torch(torch_path, groups):
     from services.model.config import ModelConfig
     from services.model.layers import route
-    from services.model.presets import PRESETS
+    from services.presets import PRESETS
 
     overrides = dict(hidden_size=64, n_routed_experts=16, num_experts_per_tok=3, n_group=groups,
                      topk_group=min(groups, 2), scoring_func="sigmoid", topk_method="noaux_tc",
@@ -188,8 +188,8 @@ def test_expert_ffn_matches_torch_and_is_batch_invariant(torch_path, limit):
 @pytest.mark.parametrize("H", [96, 80])  # 80: rows end in 16 values (the 16-wide conversion)
 def test_expert_ffn_on_fp8_experts_is_the_kernel_on_their_dequantized_values(block, H):
     """FP8 experts kept FP8: every e4m3fn bit pattern (subnormals, both zeros, the largest) times
-    its block's scale, as checkpoint.dequantize_fp8_blocks gives it: the fp32 kernel's bits."""
-    from services.model.checkpoint import dequantize_fp8_blocks
+    its block's scale, as fp8.dequantize_fp8_blocks gives it: the fp32 kernel's bits."""
+    from services.model.fp8 import dequantize_fp8_blocks
 
     g = torch.Generator().manual_seed(block[1])
     S, I, T, K = 5, 64, 7, 3
@@ -228,12 +228,12 @@ def random_fp8(g: torch.Generator, *shape: int) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 13, 32, 33, 64])  # 1-8-row paths, register tiles
 @pytest.mark.parametrize("block", [(16, 32), (32, 128)])  # (128: a partial last column block)
 def test_linear_kept_fp8_is_the_kernel_on_its_dequantized_values(rows, block):
-    """A linear kept FP8 (checkpoint.Fp8Weight): each row dequantised as it is read gives the bits
+    """A linear kept FP8 (fp8.Fp8Weight): each row dequantised as it is read gives the bits
     of the fp32 kernel on dequantize_fp8_blocks's values, bias included, 70 output rows (a partial
     row block, pairs and a single row, tiles of 4 and 2 alone). Beyond TILE_ROWS (where the fp32
     path has MKL) up to FP8_TILE_ROWS the register tiles still read it as held: F.linear's values,
     and each row's bits those of a 32-row call."""
-    from services.model.checkpoint import Fp8Weight, dequantize_fp8_blocks, fp8_scale_shape
+    from services.model.fp8 import Fp8Weight, dequantize_fp8_blocks, fp8_scale_shape
 
     g = torch.Generator().manual_seed(rows)
     K, N = 272, 70
@@ -251,9 +251,9 @@ def test_linear_kept_fp8_is_the_kernel_on_its_dequantized_values(rows, block):
 
 def test_linear_kept_fp8_beyond_the_kernel_dequantises_in_row_chunks(monkeypatch):
     """More rows than the kernel takes (a prefill): the weight is dequantised a few row blocks at a
-    time (checkpoint.FP8_DEQUANT_BYTES), each chunk's columns F.linear's on the dequantised rows."""
-    from services.model import checkpoint
-    from services.model.checkpoint import Fp8Weight, dequantize_fp8_blocks, fp8_scale_shape
+    time (fp8.FP8_DEQUANT_BYTES), each chunk's columns F.linear's on the dequantised rows."""
+    from services.model import fp8
+    from services.model.fp8 import Fp8Weight, dequantize_fp8_blocks, fp8_scale_shape
 
     g = torch.Generator().manual_seed(0)
     K, N, block = 64, 80, (16, 32)
@@ -262,7 +262,7 @@ def test_linear_kept_fp8_beyond_the_kernel_dequantises_in_row_chunks(monkeypatch
     x, b = torch.randn(cpu_kernels.TILE_ROWS + 7, K, generator=g), torch.randn(N, generator=g)
     whole = cpu_kernels.linear(x, w, b)
     assert torch.equal(whole, F.linear(x, real, b))  # (one chunk: the bias added as F.linear adds it)
-    monkeypatch.setattr(checkpoint, "FP8_DEQUANT_BYTES", 2 * 16 * K * 4)  # two row blocks per chunk
+    monkeypatch.setattr(fp8, "FP8_DEQUANT_BYTES", 2 * 16 * K * 4)  # two row blocks per chunk
     dequantized = []
     dequantize = Fp8Weight.dequantize
     monkeypatch.setattr(
@@ -345,7 +345,7 @@ def test_fused_mla_decode_layer_equals_the_op_by_op_path(tmp_path, monkeypatch, 
     (which itself uses the single kernels), outputs and cache rows alike."""
     from services.model import model as model_mod
     from services.model.config import ModelConfig
-    from services.model.presets import PRESETS
+    from services.presets import PRESETS
 
     cfg = ModelConfig.from_hf(PRESETS[preset])
     C, R, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.hidden_size
@@ -379,7 +379,7 @@ def test_fused_mla_decode_layer_equals_the_op_by_op_path(tmp_path, monkeypatch, 
 def test_bad_inputs_get_errors_or_the_torch_path_never_wild_reads(torch_path):
     from services.model.config import ModelConfig
     from services.model.layers import route
-    from services.model.presets import PRESETS
+    from services.presets import PRESETS
 
     cfg = ModelConfig.from_hf(PRESETS["tiny"])
     g = torch.Generator().manual_seed(4)

@@ -10,10 +10,10 @@ import shutil
 import pytest
 import torch
 
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 from services.model.config import ModelConfig
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
+from services.presets import init_model
 
 from .hf_oracle import (
     V3_YARN,
@@ -90,10 +90,11 @@ def test_prefix_cache_hit_keeps_the_indexer_keys(oracle):
 def test_tensor_parallel_head_slices_sum_to_the_whole(oracle):
     """shard_heads keeps the (replicated) indexer: two ranks' partial attention outputs sum to
     the unsharded one, and both ranks write the same cache rows (latent and indexer key)."""
+    from services.model.batch import StepBatch
     from services.model.checkpoint import CheckpointReader
     from services.model.kv_cache import BLOCK_SIZE
     from services.model.layers import Rope
-    from services.model.model import DeepseekV3, StepBatch, mla_forward
+    from services.model.model import DeepseekV3, mla_forward
     from services.model.weights import shard_heads
 
     path = oracle[0]

@@ -12,10 +12,10 @@ import shutil
 import pytest
 import torch
 
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 from services.model.config import ModelConfig, rope_inv_freq
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
+from services.presets import init_model
 
 from .hf_oracle import (
     check_against_transformers,
@@ -159,7 +159,7 @@ def test_unheld_cache_rows_never_reach_the_outputs(oracle, value):
 
 
 def test_decode_groups_bound_the_padding():
-    from services.model.model import DecodeRows
+    from services.model.batch import DecodeRows
     from services.model.v4_attention import _decode_groups
 
     lens = torch.tensor([40, 6000, 2000, 1500, 30, 900])

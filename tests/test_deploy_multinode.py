@@ -24,8 +24,8 @@ from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
 from services.balancer.policy import Pool
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.sampling import SamplingParams
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 from services.net import free_port
 from services.redis_store import EmbeddedRedis
 from services.settings import BALANCER_NAME, NAMESPACE

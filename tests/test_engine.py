@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.sampling import SamplingParams
-from services.model.scheduler import RequestError
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import RequestError
 
 from .hf_oracle import generate_with_logits
 
@@ -94,7 +94,7 @@ def test_top_k_one_is_greedy_and_logprobs_are_consistent(engine):
 
 
 def test_top_p_and_top_k_restrict_the_support():
-    from services.model.sampling import sample
+    from services.engine.sampling import sample
 
     logits = torch.tensor([[5.0, 4.0, 0.0, -1.0, -2.0]])
     for seed in range(30):

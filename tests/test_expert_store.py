@@ -14,7 +14,7 @@ from services.experts.store import (
 from services.model.checkpoint import CheckpointReader
 from services.model.config import ModelConfig
 from services.model.moe import LocalExperts
-from services.model.presets import PRESETS, init_model
+from services.presets import PRESETS, init_model
 
 TINY = ModelConfig.from_hf(PRESETS["tiny"])
 

@@ -22,10 +22,10 @@ from services.experts.client import ExpertClient
 from services.experts.server import ExpertServer, ExpertWorkerConfig
 from services.model.checkpoint import CheckpointReader
 from services.model.config import ModelConfig
-from services.model.model import ExpertCombine, ExpertDispatch
+from services.model.messages import ExpertCombine, ExpertDispatch
 from services.model.moe import LocalExperts
 from services.model.placement import Placement
-from services.model.presets import init_model
+from services.presets import init_model
 from services.rpc import expert_pb2, wire
 
 from .wire_encoders import (
@@ -296,7 +296,8 @@ def _routed(cfg, T=16, seed=0):
     return ExpertDispatch.routed(cfg.moe_layers[0], 0, x, topk, weight, cfg.n_routed_experts)
 
 
-def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_model):
+@pytest.mark.parametrize("transport", ["auto", "grpc"])  # (auto: shared memory to the live worker here)
+def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_model, transport):
     srv, client = server
     _, cfg, everything = wide_model
     E = cfg.n_routed_experts
@@ -306,10 +307,11 @@ def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_
     # every expert on both workers; the dead one fails, its pairs go to the live one
     both = Placement.round_robin(cfg.num_moe_layers, E, (srv.address, DEAD), E, version=1)
     client.load_slots(1, {layer: list(range(E)) for layer in cfg.moe_layers})
-    experts = RemoteExperts(cfg, both, dispatch_cfg=DispatchConfig(timeout_s=10))
+    experts = RemoteExperts(cfg, both, dispatch_cfg=DispatchConfig(timeout_s=10, transport=transport))
     got = experts.combine(ExpertCombine(experts.dispatch(msg)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert experts.stats.resent_pairs > 0
+    assert experts.transport_of() == {srv.address: "shm" if transport == "auto" else "grpc", DEAD: "grpc"}
     resent = experts.stats.resent_pairs  # the dead worker is now skipped while it cools down
     torch.testing.assert_close(
         experts.combine(ExpertCombine(experts.dispatch(msg))), want, rtol=1e-5, atol=1e-6
@@ -320,14 +322,14 @@ def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_
     # half of the experts only on the dead worker: a clear error naming them
     split = Placement.round_robin(cfg.num_moe_layers, E, (srv.address, DEAD), E // 2, version=2)
     client.load_slots(2, {layer: list(range(E // 2)) for layer in cfg.moe_layers})
-    experts = RemoteExperts(cfg, split, dispatch_cfg=DispatchConfig(timeout_s=10))
+    experts = RemoteExperts(cfg, split, dispatch_cfg=DispatchConfig(timeout_s=10, transport=transport))
     with pytest.raises(ExpertUnavailableError, match="no replica on a live worker"):
         experts.combine(ExpertCombine(experts.dispatch(msg)))
     experts.close()
 
     # a placement version the worker does not hold: refused, not resent
     unknown = Placement.round_robin(cfg.num_moe_layers, E, (srv.address,), E, version=9)
-    experts = RemoteExperts(cfg, unknown)
+    experts = RemoteExperts(cfg, unknown, dispatch_cfg=DispatchConfig(transport=transport))
     with pytest.raises(ExpertDispatchError, match="FAILED_PRECONDITION"):
         experts.combine(ExpertCombine(experts.dispatch(msg)))
     experts.close()

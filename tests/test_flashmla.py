@@ -1,4 +1,4 @@
-"""FlashMLA as the decode attention backend (services/model/flashmla.py).
+"""FlashMLA as the decode attention backend (services/model/kernels/flashmla.py).
 
 FlashMLA builds only on a Hopper GPU with CUDA, so on CPU these tests put a torch stand-in for
 the `flash_mla` package in sys.modules. The stand-in checks every constraint FlashMLA's dense
@@ -17,9 +17,10 @@ import types
 import pytest
 import torch
 
-from services.model import triton_kernels
+from services.model.batch import DecodeRows
+from services.model.kernels import gpu
 from services.model.kv_cache import BLOCK_SIZE
-from services.model.model import DecodeRows, paged_decode
+from services.model.model import paged_decode
 
 SCALE = 0.1352338  # DeepSeek-V3's softmax scale (FlashMLA's own default would be 1/sqrt(576))
 
@@ -71,13 +72,12 @@ def flashmla(monkeypatch):
     """FlashMLA enabled on CPU tensors with the stand-in installed; yields its call counts."""
     calls: dict = {}
     monkeypatch.setitem(sys.modules, "flash_mla", stand_in(calls))
-    monkeypatch.delitem(sys.modules, "services.model.flashmla", raising=False)  # imported afresh
     monkeypatch.setenv("MOE_FLASH_MLA", "1")
     monkeypatch.setenv("MOE_TRITON", "0")
-    triton_kernels.reset()
+    gpu.reset()
     yield calls
     monkeypatch.undo()
-    triton_kernels.reset()
+    gpu.reset()
 
 
 def decode_rows(lens: list[int], width: int, dtype, seed: int = 0):
@@ -155,15 +155,15 @@ def test_a_failing_flashmla_is_logged_once_and_left(flashmla, caplog):
             o = paged_decode(q, cache, dec, 512, SCALE)
             torch.testing.assert_close(o.float(), reference(q, cache, dec, 512).float(), rtol=2e-2, atol=2e-2)
     assert flashmla["kernel"] == 1
-    assert [r.message for r in caplog.records if "flashmla" in r.message and "failed" in r.message]
+    assert [r.message for r in caplog.records if "FlashMLA mla_decode failed" in r.message]
 
 
 def test_engine_on_flashmla_keeps_greedy_outputs(tmp_path, flashmla, monkeypatch):
     """A bf16 LocalEngine on a checkpoint with V3's latent widths (512 + 64): FlashMLA takes every
     decode step's attention and the greedy tokens are the torch path's."""
-    from services.model.engine import EngineConfig, LocalEngine
-    from services.model.presets import init_model
-    from services.model.sampling import SamplingParams
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
+    from services.presets import init_model
 
     path = init_model(
         tmp_path / "v3-latent", "tiny", seed=0, overrides={"kv_lora_rank": 512, "qk_rope_head_dim": 64}
@@ -173,7 +173,7 @@ def test_engine_on_flashmla_keeps_greedy_outputs(tmp_path, flashmla, monkeypatch
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("MOE_FLASH_MLA", flag)
-        triton_kernels._enabled.clear()
+        gpu.FLASH_MLA.reset()
         engine = LocalEngine(EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=4))
         outs[flag] = [o.token_ids for o in engine.generate(prompts, params)]
         assert ("kernel" in flashmla) == (flag == "1")

@@ -7,10 +7,10 @@ import llguidance as llg
 import pytest
 import torch
 
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.grammar import GrammarCompiler, GrammarError, check_json_schema, json_grammar
-from services.model.sampling import SamplingParamError, SamplingParams, sample
-from services.model.scheduler import RequestError
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.grammar import GrammarCompiler, GrammarError, check_json_schema, json_grammar
+from services.engine.sampling import SamplingParamError, SamplingParams, sample
+from services.engine.scheduler import RequestError
 
 FORECAST = {
     "type": "object",
@@ -142,7 +142,7 @@ def test_schemas_that_fail_on_their_first_mask_are_refused(engine):
 
 
 def test_tools_are_described_to_templates_that_do_not_render_them(engine):
-    from services.model.tokenizer import Tokenizer
+    from services.engine.tokenizer import Tokenizer
 
     tok = engine.tokenizer
     plain = Tokenizer(

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
+from services.model.batch import StepBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import BLOCK_SIZE
 from services.model.layers import Rope, grouped_expert_ffn, route
-from services.model.model import StepBatch, mla_forward
+from services.model.model import mla_forward
 
 from .hf_oracle import BASE, V3_YARN
 
@@ -153,7 +154,7 @@ def test_fp8_experts_beyond_decode_sizes_dequantize_a_bounded_chunk_at_a_time(mo
     FP8_DEQUANT_BYTES at a time. In one chunk the result is that of experts dequantized at load,
     bit for bit; in several, the same up to the order of the fp32 sums."""
     from services.model import layers
-    from services.model.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
+    from services.model.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 
     g = torch.Generator().manual_seed(6)
     S, H, I, T, K, block = 6, 64, 32, 40, 3, (16, 16)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.sampling import SamplingParams
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 
 from .hf_oracle import V3_YARN, generate_with_logits, hf_greedy, load_hf, make_hf_checkpoint
 

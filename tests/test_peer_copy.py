@@ -12,13 +12,13 @@ from safetensors.torch import save_file
 from services.attention.dispatch import RemoteExperts
 from services.experts.client import ExpertClient, load_placement
 from services.experts.server import ExpertWorkerConfig, read_model_config
-from services.experts.store import ExpertNotFound, ExpertRows, SlotStore
+from services.experts.store import ExpertNotFound, ExpertRows, InvalidRequest, SlotStore
 from services.model.checkpoint import CheckpointReader, expert_name
 from services.model.config import ModelConfig
-from services.model.model import ExpertCombine, ExpertDispatch
+from services.model.messages import ExpertCombine, ExpertDispatch
 from services.model.moe import LocalExperts
 from services.model.placement import Placement
-from services.model.presets import init_model
+from services.presets import init_model
 from services.rpc import expert_pb2, wire
 
 from .test_experts_grpc import DEAD, ServerThread, _call_dispatch, _valid
@@ -124,9 +124,9 @@ def test_expert_weights_errors(model):
     got = a.expert_weights(cfg.moe_layers[0], [2, 4, 2])
     assert [e for e, _ in got] == [2, 4]  # distinct, first-seen order
     assert got[0][1].w13.shape == (2 * cfg.moe_intermediate_size, cfg.hidden_size) and not got[0][1].fp8
-    with pytest.raises(Exception, match="not a MoE layer"):
+    with pytest.raises(InvalidRequest, match="not a MoE layer"):
         a.expert_weights(0, [2])
-    with pytest.raises(Exception, match="outside"):
+    with pytest.raises(InvalidRequest, match="outside"):
         a.expert_weights(cfg.moe_layers[0], [cfg.n_routed_experts])
 
 

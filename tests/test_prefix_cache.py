@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.kv_cache import BLOCK_SIZE, BlockAllocator, block_hash
-from services.model.sampling import SamplingParams
-from services.model.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from services.engine.block_allocator import BlockAllocator, block_hash
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from services.model.kv_cache import BLOCK_SIZE
 from services.router.affinity import PrefixAffinity
 
 from .hf_oracle import run_requests
@@ -253,7 +254,7 @@ def test_eviction_takes_a_prefix_from_its_tail(tiny_model):
 
 
 def test_out_of_vocabulary_stop_tokens_are_refused(tiny_model):
-    from services.model.scheduler import RequestError
+    from services.engine.scheduler import RequestError
 
     engine = LocalEngine(EngineConfig(model=str(tiny_model)))
     with pytest.raises(RequestError, match="stop_token_ids"):

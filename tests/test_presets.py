@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.engine.tokenizer import Detokenizer, Tokenizer
 from services.model.config import ModelConfig
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.presets import init_model
-from services.model.sampling import SamplingParams
-from services.model.tokenizer import Detokenizer, Tokenizer
+from services.presets import init_model
 
 from .hf_oracle import generate_with_logits, hf_greedy, load_hf
 

@@ -2,8 +2,8 @@
 
 import json
 
-from services.model.engine import RequestOutput
-from services.model.sampling import TokenLogprobs
+from services.engine.outputs import RequestOutput
+from services.engine.sampling import TokenLogprobs
 from services.router import protocol as p
 
 VOCAB = {1: "He", 2: "llo", 3: " wé", 4: "!"}

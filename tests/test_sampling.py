@@ -4,8 +4,8 @@ define them), batched with rows that use none of them."""
 import pytest
 import torch
 
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.sampling import SamplingParamError, SamplingParams, process_logits, sample
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParamError, SamplingParams, process_logits, sample
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
 

@@ -4,9 +4,10 @@ import random
 
 import pytest
 
-from services.model.kv_cache import BLOCK_SIZE, BlockAllocator
-from services.model.sampling import SamplingParams
-from services.model.scheduler import QueueFullError, RequestError, Scheduler, SchedulerConfig, Sequence
+from services.engine.block_allocator import BlockAllocator
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import QueueFullError, RequestError, Scheduler, SchedulerConfig, Sequence
+from services.model.kv_cache import BLOCK_SIZE
 
 
 def _seq(n: int, max_tokens: int = 8, **kw) -> Sequence:

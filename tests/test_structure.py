@@ -1,6 +1,8 @@
-"""The code's shape, checked: a pure model core, no import cycles, files one can read whole."""
+"""The code's shape, checked: a pure model core and engine, kernels reached by import, no import
+cycles, files one can read whole."""
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -82,14 +84,65 @@ def _unit(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def test_the_model_core_imports_no_io_library_and_no_other_service():
+# what each pure package may import from services: the model nothing else, the engine the model
+PURE = {"services.model": ("services.model",), "services.engine": ("services.engine", "services.model")}
+
+
+@pytest.mark.parametrize("package", sorted(PURE))
+def test_the_pure_packages_import_no_io_library_and_no_other_service(package):
+    allowed = PURE[package]
     for name, path in MODULES.items():
-        if not name.startswith("services.model"):
+        if _unit(name) != package:
             continue
         imported = _imports(name, path)
         io = {m for m in imported if m.split(".")[0] in IO_LIBRARIES}
-        others = {m for m in imported if m.startswith("services.") and not m.startswith("services.model")}
+        others = {m for m in imported if m.startswith("services.") and _unit(m) not in allowed}
         assert not io and not others, f"{path.relative_to(ROOT)} imports {sorted(io | others)}"
+
+
+def _defined_classes(path: Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+
+
+def test_the_model_is_the_network_only():
+    """The runtime (engine, scheduler, block allocator) lives in services/engine; kernel modules in
+    services/model/kernels, not flat in services/model."""
+    runtime = {"Engine", "LocalEngine", "Scheduler", "BlockAllocator"}
+    for name, path in MODULES.items():
+        if _unit(name) == "services.model":
+            assert not _defined_classes(path) & runtime, path.relative_to(ROOT)
+    flat = {p.name for p in (SERVICES / "model").iterdir() if p.is_file()}
+    kernels = {f for f in flat if f.startswith(("cpu_kernels", "triton_", "flashmla")) or f.endswith(".cpp")}
+    assert kernels == set()
+    assert {"Engine", "LocalEngine"} <= _defined_classes(SERVICES / "engine" / "engine.py")
+    assert "Scheduler" in _defined_classes(SERVICES / "engine" / "scheduler.py")
+    assert "BlockAllocator" in _defined_classes(SERVICES / "engine" / "block_allocator.py")
+
+
+def _string_imports(path: Path) -> list[str]:
+    """Calls in a file that import a module named by a string (importlib.import_module, __import__)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in ("import_module", "__import__"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_kernels_are_imported_not_named_by_strings():
+    """The model reaches every kernel through an import a reader (or a type checker) can follow:
+    no module of services is loaded by a string, and the model's layers import the kernels."""
+    assert [hit for path in MODULES.values() for hit in _string_imports(path)] == []
+    assert _string_imports(ROOT / "tests" / "test_structure.py")  # (the check finds one: this file's)
+    for layer in ("services.model.model", "services.model.layers"):
+        assert {"services.model.kernels.cpu_kernels", "services.model.kernels.gpu"} <= GRAPH[layer], layer
+
+
+def test_every_package_imports():
+    for package in ("services.model", "services.model.kernels", "services.engine", "services.presets"):
+        importlib.import_module(package)
 
 
 @pytest.mark.parametrize("level", ["module", "service"])
@@ -111,8 +164,8 @@ def test_tests_do_not_import_benchmarks():
         assert not {m for m in _imports("tests." + path.stem, path) if m.startswith("benchmarks")}, path.name
 
 
-def test_no_hand_written_service_file_is_over_600_lines():
-    long = {
-        str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > 600
-    }
+def test_no_hand_written_source_file_is_over_600_lines():
+    sources = [*MODULES.values(), *SERVICES.rglob("*.cpp"), *SERVICES.rglob("*.h")]
+    assert len(sources) > len(MODULES)  # (the C++ kernels are among them)
+    long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > 600}
     assert long == {}

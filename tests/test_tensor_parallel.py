@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from services.attention.tensor_parallel import TPGroup, lead, pack_batches, run_follower, unpack_batches
-from services.model.engine import Engine, EngineConfig, LocalEngine, load_engine
-from services.model.model import StepBatch
-from services.model.sampling import SamplingParams
+from services.engine.engine import Engine, EngineConfig, LocalEngine, load_engine
+from services.engine.sampling import SamplingParams
+from services.model.batch import StepBatch
 from services.net import free_port
 
 from .hf_oracle import generate_with_logits, run_requests
@@ -100,7 +100,7 @@ def test_a_step_whose_experts_fail_is_dropped_by_every_rank_and_retried(tiny_mod
 def test_tp2_deepseek_v4_equals_one_process(tmp_path):
     """DeepSeek-V4 (tiny-v4: sliding, CSA and HCA layers): heads and output groups split over 2
     ranks, compressors and indexer replicated; prompts long enough to compress and select."""
-    from services.model.presets import init_model
+    from services.presets import init_model
 
     path = init_model(tmp_path / "tiny-v4", "tiny-v4", seed=0)
     engine_cfg = EngineConfig(model=str(path), max_num_batched_tokens=64, num_kv_blocks=64)

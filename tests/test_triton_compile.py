@@ -2,7 +2,6 @@
 launches, through ptxas, on this GPU-less machine (tests/triton_aot.py): what the interpreter,
 which runs the kernels' Python, cannot check."""
 
-import importlib
 import inspect
 import json
 import os
@@ -41,14 +40,15 @@ def test_every_launch_compiles_within_shared_memory(compiled):
 
 
 def test_every_kernel_is_compiled(compiled):
-    """A new kernel launched in services/model/triton_*.py (`name[grid](...)`) needs a case in
+    """A new kernel launched in services/model/kernels/triton_*.py (`name[grid](...)`) needs a case in
     triton_aot.cases() (the @triton.jit helpers they call are compiled inside them)."""
     from triton.runtime.interpreter import InterpretedFunction  # (what triton.jit gives here)
     from triton.runtime.jit import JITFunction
 
+    from services.model.kernels import triton_linear, triton_mla, triton_moe, triton_norm
+
     kernels = set()
-    for name in ("mla", "moe", "norm", "linear"):
-        module = importlib.import_module(f"services.model.triton_{name}")
+    for module in (triton_mla, triton_moe, triton_norm, triton_linear):
         source = inspect.getsource(module)
         jitted = (
             v.fn.__name__ for v in vars(module).values() if isinstance(v, JITFunction | InterpretedFunction)

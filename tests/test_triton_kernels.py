@@ -1,4 +1,4 @@
-"""The Triton kernels (services/model/triton_*.py) against torch references. Without a GPU they run
+"""The Triton kernels (services/model/kernels/triton_*.py) against torch references. Without a GPU they run
 under triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how CI tests them."""
 
 import os
@@ -9,20 +9,21 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from services.model import triton_kernels  # noqa: E402
-from services.model.kv_cache import BLOCK_SIZE  # noqa: E402
+from services.model.kernels import gpu, hardware, triton_linear, triton_mla, triton_moe, triton_norm
+from services.model.kv_cache import BLOCK_SIZE
 
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """(load(name) -> the kernel module, device). On CPU: the interpreter, imported afresh."""
+    """(load(name) -> the kernel module, device). On CPU: the interpreter."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"  # (set by conftest.py)
     monkeypatch.setenv("MOE_TRITON", "1")
-    triton_kernels.reset()
-    yield (lambda name: triton_kernels.module(name)), device
+    gpu.reset()
+    modules = {"mla": triton_mla, "moe": triton_moe, "norm": triton_norm, "linear": triton_linear}
+    yield modules.__getitem__, device
     monkeypatch.undo()
-    triton_kernels.reset()
+    gpu.reset()
 
 
 def paged_context(lens, width, dtype, device, seed=0, num_blocks=None):
@@ -97,7 +98,7 @@ def test_mla_decode_splits_hold_a_minimum_of_blocks(kernels, monkeypatch):
     4 + 1, the other splits empty (log-sum-exp -inf); the reference's result."""
     load, device = kernels
     mla = load("mla")
-    monkeypatch.setattr(triton_kernels, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(hardware, "multiprocessors", lambda device: 132)
     cache, table, lens = paged_context([640, 50, 260], 16 + 8, torch.float32, device, seed=10)
     wide = torch.cat((table, torch.zeros(3, 32 - table.shape[1], dtype=table.dtype, device=device)), dim=1)
     q = torch.randn(3, 4, 24, generator=torch.Generator().manual_seed(11)).to(device)
@@ -115,7 +116,7 @@ def test_mla_decode_split_count(kernels, monkeypatch):
     at batch 1, one (no merge) at 64; a power of two."""
     load, _ = kernels
     mla = load("mla")
-    monkeypatch.setattr(triton_kernels, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(hardware, "multiprocessors", lambda device: 132)
     cpu = torch.device("cpu")
     assert [mla._splits(b, 8, 64, cpu) for b in (1, 2, 4, 8, 16, 33, 64)] == [16, 16, 16, 8, 4, 1, 1]
     assert [mla._splits(1, 8, blocks, cpu) for blocks in (1, 4, 5, 9, 2048)] == [1, 1, 2, 4, 64]
@@ -134,10 +135,10 @@ def test_a_failing_kernel_leaves_its_work_to_torch(kernels, monkeypatch, caplog)
     monkeypatch.setattr(load("norm"), "rms_norm", broken)
     monkeypatch.setenv("MOE_CPU_KERNELS", "0")
     torch.testing.assert_close(rms_norm(x, w, 1e-6), expected, rtol=1e-5, atol=1e-6)
-    assert "Triton norm.rms_norm failed" in caplog.text
+    assert "Triton rms_norm failed" in caplog.text
     # only that function: the module's others still run
-    assert triton_kernels.run("norm", "rms_norm", x, w, 1e-6) is None
-    assert triton_kernels.run("norm", "add_rms_norm", x, x, w, 1e-6) is not None
+    assert gpu.TRITON.rms_norm(x, w, 1e-6) is None
+    assert gpu.TRITON.add_rms_norm(x, x, w, 1e-6) is not None
 
 
 def test_mla_decode_over_chosen_rows(kernels):
@@ -151,10 +152,10 @@ def test_mla_decode_over_chosen_rows(kernels):
     rows = torch.stack([torch.randperm(cache.shape[0] * 64, generator=g)[:70] for _ in range(3)]).to(device)
     count = torch.tensor([70, 1, 33], device=device)
     q = torch.randn(3, 20, 80, generator=g).to(device)
-    with triton_kernels.off(cuda=q.is_cuda):  # the reference: sparse_decode's torch gather
-        assert triton_kernels.get("mla", q) is None
+    with gpu.TRITON.off(cuda=q.is_cuda):  # the reference: sparse_decode's torch gather
+        assert not gpu.TRITON.enabled(q)
         ref = sparse_decode(q, cache, rows, count, 64, 0.2)
-    assert triton_kernels.get("mla", q) is not None
+    assert gpu.TRITON.enabled(q)
     for splits in (None, 2):
         o = load("mla").mla_decode(q, cache, None, count, 64, 0.2, splits=splits, rows=rows)
         torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
@@ -280,24 +281,24 @@ def test_kernels_stay_off_on_cpu_unless_asked(monkeypatch):
     def enabled(**env) -> bool:
         for name, value in env.items():
             monkeypatch.setenv(name, value) if value is not None else monkeypatch.delenv(name, raising=False)
-        triton_kernels.reset()
-        return triton_kernels.enabled(x)
+        gpu.reset()
+        return gpu.TRITON.enabled(x)
 
     try:
         assert not enabled(MOE_TRITON=None)
         assert not enabled(MOE_TRITON="1", TRITON_INTERPRET=None)  # compiled Triton needs a GPU
-        assert enabled(MOE_TRITON="1", TRITON_INTERPRET="1") and triton_kernels.get("mla", x) is not None
+        assert enabled(MOE_TRITON="1", TRITON_INTERPRET="1")
     finally:
         monkeypatch.undo()
-        triton_kernels.reset()
+        gpu.reset()
 
 
 def test_deepseek_v32_engine_on_the_triton_kernels_keeps_greedy_outputs(tmp_path, kernels, monkeypatch):
     """V3.2 (tiny-v32): decode attends to each query's top-k rows through the sparse Triton
     kernel; the same tokens as the torch gather."""
-    from services.model.engine import EngineConfig, LocalEngine
-    from services.model.presets import init_model
-    from services.model.sampling import SamplingParams
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
+    from services.presets import init_model
 
     load, device = kernels
     path = init_model(tmp_path / "tiny-v32", "tiny-v32", seed=0)
@@ -310,7 +311,7 @@ def test_deepseek_v32_engine_on_the_triton_kernels_keeps_greedy_outputs(tmp_path
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("MOE_TRITON", flag)
-        triton_kernels._enabled.clear()
+        gpu.TRITON.reset()
         engine = LocalEngine(EngineConfig(model=str(path), device=device, max_num_seqs=4))
         outs[flag] = [o.token_ids for o in engine.generate(prompts, params)]
     assert any(sparse_calls) and outs["1"] == outs["0"]
@@ -320,8 +321,8 @@ def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, 
     """LocalEngine with every Triton kernel on (MLA decode and latent, fused MoE, RMSNorm) against the torch
     path: the same greedy tokens and close last-step logits, across a block boundary and a batch
     mixing prefill chunks and decodes."""
-    from services.model.engine import EngineConfig, LocalEngine
-    from services.model.sampling import SamplingParams
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
 
     from .hf_oracle import generate_with_logits
 
@@ -344,7 +345,7 @@ def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, 
 
     def run(flag: str):
         monkeypatch.setenv("MOE_TRITON", flag)
-        triton_kernels._enabled.clear()  # (keeps the loaded modules, patched above)
+        gpu.TRITON.reset()  # (the modules stay patched)
         engine = LocalEngine(
             EngineConfig(model=str(tiny_model), device=device, max_num_seqs=4, max_num_batched_tokens=48)
         )
@@ -362,9 +363,9 @@ def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, 
 def test_fp8_experts_kept_fp8_run_in_the_fused_moe(tmp_path, kernels, monkeypatch):
     """keep_fp8_experts: the fused MoE reads the FP8 experts and their block scales as they are
     held (no dequantized copy); the same greedy tokens as the torch path, which dequantizes them."""
-    from services.model.engine import EngineConfig, LocalEngine
-    from services.model.presets import init_model
-    from services.model.sampling import SamplingParams
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
+    from services.presets import init_model
 
     from .hf_oracle import generate_with_logits
 
@@ -379,7 +380,7 @@ def test_fp8_experts_kept_fp8_run_in_the_fused_moe(tmp_path, kernels, monkeypatc
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("MOE_TRITON", flag)
-        triton_kernels._enabled.clear()
+        gpu.TRITON.reset()
         engine = LocalEngine(
             EngineConfig(model=str(path), device=device, max_num_seqs=4, keep_fp8_experts=True)
         )
@@ -402,11 +403,11 @@ def test_fp8_experts_kept_fp8_run_in_the_fused_moe(tmp_path, kernels, monkeypatc
 )
 @pytest.mark.parametrize("native", [True, False], ids=["e4m3", "uint8 bits"])
 def test_fp8_linear_matches_the_dequantized_weight(kernels, monkeypatch, M, N, K, block, dtype, native):
-    """A linear kept FP8 (weight-only FP8 GEMM): F.linear on checkpoint.dequantize_fp8_blocks's
+    """A linear kept FP8 (weight-only FP8 GEMM): F.linear on fp8.dequantize_fp8_blocks's
     values, with and without a bias, with K whole or split (the bias added once); the weights read
     as e4m3 (sm_89+) and as uint8 bytes converted with integer ops (GPUs without e4m3: A100)."""
-    monkeypatch.setattr(triton_kernels, "fp8_native", lambda t: native)
-    from services.model.checkpoint import dequantize_fp8_blocks, fp8_scale_shape, quantize_fp8_blocks
+    monkeypatch.setattr(hardware, "fp8_native", lambda t: native)
+    from services.model.fp8 import dequantize_fp8_blocks, fp8_scale_shape, quantize_fp8_blocks
 
     load, device = kernels
     g = torch.Generator().manual_seed(M)
@@ -428,9 +429,9 @@ def test_engine_with_linears_kept_fp8_on_the_triton_kernels_keeps_greedy_outputs
 ):
     """keep_fp8_linears and keep_fp8_experts with the Triton kernels on: the FP8 linear kernel reads
     the linears as held; the same greedy tokens as the torch path."""
-    from services.model.engine import EngineConfig, LocalEngine
-    from services.model.presets import init_model
-    from services.model.sampling import SamplingParams
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
+    from services.presets import init_model
 
     load, device = kernels
     path = init_model(tmp_path / "fp8", "tiny", seed=3, fp8=True, fp8_block=(16, 16))
@@ -448,11 +449,11 @@ def test_engine_with_linears_kept_fp8_on_the_triton_kernels_keeps_greedy_outputs
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("MOE_TRITON", flag)
-        triton_kernels._enabled.clear()
+        gpu.TRITON.reset()
         cfg = EngineConfig(
             model=str(path), device=device, max_num_seqs=4, keep_fp8_experts=True, keep_fp8_linears=True
         )
         outs[flag] = [o.token_ids for o in LocalEngine(cfg).generate(prompts, params)]
     assert calls and set(calls) == {(torch.float8_e4m3fn, True)}
-    assert triton_kernels.module("linear") is not None  # (no call failed: none went back to torch)
+    assert "fp8_linear" in gpu.TRITON.ran and not gpu.TRITON.failed  # (none went back to torch)
     assert outs["1"] == outs["0"]

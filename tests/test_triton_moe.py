@@ -1,4 +1,4 @@
-"""The Triton fused MoE (services/model/triton_moe.py) against layers.grouped_expert_ffn. Without a
+"""The Triton fused MoE (services/model/kernels/triton_moe.py) against layers.grouped_expert_ffn. Without a
 GPU it runs under triton's interpreter on CPU tensors (TRITON_INTERPRET=1), on small shapes."""
 
 import os
@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from services.model import triton_kernels  # noqa: E402
-from services.model.checkpoint import dequantize_fp8_blocks  # noqa: E402
-from services.model.layers import grouped_expert_ffn  # noqa: E402
+from services.model.fp8 import dequantize_fp8_blocks
+from services.model.kernels import gpu, hardware, triton_moe
+from services.model.layers import grouped_expert_ffn
 
 
 @pytest.fixture
@@ -20,10 +20,10 @@ def moe(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"  # (set by conftest.py)
     monkeypatch.setenv("MOE_TRITON", "0")
-    triton_kernels.reset()
-    yield triton_kernels.module("moe"), device
+    gpu.reset()
+    yield triton_moe, device
     monkeypatch.undo()
-    triton_kernels.reset()
+    gpu.reset()
 
 
 def routing(T, K, S, seed=0, skip=0.2, idle=()):
@@ -132,7 +132,7 @@ def test_fused_moe_fp8_blocks(moe, monkeypatch, T, H, I, block, dtype, native):
     """FP8 experts with their block scales: as e4m3 (sm_89+) and as uint8 bytes converted with
     integer ops (GPUs without e4m3: A100)."""
     mod, device = moe
-    monkeypatch.setattr(triton_kernels, "fp8_native", lambda t: native)
+    monkeypatch.setattr(hardware, "fp8_native", lambda t: native)
     K, S = 2, 4
     w13, s13, w13_real, w2, s2, w2_real = fp8_experts(S, H, I, block)
     slot, weight = routing(T, K, S, seed=4)

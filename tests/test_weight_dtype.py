@@ -5,9 +5,10 @@ transformers' fp32 tokens and logits on the same checkpoint with those weights r
 import pytest
 import torch
 
-from services.model import cpu_kernels
-from services.model.engine import EngineConfig, LocalEngine, check_weight_dtype
-from services.model.sampling import SamplingParams
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.model.config import check_weight_dtype
+from services.model.kernels import cpu_kernels
 
 from .hf_oracle import (
     V3_YARN,

@@ -35,7 +35,7 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
     torch.empty: the launches are recorded, never run, so their values are never read."""
     import torch
 
-    from services.model import triton_linear, triton_mla, triton_moe, triton_norm
+    from services.model.kernels import triton_linear, triton_mla, triton_moe, triton_norm
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     heads, latent, rope = 128, 512, 64  # DeepSeek-V3's absorbed MLA decode
@@ -118,20 +118,20 @@ def record_launches(call: Callable[[], object], arch: int) -> list[tuple[object,
     multiprocessors; the FP8 kernels read uint8 bytes below sm_89); none of them runs."""
     from triton.runtime.jit import JITFunction
 
-    from services.model import triton_kernels
+    from services.model.kernels import hardware
 
     launches = []
 
     def record(self, *args, grid, warmup=False, **kwargs):
         launches.append((self, args, kwargs))
 
-    saved = JITFunction.run, triton_kernels.fp8_native, triton_kernels.multiprocessors
-    JITFunction.run, triton_kernels.fp8_native = record, lambda t: arch >= 89
-    triton_kernels.multiprocessors = lambda device: SMS[arch]  # (the split heuristics' input)
+    saved = JITFunction.run, hardware.fp8_native, hardware.multiprocessors
+    JITFunction.run, hardware.fp8_native = record, lambda t: arch >= 89
+    hardware.multiprocessors = lambda _: SMS[arch]  # (the split heuristics' input)
     try:
         call()
     finally:
-        JITFunction.run, triton_kernels.fp8_native, triton_kernels.multiprocessors = saved
+        JITFunction.run, hardware.fp8_native, hardware.multiprocessors = saved
     return launches
 
 

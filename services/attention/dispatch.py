@@ -1,4 +1,4 @@
-"""The attention worker's dispatch client: `RemoteExperts`, the ExpertBackend over gRPC workers.
+"""The attention worker's dispatch client: `RemoteExperts`, the ExpertBackend over the expert workers.
 
 Slot choice is the pure `SlotRouter` (slot_router.py); this module is the transport. Per MoE
 layer of a step:
@@ -7,11 +7,12 @@ layer of a step:
       1. the router maps each (token, choice) pair to a slot on a worker          -> Route
       2. each worker gets only its rows: hidden [Tw, H], local slots [Tw, K] int32 (-1 where
          another worker computes the pair), weights fp32, laid out in the request's bytes
-      3. all RPCs start and a handle returns: each RPC is a blocking call of the sync gRPC API in
-         a persistent thread of this client (so it overlaps the shared experts / the other
-         micro-batch). Measured here, that is 0.15-0.3 ms cheaper per call than
-         `stub.future(...)`, whose channel starts a new polling thread whenever its number of
-         calls in flight rises from zero, i.e. on every layer of a synchronous driver.
+      3. all calls start and a handle returns (transport.py): to a worker on this node, through
+         shared memory (the rows are written into the pair's buffer, a doorbell wakes the
+         worker); otherwise a blocking call of the sync gRPC API in a persistent thread of this
+         client (so it overlaps the shared experts / the other micro-batch). Measured here, that
+         is 0.15-0.3 ms cheaper per call than `stub.future(...)`, whose channel starts a new
+         polling thread whenever its number of calls in flight rises from zero.
     combine(ExpertCombine(handle))
       4. wait, scatter-add the partial sums in fp32 into [T, H], return in x's dtype (when one
          worker computed every pair, its answer is the result, copied out of the response)
@@ -30,18 +31,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from services.model.config import ModelConfig
-from services.model.model import ExpertCombine, ExpertDispatch
+from services.model.messages import ExpertCombine, ExpertDispatch
 from services.model.placement import Placement
-from services.rpc import wire
+from services.rpc import shm, wire
 
 from .slot_router import ExpertDispatchError, ExpertUnavailableError, Route, SlotRouter
+from .transport import Call, TransportError, Transports
 
 __all__ = ["DispatchConfig", "ExpertDispatchError", "ExpertUnavailableError", "RemoteExperts", "sum_rows"]
 
@@ -64,12 +65,15 @@ class DispatchConfig:
     timeout_s: float = 30.0  # deadline of one Dispatch RPC
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     dead_worker_cooldown_s: float = 10.0  # replicas on a failed worker are skipped this long
-    rpc_threads: int = 64  # RPCs in flight at once (workers x micro-batches in flight)
+    rpc_threads: int = 64  # gRPC calls in flight at once (workers x micro-batches in flight)
+    transport: str = "auto"  # "auto" (shared memory on this node, gRPC otherwise), "grpc", "shm"
+    shm_capacity: int = shm.DEFAULT_CAPACITY  # bytes of a shared-memory channel's request (and answer) buffer
 
 
 @dataclass
 class DispatchStats:
-    rpcs: int = 0
+    rpcs: int = 0  # calls, every transport
+    shm_calls: int = 0  # of which through shared memory
     bytes_sent: int = 0  # serialized request bytes
     bytes_received: int = 0  # serialized response bytes
     bytes_copied: int = 0  # request payloads this client wrote (answers copied into results: not counted)
@@ -83,7 +87,7 @@ class _Part:
     worker: int  # index into placement.workers
     rows: torch.Tensor | None  # [Tw] int64 rows of x this worker got; None: all of them
     pairs: torch.Tensor  # [T, K] bool: the (token, choice) pairs it computes
-    future: Future  # -> serialized DispatchResponse, or raises grpc.RpcError
+    call: Call  # its output, or TransportError
 
 
 @dataclass
@@ -94,6 +98,7 @@ class PendingDispatch:
     router: SlotRouter  # the placement it was routed with (a resend uses the same one)
     addresses: dict[str, str]
     parts: list[_Part] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)  # every call made, resends too (released at the end)
 
 
 class RemoteExperts:
@@ -108,11 +113,14 @@ class RemoteExperts:
     ):
         self.cfg, self.dispatch_cfg = cfg, dispatch_cfg or DispatchConfig()
         self.stats = DispatchStats()
-        self._channels: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
+        d = self.dispatch_cfg
+        self.transports = Transports(
+            d.transport, d.timeout_s, d.max_message_bytes, d.rpc_threads, d.shm_capacity
+        )
+        self._opened: set[str] = set()  # addresses with calls made
         self._retired: set[str] = set()
         self._pending = 0
         self._dead: dict[str, float] = {}  # address -> time it failed
-        self._rpc_pool = ThreadPoolExecutor(self.dispatch_cfg.rpc_threads, thread_name_prefix="dispatch-rpc")
         self.set_placement(placement, addresses)
 
     # ---- placement ----------------------------------------------------------------------
@@ -134,29 +142,20 @@ class RemoteExperts:
             raise ValueError(f"no address for workers {missing}")
         self.router, self.addresses = SlotRouter(placement, self.cfg.n_routed_experts), addresses
         in_use = {addresses[w] for w in placement.workers}
-        self._retired = (self._retired | set(self._channels)) - in_use
+        self._retired = (self._retired | self._opened) - in_use
         self._close_retired()
 
     def _close_retired(self) -> None:
         if self._pending:
             return
         for address in self._retired:
-            channel = self._channels.pop(address, (None, None))[0]
-            if channel is not None:
-                channel.close()
+            self.transports.forget(address)
+            self._opened.discard(address)
         self._retired = set()
 
-    def _stub(self, address: str) -> grpc.UnaryUnaryMultiCallable:
-        entry = self._channels.get(address)
-        if entry is None:
-            channel = grpc.insecure_channel(
-                address, options=wire.grpc_options(self.dispatch_cfg.max_message_bytes)
-            )
-            call = channel.unary_unary(
-                wire.DISPATCH_METHOD, request_serializer=None, response_deserializer=None
-            )
-            entry = self._channels[address] = (channel, call)
-        return entry[1]
+    def transport_of(self) -> dict[str, str]:
+        """worker id -> the transport its last call took ("shm" or "grpc"; "-" before any)."""
+        return {w: self.transports.used.get(a, "-") for w, a in self.addresses.items()}
 
     def _dead_workers(self, pending: PendingDispatch) -> frozenset[int]:
         """Indices (in the pending dispatch's placement) of workers that failed recently."""
@@ -197,19 +196,22 @@ class RemoteExperts:
                 dead = self._dead_workers(pending) | failed_workers
                 route = pending.router.resend(pending.msg.moe_layer, pending.msg.topk_idx.cpu(), pairs, dead)
                 parts = self._send(pending, route)
+            return sum_rows(answered, pending.msg.x)
         except BaseException:
-            for part in parts:  # don't start RPCs for a step that failed (running ones time out)
-                part.future.cancel()
+            for part in parts:  # don't start calls for a step that failed (running ones time out)
+                part.call.cancel()
             raise
         finally:
+            for call in pending.calls:  # (their outputs are summed: the buffers may serve again)
+                call.release()
             self._pending -= 1
             self._close_retired()
-        return sum_rows(answered, pending.msg.x)
 
     def cancel(self, pending: PendingDispatch) -> None:
         """Drop a dispatch that will not be combined (its step failed elsewhere)."""
-        for part in pending.parts:
-            part.future.cancel()
+        for call in pending.calls:
+            call.cancel()
+            call.release()
         self._pending -= 1
         self._close_retired()
 
@@ -218,21 +220,20 @@ class RemoteExperts:
         placement = pending.router.placement
         address = pending.addresses[placement.workers[part.worker]]
         try:
-            data = part.future.result()
-        except grpc.RpcError as e:
-            code = e.code()
+            output = part.call.result()
+        except TransportError as e:
+            code = e.code
             if code not in RETRYABLE:
                 raise ExpertDispatchError(
                     f"decoder layer {pending.msg.decoder_layer}: worker {address} refused Dispatch "
-                    f"(placement version {placement.version}): {code.name}: {e.details()}"
+                    f"(placement version {placement.version}): {code.name}: {e.details}"
                 ) from None
             log.warning("decoder layer %d: worker %s failed (%s: %s); resending",
-                        pending.msg.decoder_layer, address, code.name, e.details())  # fmt: skip
+                        pending.msg.decoder_layer, address, code.name, e.details)  # fmt: skip
             self._dead[address] = time.monotonic()
             failed.append(part)
             return None
-        self.stats.bytes_received += len(data)
-        output = wire.decode_dispatch_response(data).output
+        self.stats.bytes_received += part.call.nbytes_received
         x = pending.msg.x
         want = (x.shape[0] if part.rows is None else part.rows.numel(), x.shape[1])
         if output is None or tuple(output.shape) != want:
@@ -252,36 +253,39 @@ class RemoteExperts:
         routing weights `weight` [T, K]): its request holds only the rows it computes something for.
         The request is laid out first and its tensors are built in place: the gather of the rows is
         the one copy of the hidden states."""
-        x, placement = pending.msg.x, pending.router.placement
+        x, placement, layer = pending.msg.x, pending.router.placement, pending.msg.decoder_layer
         hit = mine.any(1)  # [T]
         rows = None if bool(hit.all()) else hit.nonzero().view(-1)
         T = x.shape[0] if rows is None else rows.numel()
-        req = wire.DispatchRequestBuffer(
-            pending.msg.decoder_layer, placement.version, (T, x.shape[1]), x.dtype, mine.shape[1]
-        )
+        address = pending.addresses[placement.workers[w]]
+        try:
+            call = self.transports.open(
+                address, layer, placement.version, (T, x.shape[1]), x.dtype, mine.shape[1]
+            )
+        except TransportError as e:
+            raise ExpertDispatchError(f"decoder layer {layer}: worker {address}: {e}") from None
+        self._opened.add(address)
         if rows is None:
-            wire.copy_into(req.hidden, x)
-            torch.where(mine, local, _NO_SLOT, out=req.slot)
-            torch.where(mine, weight, _NO_WEIGHT, out=req.weight)
+            wire.copy_into(call.hidden, x)
+            torch.where(mine, local, _NO_SLOT, out=call.slot)
+            torch.where(mine, weight, _NO_WEIGHT, out=call.weight)
         else:
             if x.device.type == "cpu":
-                torch.index_select(x, 0, rows, out=req.hidden)
+                torch.index_select(x, 0, rows, out=call.hidden)
             else:
-                req.hidden.copy_(x.index_select(0, rows.to(x.device)))
-            torch.index_select(torch.where(mine, local, _NO_SLOT), 0, rows, out=req.slot)
-            torch.index_select(torch.where(mine, weight, _NO_WEIGHT), 0, rows, out=req.weight)
-        address = pending.addresses[placement.workers[w]]
-        future = self._rpc_pool.submit(self._stub(address), req.data, timeout=self.dispatch_cfg.timeout_s)
+                call.hidden.copy_(x.index_select(0, rows.to(x.device)))
+            torch.index_select(torch.where(mine, local, _NO_SLOT), 0, rows, out=call.slot)
+            torch.index_select(torch.where(mine, weight, _NO_WEIGHT), 0, rows, out=call.weight)
+        call.start(layer, placement.version)
+        pending.calls.append(call)
         self.stats.rpcs += 1
-        self.stats.bytes_sent += len(req.data)
-        self.stats.bytes_copied += req.hidden.nbytes + req.slot.nbytes + req.weight.nbytes
-        return _Part(w, rows, mine, future)
+        self.stats.shm_calls += call.transport == "shm"
+        self.stats.bytes_sent += call.nbytes_sent
+        self.stats.bytes_copied += call.hidden.nbytes + call.slot.nbytes + call.weight.nbytes
+        return _Part(w, rows, mine, call)
 
     def close(self) -> None:
-        self._rpc_pool.shutdown(wait=False, cancel_futures=True)
-        for channel, _ in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        self.transports.close()
 
 
 _NO_SLOT = torch.tensor(-1, dtype=torch.int32)  # the slot of a pair another worker computes

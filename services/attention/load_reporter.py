@@ -41,6 +41,7 @@ class LoadReporter:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.flushed_tokens = 0
+        self._in_flight = 0  # counts taken by a flush and not yet written (or put back)
         self.dropped_tokens = 0
         self.failed_flushes = 0
         self.last_error: str | None = None
@@ -59,13 +60,16 @@ class LoadReporter:
             counts, since = self._pending.clone(), self._pending_since
             self._pending.zero_()
             self._pending_since = None
+            self._in_flight = int(counts.sum())
         if since is None or not bool(counts.any()):
             return True
         try:
             shared = self.shared
             write_loads(self._client, shared.key_prefix, current_bucket(shared.bucket_seconds), counts,
                         shared.ttl_seconds)  # fmt: skip
-            self.flushed_tokens += int(counts.sum())
+            with self._lock:
+                self.flushed_tokens += int(counts.sum())
+                self._in_flight = 0
             self.last_error = None
             return True
         except (redis.RedisError, OSError) as e:
@@ -77,6 +81,7 @@ class LoadReporter:
                 else:
                     self._pending += counts
                     self._pending_since = min(since, self._pending_since or since)
+                self._in_flight = 0
             return False
 
     def _run(self) -> None:
@@ -84,8 +89,11 @@ class LoadReporter:
             self.flush()
 
     def stats(self) -> dict:
+        with self._lock:
+            unflushed = int(self._pending.sum()) + self._in_flight
         return {
             "flushed_tokens": self.flushed_tokens,
+            "unflushed_tokens": unflushed,  # counted, not yet in Redis
             "dropped_tokens": self.dropped_tokens,
             "failed_flushes": self.failed_flushes,
             "redis_error": self.last_error,

@@ -18,7 +18,7 @@ import threading
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from services.model.engine import EngineConfig
+from services.engine.engine import EngineConfig
 from services.net import free_port
 
 from .tensor_parallel import Follower, TPGroup

@@ -29,8 +29,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.model.engine import EngineConfig, load_engine
-from services.model.model import ExpertCombine, ExpertDispatch, StepBatch, run_interleaved
+from services.engine.engine import EngineConfig, load_engine
+from services.model.batch import StepBatch
+from services.model.messages import ExpertCombine, ExpertDispatch, run_interleaved
 
 log = logging.getLogger(__name__)
 

@@ -27,19 +27,12 @@ from services.attention.dispatch import DispatchConfig, RemoteExperts
 from services.attention.load_reporter import LoadReporter, LoadReporterConfig
 from services.attention.ranks import RankGroup
 from services.attention.tensor_parallel import lead
-from services.model.engine import (
-    Engine,
-    EngineConfig,
-    Refusal,
-    RequestOutput,
-    StepFailed,
-    StepResult,
-    load_engine,
-)
+from services.engine.engine import Engine, EngineConfig, load_engine
+from services.engine.outputs import Refusal, RequestOutput, StepFailed, StepResult
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import QueueFullError
 from services.model.moe import LocalExperts
 from services.model.placement import Placement
-from services.model.sampling import SamplingParams
-from services.model.scheduler import QueueFullError
 from services.settings import BALANCER_NAME, SharedSettings
 
 log = logging.getLogger(__name__)
@@ -53,6 +46,7 @@ class AttentionWorkerConfig:
     gpus: float = 0.0  # Ray num_gpus of each follower rank (rank 0's is the actor's own)
     shared: SharedSettings = field(default_factory=SharedSettings)  # no redis_url: loads not reported
     dispatch_timeout_s: float = 10.0
+    expert_transport: str = "auto"  # DispatchConfig.transport: auto (shm on this node, else gRPC), shm, grpc
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
     step_retry_wait_s: float = 0.05  # pause between retries of a failing step
     idle_wait_s: float = 0.05
@@ -161,6 +155,10 @@ class AttentionService:
             **self.engine.stats(),
             "placement_version": self.placement_version,
             "times": asdict(self.times),
+            # mean seconds a step waited for its routed experts, per MoE layer (the data plane's
+            # cost beyond the attention side's own work: docs/experts.md)
+            "expert_wait_per_moe_layer_s": self.times.expert_wait_s
+            / max(1, self.times.steps * self.engine.cfg.num_moe_layers),
             "load_reporter": self.load_reporter.stats() if self.load_reporter else None,
         }
 
@@ -252,10 +250,10 @@ class AttentionService:
         self.step_trace.append(
             (time.time(), result.seconds, result.num_seqs, result.num_tokens, self.placement_version)
         )
+        if self.load_reporter is not None:  # (first: a client that has its tokens finds their counts taken)
+            self.load_reporter.add(result.expert_load)
         for out in result.outputs:
             self._emit(out)
-        if self.load_reporter is not None:
-            self.load_reporter.add(result.expert_load)
 
 
 def _current_placement(shared: SharedSettings, placement: dict, addresses: dict) -> tuple[dict, dict]:
@@ -296,7 +294,8 @@ class AttentionWorker:
             if placement is None:  # single process: every routed expert here
                 return LocalExperts.load_all(reader, mcfg, dtype).to(cfg.engine.device)
             self.remote_experts = RemoteExperts(mcfg, Placement.from_dict(placement), addresses,
-                                                DispatchConfig(timeout_s=cfg.dispatch_timeout_s))  # fmt: skip
+                                                DispatchConfig(timeout_s=cfg.dispatch_timeout_s,
+                                                               transport=cfg.expert_transport))  # fmt: skip
             return self.remote_experts
 
         mcfg, model, experts, tokenizer = load_engine(cfg.engine, make_experts)
@@ -355,7 +354,9 @@ class AttentionWorker:
         return os.getpid()
 
     async def stats(self) -> dict:
-        dispatch = asdict(self.remote_experts.stats) if self.remote_experts else None
+        dispatch = None
+        if self.remote_experts is not None:
+            dispatch = {**asdict(self.remote_experts.stats), "transport": self.remote_experts.transport_of()}
         return {**self.service.stats(), "dispatch": dispatch, "ranks": await self._ranks()}
 
     async def _ranks(self) -> list[dict]:

@@ -74,6 +74,7 @@ class BalancerConfig:
     expert_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"expert_node": 0.01}
     expert_gpus: float = 0.0  # Ray num_gpus per expert worker; > 0: its experts compute on CUDA
     expert_host: str | None = None  # None: each worker's node IP
+    expert_shm: bool = True  # ExpertWorkerConfig.shm: also serve Dispatch through shared memory
     watch_s: float = 0.5  # health check / reconcile period (0: off)
     switch_timeout_s: float = 30.0  # an attention worker slower than this to switch is retried later
     gc_s: float = 5.0  # how often versions nobody uses are released
@@ -108,7 +109,7 @@ class BalancerCore:
             keep_fp8_experts=cfg.expert_keep_fp8,
             num_threads=cfg.expert_threads, host=cfg.expert_host,
             model_config=read_model_config(cfg.model),  # their nodes need no checkpoint (peer copy)
-            device="cuda" if cfg.expert_gpus > 0 else "cpu",
+            device="cuda" if cfg.expert_gpus > 0 else "cpu", shm=cfg.expert_shm,
         )  # fmt: skip
         self.pool = ExpertPool(cfg.shared, worker_cfg, cfg.expert_resources, num_gpus=cfg.expert_gpus)
         self.target_workers = cfg.expert_workers

@@ -1,5 +1,6 @@
 """The expert worker's gRPC server: the Expert service (servicer.py) and the standard
-grpc.health.v1 service on one grpc server, for one expert worker process.
+grpc.health.v1 service on one grpc server, for one expert worker process; beside it the
+shared-memory Dispatch for clients on the same node (services/rpc/shm.py), over the same compute.
 
 A sync server: every call runs on a thread of the server's pool, the same hand-off a raw echo
 handler pays, and the Dispatch compute happens right there (one at a time, see servicer.py).
@@ -18,11 +19,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
-from services.model.config import ModelConfig, parse_dtype
-from services.model.engine import check_weight_dtype
-from services.rpc import wire
+from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
+from services.rpc import shm, wire
 
-from .servicer import ExpertServicer, add_expert_service
+from .servicer import ExpertServicer, add_expert_service, status_of
 from .store import SlotStore
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class ExpertWorkerConfig:
     # checkpoint directory at all; None: read `model`/config.json on the worker's node
     model_config: dict | None = None
     peer_timeout_s: float = 600.0  # deadline of one FetchExperts stream from a peer
+    # also serve Dispatch through shared memory to clients on this node (services/rpc/shm.py)
+    shm: bool = True
 
 
 def read_model_config(model_dir: str | Path) -> dict:
@@ -80,6 +82,7 @@ class ExpertServer:
         self.health = HealthServicer()
         self.server: grpc.Server | None = None
         self.address: str | None = None
+        self.shm: shm.ShmServer | None = None
 
     def start(self) -> str:
         """Bind and start; returns "host:port"."""
@@ -100,6 +103,11 @@ class ExpertServer:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.server, self.address = server, format_address(self.host, port)
         self.servicer.address = self.address
+        if self.cfg.shm:
+            try:
+                self.shm = shm.ShmServer(self.address, self.servicer.compute_into, status_of)
+            except OSError as e:  # (another process holds the name: clients use gRPC)
+                log.warning("no shared-memory data plane on %s: %s", self.address, e)
         log.info("expert worker serving %s on %s (%s)", self.cfg.model, self.address, self.cfg.dtype)
         return self.address
 
@@ -107,6 +115,9 @@ class ExpertServer:
         if self.server is None:
             return
         self.health.enter_graceful_shutdown()
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         self.server.stop(grace).wait()
         self.servicer.close()
         self.server = None

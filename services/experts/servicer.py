@@ -83,17 +83,17 @@ class ExpertServicer:
     def compute(self, req: wire.DispatchRequest) -> bytes:
         """Run the experts for a decoded request, writing straight into the response's bytes."""
         resp = None if req.hidden is None else wire.DispatchResponseBuffer(req.hidden.shape, req.hidden.dtype)
+        out = None if resp is None else resp.output
+        seconds = self.compute_into(req.layer, req.placement_version, req.hidden, req.slot, req.weight, out)
+        return resp.finish(seconds)  # (a request without hidden states was refused above)
+
+    def compute_into(self, layer: int, version: int, hidden, slot, weight, out) -> float:
+        """SlotStore.forward into `out` (the response's payload, in gRPC bytes or shared memory),
+        one compute at a time; its seconds."""
         with self._compute_lock:
             start = time.perf_counter()
-            self.store.forward(
-                req.placement_version,
-                req.layer,
-                req.hidden,
-                req.slot,
-                req.weight,
-                None if resp is None else resp.output,
-            )
-        return resp.finish(time.perf_counter() - start)
+            self.store.forward(version, layer, hidden, slot, weight, out)
+            return time.perf_counter() - start
 
     def Dispatch(self, request: bytes, context) -> bytes:
         try:

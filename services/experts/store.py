@@ -30,16 +30,15 @@ from typing import NamedTuple
 
 import torch
 
-from services.model import cpu_kernels
 from services.model.checkpoint import (
     CheckpointReader,
     check_keep_fp8_experts,
-    dequantize_fp8_blocks,
-    fp8_scale_shape,
     load_expert_weights,
     load_expert_weights_fp8,
 )
 from services.model.config import ModelConfig
+from services.model.fp8 import dequantize_fp8_blocks, fp8_scale_shape
+from services.model.kernels import cpu_kernels
 from services.model.moe import PackedExperts
 
 
@@ -140,7 +139,7 @@ class SlotStore:
         keep_fp8: bool = False,
     ):
         """dtype: what Dispatch computes in; weight_dtype: how the experts are held when narrower
-        (bf16 under fp32 on CPU: engine.check_weight_dtype); None: dtype. keep_fp8: an FP8
+        (bf16 under fp32 on CPU: config.check_weight_dtype); None: dtype. keep_fp8: an FP8
         checkpoint's experts are held as shipped, with their block scales (ValueError where they
         cannot be: checkpoint.check_keep_fp8_experts)."""
         self.cfg, self.model_dir, self.dtype, self.max_versions = cfg, Path(model_dir), dtype, max_versions

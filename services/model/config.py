@@ -489,3 +489,21 @@ def rope_inv_freq(cfg: ModelConfig, compress: bool = False) -> tuple[torch.Tenso
         1.0 / pos_freqs
     ) * extrapolation_factor
     return inv_freq, attention_factor
+
+
+def check_weight_dtype(
+    weight_dtype: str | None, dtype: torch.dtype, device: str, cfg: ModelConfig | None = None
+) -> torch.dtype | None:
+    """The weights' storage dtype for `EngineConfig.weight_dtype` (None: the compute dtype); a
+    clear error for a combination no kernel serves."""
+    wd = None if weight_dtype is None else parse_dtype(weight_dtype)
+    if wd is None or wd == dtype:
+        return None
+    if wd != torch.bfloat16 or dtype != torch.float32 or torch.device(device).type != "cpu":
+        raise ValueError(
+            f"weight_dtype {weight_dtype} under dtype {dtype} on {device}: weights narrower than the "
+            "compute dtype are bfloat16 under float32 on CPU only"
+        )
+    if cfg is not None and cfg.is_v4:
+        raise ValueError("weight_dtype bfloat16 is not supported for DeepSeek-V4 checkpoints yet")
+    return wd

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .batch import StepBatch
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .layers import swiglu_act
-from .model import ExpertCombine, ExpertDispatch, StepBatch, StepGen
+from .messages import ExpertCombine, ExpertDispatch, StepGen
 from .v4_attention import V4AttentionWeights, V4Rope, rms_norm_f32, shard_heads, v4_attention
 from .weights import load_layers
 

@@ -10,15 +10,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels, triton_kernels
-from .checkpoint import FP8_DEQUANT_BYTES, dequantize_fp8_blocks
+from services.model.kernels.cpu_kernels import linear
+
 from .config import ModelConfig, rope_inv_freq
-from .cpu_kernels import linear
+from .fp8 import FP8_DEQUANT_BYTES, dequantize_fp8_blocks
+from .kernels import cpu_kernels
+from .kernels.gpu import TRITON
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[..., d] -> [..., d]; computed in fp32, cast back before the weight multiply (as HF)."""
-    y = triton_kernels.run("norm", "rms_norm", x, weight, eps) if x.stride(-1) == 1 else None  # CUDA
+    y = TRITON.rms_norm(x, weight, eps) if x.stride(-1) == 1 else None  # CUDA
     if y is not None:
         return y
     y = cpu_kernels.rms_norm(x, weight, eps)  # fp32 on CPU: one op
@@ -37,7 +39,7 @@ def add_rms_norm(
     (as vLLM's fused_add_rms_norm)."""
     if delta is None:
         return h, rms_norm(h, weight, eps)
-    fused = triton_kernels.run("norm", "add_rms_norm", h, delta, weight, eps)  # CUDA
+    fused = TRITON.add_rms_norm(h, delta, weight, eps)  # CUDA
     if fused is None:
         fused = cpu_kernels.add_rms_norm(h, delta, weight, eps)
     if fused is not None:
@@ -204,7 +206,7 @@ def grouped_expert_ffn(
     T, K = slot.shape
     if w13_scale is not None:
         return _fp8_expert_ffn(x, slot, weight, w13, w2, out, swiglu_limit, w13_scale, w2_scale, fp8_block)
-    y = triton_kernels.run("moe", "fused_moe", x, slot, weight, w13, w2, swiglu_limit, out=out)  # CUDA
+    y = TRITON.fused_moe(x, slot, weight, w13, w2, swiglu_limit, out=out)  # CUDA
     if y is not None:
         return y
     if _cpu_decode(x, slot):
@@ -253,12 +255,12 @@ def _cpu_decode(x: torch.Tensor, slot: torch.Tensor) -> bool:
 def _fp8_expert_ffn(x, slot, weight, w13, w2, out, swiglu_limit, w13_scale, w2_scale, block):
     """grouped_expert_ffn on FP8 experts kept FP8. The Triton fused MoE (CUDA) and, at decode sizes
     on the CPU, the expert kernel read them as held; otherwise the slots the call touches are
-    dequantized (`checkpoint.dequantize_fp8_blocks`'s values) FP8_DEQUANT_BYTES at a time and run
+    dequantized (`fp8.dequantize_fp8_blocks`'s values) FP8_DEQUANT_BYTES at a time and run
     on the torch path, their partial sums added in fp32. With one such chunk (every decode, and
     any call touching <= 1 GiB of dequantized experts) the result is that of experts dequantized at
     load, bit for bit; beyond, the same up to the order of the fp32 sums."""
     fp8 = (w13_scale, w2_scale, block)
-    y = triton_kernels.run("moe", "fused_moe", x, slot, weight, w13, w2, swiglu_limit, *fp8, out=out)  # CUDA
+    y = TRITON.fused_moe(x, slot, weight, w13, w2, swiglu_limit, *fp8, out=out)  # CUDA
     if y is not None:
         return y
     if _cpu_decode(x, slot):

@@ -15,229 +15,26 @@ Dispatch RPC); "moe_layer" its index among the MoE layers (placements, load coun
 from __future__ import annotations
 
 import functools
-import itertools
-import time
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any, Protocol
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels, triton_kernels
-from .checkpoint import CheckpointReader, Fp8Weight
+from services.model.kernels.cpu_kernels import linear
+
+from .batch import DecodeRows, StepBatch
+from .checkpoint import CheckpointReader
 from .config import ModelConfig
-from .cpu_kernels import linear
+from .fp8 import Fp8Weight
 from .indexer import IndexQueries, index_keys
+from .kernels import cpu_kernels
+from .kernels.gpu import FLASH_MLA, TRITON
 from .kv_cache import BLOCK_SIZE
 from .layers import Rope, add_rms_norm, dense_ffn, rms_norm, route
+from .messages import ExpertCombine, ExpertDispatch, StepGen
 from .weights import LayerWeights, MLAWeights, load_layer, load_layers, shard_heads
 
 NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, DeepSeek)
-
-
-# ---------------------------------------------------------------------------------------------
-# Messages between the forward pass and an expert backend
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class ExpertDispatch:
-    decoder_layer: int  # index among all decoder layers
-    moe_layer: int  # index among the MoE layers
-    x: torch.Tensor  # [T, H] post-attention-norm hidden states
-    topk_idx: torch.Tensor  # [T, K] int64 logical experts
-    topk_weight: torch.Tensor  # [T, K] fp32 routing weights (scaling factor applied)
-    expert_counts: torch.Tensor  # [E] int64 routed (token, choice) pairs per logical expert
-
-    @classmethod
-    def routed(cls, decoder_layer: int, moe_layer: int, x, topk_idx, topk_weight, num_experts: int):
-        """The message for routed tokens, with their per-expert counts (by scatter-add: on a GPU
-        torch.bincount waits for the device to size its output, which a CUDA graph cannot capture)."""
-        flat = topk_idx.reshape(-1)
-        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        return cls(decoder_layer, moe_layer, x, topk_idx, topk_weight, counts)
-
-
-@dataclass
-class ExpertCombine:
-    handle: Any  # whatever the backend returned for the matching ExpertDispatch
-
-
-class ExpertBackend(Protocol):
-    """dispatch starts the routed work and returns a handle; combine waits for it. A backend
-    may also have `cancel(handle)`, called for dispatches that will not be combined (a step that
-    failed in another micro-batch)."""
-
-    def dispatch(self, msg: ExpertDispatch) -> Any: ...
-
-    def combine(self, msg: ExpertCombine) -> torch.Tensor: ...
-
-
-StepGen = Generator[ExpertDispatch | ExpertCombine, Any, torch.Tensor]
-
-
-@dataclass
-class ExpertTally:
-    """What a step's routed experts did: `load` [num_moe_layers, E] int64 routed (token, choice)
-    pairs per logical expert (on the model's device), `wait_s` seconds spent in `combine`
-    (blocked on routed experts)."""
-
-    load: torch.Tensor
-    wait_s: float = 0.0
-
-
-def run_interleaved(
-    steps: list[StepGen], experts: ExpertBackend, tally: ExpertTally | None = None
-) -> list[torch.Tensor]:
-    """Drive several forward passes (micro-batches), switching at every expert wait; counts the
-    routed load and the expert wait into `tally`.
-
-    Each micro-batch runs until it must wait for its routed experts (after it has dispatched
-    them and computed its shared experts); then the next one runs. With two micro-batches this
-    is the ping-pong schedule: one's expert RPCs are in flight while the other's attention runs.
-    Returns each pass's result, in order.
-    """
-    results: list[torch.Tensor | None] = [None] * len(steps)
-    waiting: dict[int, ExpertCombine] = {}
-
-    def advance(i: int, reply) -> None:
-        step = steps[i]
-        try:
-            msg = next(step) if reply is None else step.send(reply)
-            while isinstance(msg, ExpertDispatch):
-                if tally is not None:
-                    tally.load[msg.moe_layer] += msg.expert_counts
-                msg = step.send(experts.dispatch(msg))
-            waiting[i] = msg
-        except StopIteration as stop:
-            results[i] = stop.value
-
-    try:
-        for i in range(len(steps)):
-            advance(i, None)
-        while waiting:
-            for i in sorted(waiting):
-                t0 = time.perf_counter()
-                routed = experts.combine(waiting.pop(i))
-                if tally is not None:
-                    tally.wait_s += time.perf_counter() - t0
-                advance(i, routed)
-    except BaseException:  # the other micro-batches' dispatches will never be combined
-        cancel = getattr(experts, "cancel", None)
-        for msg in waiting.values():
-            if cancel is not None:
-                cancel(msg.handle)
-        raise
-    return results
-
-
-# ---------------------------------------------------------------------------------------------
-# Batch layout for one step
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class DecodeRows:
-    rows: torch.Tensor  # [Bd] rows of the flattened tokens that are decodes
-    seqs: torch.Tensor  # [Bd] int64 their sequences' index in the batch
-    table: torch.Tensor  # [Bd, max_blocks] int64 block table of those sequences
-    lens: torch.Tensor  # [Bd] int64 context length of each sequence (this step's token included)
-    scratch: dict = field(default_factory=dict, repr=False)  # per-step state a kernel shares across layers
-
-    @cached_property
-    def pad(self) -> torch.Tensor:
-        """[Bd, 1, max_blocks*64] bool: cache positions past each sequence's length (for the
-        torch path, which gathers the padded context)."""
-        lmax = self.table.shape[1] * BLOCK_SIZE
-        return (torch.arange(lmax, device=self.lens.device)[None, :] >= self.lens[:, None])[:, None, :]
-
-
-@dataclass
-class StepBatch:
-    """Tokens of one step, flattened over sequences (prefill chunks and decodes mixed).
-
-    input_ids [T] int64, positions [T] int64, slot_mapping [T] int64 (flat cache row
-    block*64+offset each token's latent is written to), query_lens [B] (python ints, tokens of
-    each sequence in this step), seq_lens [B] int32 (context length after this step),
-    block_table [B, max_blocks] int32, logits_index [B'] int64 (rows of T to compute logits for).
-    DeepSeek-V4: state_table [B, max_blocks] int32, the state block attached to each block (-1:
-    none; kv_cache.V4Cache).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_lens: list[int]
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    logits_index: torch.Tensor
-    state_table: torch.Tensor | None = None
-
-    @cached_property
-    def state_slot_mapping(self) -> torch.Tensor:
-        """[T] int64: the flat state row (state block * 64 + offset) of each token (V4)."""
-        lens = torch.tensor(self.query_lens, device=self.positions.device)
-        seq = torch.repeat_interleave(torch.arange(len(self.query_lens), device=lens.device), lens)
-        p = self.positions
-        return self.state_table[seq, p // BLOCK_SIZE].long() * BLOCK_SIZE + p % BLOCK_SIZE
-
-    @cached_property
-    def query_starts(self) -> list[int]:
-        """First row of each sequence in the flattened tokens: [B + 1]."""
-        return [0, *itertools.accumulate(self.query_lens)]
-
-    @cached_property
-    def context_lens(self) -> list[int]:
-        return self.seq_lens.tolist()
-
-    @cached_property
-    def decode(self) -> DecodeRows | None:
-        """The decode sequences (one new token each), gathered once per step for every layer."""
-        seqs = [b for b, n in enumerate(self.query_lens) if n == 1]
-        if not seqs:
-            return None
-        device = self.input_ids.device
-        sel = torch.tensor(seqs, device=device)
-        rows = torch.tensor([self.query_starts[b] for b in seqs], device=device)
-        return DecodeRows(rows, sel, self.block_table[sel].long(), self.seq_lens[sel].long())
-
-    @staticmethod
-    def build(
-        chunks: list[tuple[list[int], int, list[int], bool]],
-        device: torch.device | str = "cpu",
-        block_states: torch.Tensor | None = None,
-    ) -> StepBatch:
-        """chunks: per sequence (token_ids of this step, start position, cache block ids,
-        wants_logits); block_states (V4) [num_blocks] int32: each block's state block (-1: none,
-        `BlockAllocator.block_states`), for `state_table`."""
-        ids, pos, slots, qlens, slens, logits_index = [], [], [], [], [], []
-        max_blocks = max(len(c[2]) for c in chunks)
-        table = torch.zeros(len(chunks), max(max_blocks, 1), dtype=torch.int32)
-        t = 0
-        for b, (tokens, start, blocks, want) in enumerate(chunks):
-            n = len(tokens)
-            if start + n > len(blocks) * BLOCK_SIZE:
-                raise ValueError(f"sequence {b}: {start + n} tokens do not fit {len(blocks)} blocks")
-            ids.extend(tokens)
-            positions = range(start, start + n)
-            pos.extend(positions)
-            slots.extend(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions)
-            qlens.append(n)
-            slens.append(start + n)
-            table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            t += n
-            if want:
-                logits_index.append(t - 1)
-        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        return StepBatch(
-            input_ids=as_long(ids),
-            positions=as_long(pos),
-            slot_mapping=as_long(slots),
-            query_lens=qlens,
-            seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
-            block_table=table.to(device),
-            logits_index=as_long(logits_index),
-            state_table=None if block_states is None else block_states[table.long()].to(device),
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +44,7 @@ def sparse_decode(q, cache, rows, count, C: int, scale: float) -> torch.Tensor:
     """Decode attention over chosen cache rows (V3.2's top-k): q [Bd, N, C+R], rows [Bd, k] flat
     cache rows (block * 64 + offset), the first count[b] of them used -> o_lat [Bd, N, C]. The
     Triton kernel where it runs (CUDA), else a torch gather."""
-    o = triton_kernels.run("mla", "mla_decode", q, cache, None, count, C, scale, rows=rows)
+    o = TRITON.mla_decode(q, cache, None, count, C, scale, rows=rows)
     if o is None:
         ctx = cache.view(-1, cache.shape[-1])[rows]  # [Bd, k, W]
         scores = torch.bmm(q, ctx[..., : q.shape[-1]].transpose(1, 2)).float() * scale  # [Bd, N, k]
@@ -261,9 +58,9 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, dec: DecodeRows, C: int, 
     """Decode attention over each row's paged context: q [Bd, N, C+R] absorbed latent queries,
     cache [blocks, 64, 1, W] -> o_lat [Bd, N, C]. FlashMLA where it applies (Hopper, installed),
     else the Triton split-KV kernel (CUDA), else the C++ kernel (fp32 CPU), else torch ops."""
-    o = triton_kernels.run("flashmla", "mla_decode", q, cache, dec, C, scale)
+    o = FLASH_MLA.mla_decode(q, cache, dec, C, scale)
     if o is None:
-        o = triton_kernels.run("mla", "mla_decode", q, cache, dec.table, dec.lens, C, scale)
+        o = TRITON.mla_decode(q, cache, dec.table, dec.lens, C, scale)
     if o is None:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
         o = cpu_kernels.mla_decode(q, cache, dec.table, dec.lens, C, scale)
     if o is None:
@@ -298,7 +95,7 @@ def mla_forward(
     D, R, C, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     dec = batch.decode
     only_decodes = dec is not None and dec.rows.shape[0] == T  # every row a decode, in order
-    cpu = x.device.type == "cpu" and triton_kernels.get("mla", x) is None  # (not the interpreter's tests)
+    cpu = x.device.type == "cpu" and not TRITON.enabled(x)  # (not the interpreter's tests)
     if only_decodes and rope.interleave and cpu:
         # a decode-only step on an fp32 CPU: this whole function in one C++ call (cpu_kernels.py)
         out = cpu_kernels.mla_decode_layer(x, w, cos_sin, cache, batch.slot_mapping, dec.table, dec.lens, cfg,
@@ -317,7 +114,7 @@ def mla_forward(
     W, index = cache.shape[-1], None
     q_nope, q_pe = q[..., :D], None
     if w.indexer is None:  # on a GPU one kernel: the latent norm, both ropes and the cache write
-        q_pe = triton_kernels.run("mla", "latent_to_cache", kv, q[..., D:], w.kv_a_norm, cos, sin,
+        q_pe = TRITON.latent_to_cache(kv, q[..., D:], w.kv_a_norm, cos, sin,
                                   batch.slot_mapping, cache, rope.interleave, NORM_EPS_LATENT)  # fmt: skip
     if q_pe is None:
         q_pe = rope.apply(q[..., D:], cos, sin)

@@ -14,7 +14,7 @@ import torch
 from .checkpoint import CheckpointReader, load_expert_weights, load_expert_weights_fp8
 from .config import ModelConfig
 from .layers import grouped_expert_ffn
-from .model import ExpertCombine, ExpertDispatch
+from .messages import ExpertCombine, ExpertDispatch
 
 
 @dataclass

@@ -43,9 +43,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from .batch import DecodeRows, StepBatch
 from .config import ModelConfig, rope_inv_freq
 from .kv_cache import BLOCK_SIZE, entries_per_block
-from .model import DecodeRows, StepBatch
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from services.model.kv_cache import BLOCK_SIZE, block_hash
+from services.engine.block_allocator import block_hash
+from services.model.kv_cache import BLOCK_SIZE
 
 
 class PrefixAffinity:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from services import __version__
-from services.model.engine import RequestOutput
+from services.engine.outputs import RequestOutput
 
 from . import protocol as proto
 from .chat_format import THINK_BEGIN, THINK_END, ChatParser

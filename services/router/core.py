@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import ray
 from fastapi import Request
 
-from services.model.engine import Refusal, RequestOutput
+from services.engine.outputs import Refusal, RequestOutput
+from services.engine.tokenizer import Tokenizer
 from services.model.kv_cache import BLOCK_SIZE
-from services.model.tokenizer import Tokenizer
 from services.settings import NAMESPACE
 
 from .affinity import PrefixAffinity

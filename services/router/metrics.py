@@ -36,7 +36,12 @@ class RouterMetrics:
         self.steps = per_worker("moe_engine_steps", "Engine steps run")
         self.step_s = per_worker("moe_engine_step_seconds", "Cumulative engine step time")
         self.wait_s = per_worker("moe_expert_wait_seconds", "Cumulative time steps waited for routed experts")
-        self.dispatch_rpcs = per_worker("moe_dispatch_rpcs", "Dispatch RPCs sent")
+        self.wait_per_layer = per_worker(
+            "moe_expert_wait_per_moe_layer_seconds",
+            "Mean time a step waited for routed experts, per MoE layer",
+        )
+        self.dispatch_rpcs = per_worker("moe_dispatch_rpcs", "Dispatch calls sent (every transport)")
+        self.shm_calls = per_worker("moe_dispatch_shm_calls", "Dispatch calls through shared memory")
         self.dropped = per_worker(
             "moe_load_counts_dropped", "Routed-token counts dropped (Redis down too long)"
         )
@@ -129,7 +134,9 @@ class RouterMetrics:
             self.steps.labels(w).set(s["times"]["steps"])
             self.step_s.labels(w).set(s["times"]["step_s"])
             self.wait_s.labels(w).set(s["times"]["expert_wait_s"])
+            self.wait_per_layer.labels(w).set(s.get("expert_wait_per_moe_layer_s", 0.0))
             self.dispatch_rpcs.labels(w).set((s.get("dispatch") or {}).get("rpcs", 0))
+            self.shm_calls.labels(w).set((s.get("dispatch") or {}).get("shm_calls", 0))
             self.resent_pairs.labels(w).set((s.get("dispatch") or {}).get("resent_pairs", 0))
             self.failed_steps.labels(w).set(s["times"]["failed_steps"])
             prefix = s.get("prefix_cache") or {}

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.model.sampling import SamplingParamError, SamplingParams
+from services.engine.sampling import SamplingParamError, SamplingParams
 from services.router.chat_format import ChatParser, ToolChoice, ToolsError, output_schema, response_schema
 
 if TYPE_CHECKING:
-    from services.model.engine import RequestOutput
+    from services.engine.outputs import RequestOutput
 
 
 class APIError(Exception):

@@ -10,8 +10,8 @@ import openai
 import pytest
 import ray
 
-from services.model.engine import EngineConfig, LocalEngine
-from services.model.sampling import SamplingParams
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
 from services.redis_store import EmbeddedRedis, connect
 from services.settings import BALANCER_NAME
 

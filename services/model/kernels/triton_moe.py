@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_kernels
-from .triton_kernels import INTERPRETED
+from . import hardware
+from .hardware import INTERPRETED
 from .triton_linear import TL_DTYPE, e4m3_bits_to_fp16
 
 MAX_PAIRS = 32768  # (token, choice) pairs per kernel launch
@@ -197,7 +197,7 @@ def fused_moe(
 
     FP8 weights (float8_e4m3fn) come with w13_scale [S, ceil(2I/bn), ceil(H/bk)] and w2_scale [S,
     ceil(H/bn), ceil(I/bk)] fp32, block_shape = (bn, bk): the weight is the FP8 value times the
-    scale of its (row block, column block) (checkpoint.dequantize_fp8_blocks).
+    scale of its (row block, column block) (fp8.dequantize_fp8_blocks).
     """
     T, K = slot.shape
     S, I2, H = w13.shape
@@ -232,7 +232,7 @@ def fused_moe(
     dot_dtype = tl.float32 if INTERPRETED else TL_DTYPE[x.dtype]
     precision = "ieee" if dot_dtype == tl.float32 else None  # fp32: no TF32 rounding
     num_m = EM // block_m
-    bits = fp8 and not triton_kernels.fp8_native(w13)  # (uint8 views of the FP8 bytes)
+    bits = fp8 and not hardware.fp8_native(w13)  # (uint8 views of the FP8 bytes)
     w13, w2 = (w13.view(torch.uint8), w2.view(torch.uint8)) if bits else (w13, w2)
     _gate_up_kernel[(num_m * triton.cdiv(I, block_n),)](
         x, w13, s13, sorted_pair, block_slot, inter,

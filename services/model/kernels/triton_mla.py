@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_kernels
-from .kv_cache import BLOCK_SIZE
-from .triton_kernels import INTERPRETED
+from services.model.kv_cache import BLOCK_SIZE
+
+from . import hardware
+from .hardware import INTERPRETED
 from .triton_linear import TL_DTYPE
 
 
@@ -128,7 +129,7 @@ def _splits(batch: int, head_groups: int, max_blocks: int, device: torch.device)
     """Enough programs to fill the GPU about twice over, a power of two, and no more than splits of
     MIN_SPLIT_BLOCKS blocks of the widest context (max_blocks) need (the kernel gives each of a
     row's splits at least MIN_SPLIT_BLOCKS of its blocks: the last ones of a short row are empty)."""
-    units = triton_kernels.multiprocessors(device)
+    units = hardware.multiprocessors(device)
     want = max(1, -(-2 * units // max(batch * head_groups, 1)))
     return min(
         triton.next_power_of_2(want), triton.next_power_of_2(triton.cdiv(max_blocks, MIN_SPLIT_BLOCKS))

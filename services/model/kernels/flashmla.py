@@ -5,7 +5,7 @@ FlashMLA's dense decode kernel reads the paged latent cache in exactly our layou
 behind the same call as the Triton split-KV kernel. It applies to DeepSeek-V3's bf16/fp16 cache on
 an SM90 GPU; everything else (V3.2's wider rows with indexer keys, fp32, other GPUs, other widths)
 goes to the Triton kernel. It is used when `import flash_mla` works (built from source,
-docs/kernels.md) and MOE_FLASH_MLA is not "0" (triton_kernels.py decides; a call that fails is
+docs/kernels.md) and MOE_FLASH_MLA is not "0" (kernels/gpu.py's FLASH_MLA decides; a call that fails is
 logged once and the Triton kernel takes over).
 
 FlashMLA has published three APIs (../shared/reference/deepseek-v3.md, section 3.1); this call
@@ -19,10 +19,9 @@ softmax scale is always passed: FlashMLA's default, 1/sqrt(576), is wrong for De
 
 from __future__ import annotations
 
-import flash_mla
 import torch
 
-from .kv_cache import BLOCK_SIZE
+from services.model.kv_cache import BLOCK_SIZE
 
 LATENT, ROPE = 512, 64  # the dense decode kernel's only row layout: head_size_k 576, head_size_v 512
 
@@ -30,9 +29,11 @@ LATENT, ROPE = 512, 64  # the dense decode kernel's only row layout: head_size_k
 def mla_decode(
     q: torch.Tensor, cache: torch.Tensor, dec, latent_dim: int, scale: float
 ) -> torch.Tensor | None:
-    """q [B, N, C+R] (the absorbed latent query), cache [blocks, 64, 1, W], dec a model.DecodeRows
+    """q [B, N, C+R] (the absorbed latent query), cache [blocks, 64, 1, W], dec a batch.DecodeRows
     (its block table and context lengths; the step's schedule is kept in `dec.scratch`) -> o [B,
     N, C] in q's dtype, as triton_mla.mla_decode. None where FlashMLA does not apply."""
+    import flash_mla  # (built from source where it runs; tests install a stand-in)
+
     B, N, D = q.shape
     if (
         (latent_dim, D, cache.shape[-1]) != (LATENT, LATENT + ROPE, LATENT + ROPE)

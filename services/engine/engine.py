@@ -10,21 +10,25 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import cpu_kernels
-from .checkpoint import CheckpointReader, check_keep_fp8_experts, check_keep_fp8_linears
-from .config import ModelConfig, parse_dtype
+from services.model.batch import StepBatch
+from services.model.checkpoint import CheckpointReader, check_keep_fp8_experts, check_keep_fp8_linears
+from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
+from services.model.deepseek_v4 import DeepseekV4
+from services.model.kernels import cpu_kernels
+from services.model.kv_cache import PagedLatentCache, V4Cache, blocks_needed
+from services.model.messages import ExpertBackend, ExpertTally, run_interleaved
+from services.model.model import DeepseekV3
+from services.model.moe import LocalExperts
+
 from .decode_graphs import DecodeGraphs, SegmentedDecodeGraphs
-from .deepseek_v4 import DeepseekV4
 from .grammar import GrammarCompiler, GrammarError, Matcher
-from .kv_cache import PagedLatentCache, V4Cache, blocks_needed
-from .model import DeepseekV3, ExpertBackend, ExpertTally, StepBatch, run_interleaved
-from .moe import LocalExperts
-from .sampling import SamplingParams, TokenLogprobs, sample
+from .outputs import Completion, RequestOutput, StepFailed, StepResult
+from .sampling import SamplingParams, sample
 from .scheduler import Chunk, RequestError, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from .tokenizer import Detokenizer, Tokenizer
 
@@ -44,7 +48,7 @@ class EngineConfig:
     # MoE on CUDA and the expert kernel on CPU, both reading them as held
     keep_fp8_experts: bool = False
     # FP8 checkpoints: hold the linears (q_a, q_b / q_proj, kv_a, o, dense MLPs, shared experts) in
-    # FP8 as shipped (checkpoint.Fp8Weight), computed by the Triton FP8 linear on CUDA and the C++
+    # FP8 as shipped (fp8.Fp8Weight), computed by the Triton FP8 linear on CUDA and the C++
     # kernel on CPU, both reading them as held (kv_b, the router, norms, embeddings, LM head: not)
     keep_fp8_linears: bool = False
     max_num_seqs: int = 64
@@ -118,51 +122,6 @@ class EngineConfig:
         return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.cache_dim, model.dtype, model.device)
 
 
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (deltas)."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: str | None = None  # set with finish_reason "error"
-
-
-@dataclass
-class Refusal:
-    """A request the engine would not take (the only item of its output stream): HTTP `status`
-    (400 invalid, 429 queue full), the message and the offending request field."""
-
-    status: int
-    message: str
-    param: str | None = None
-
-
-@dataclass
-class Completion:
-    """A finished request (what `generate` returns)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[TokenLogprobs | None]
-
-    def add(self, out: RequestOutput) -> None:
-        self.token_ids += out.token_ids
-        self.logprobs += out.logprobs
-        self.text += out.text
-        if out.finished:
-            self.finish_reason = out.finish_reason
-
-
 def split_micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
     """Split a step's chunks, in order, into up to n contiguous parts of about equal tokens."""
     if n <= 1 or len(chunks) < 2:
@@ -179,28 +138,6 @@ def split_micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
             current = []
     parts.append(current)
     return [p for p in parts if p]
-
-
-class StepFailed(RuntimeError):
-    """The model run of a step failed (e.g. routed experts unreachable); `request_ids` were in it."""
-
-    def __init__(self, request_ids: list[str], cause: Exception):
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.request_ids, self.cause = request_ids, cause
-
-
-@dataclass
-class StepResult:
-    """What one engine step did."""
-
-    outputs: list[RequestOutput]  # one per request that got a token or finished
-    num_seqs: int  # sequences in the step
-    num_tokens: int  # tokens computed (prefill chunks + decodes)
-    expert_load: torch.Tensor  # [num_moe_layers, n_routed_experts] int64 routed pairs (CPU)
-    expert_wait_s: float  # seconds blocked on routed experts
-    seconds: float  # wall time of the step
-    logits: torch.Tensor | None = None  # [len(logits_ids), vocab] fp32: the rows sampled from
-    logits_ids: list[str] = field(default_factory=list)  # request id of each logits row
 
 
 class Engine:
@@ -507,24 +444,6 @@ class Engine:
             for out in self.step().outputs:
                 acc[out.request_id].add(out)
         return [acc[rid] for rid in ids]
-
-
-def check_weight_dtype(
-    weight_dtype: str | None, dtype: torch.dtype, device: str, cfg: ModelConfig | None = None
-) -> torch.dtype | None:
-    """The weights' storage dtype for `EngineConfig.weight_dtype` (None: the compute dtype); a
-    clear error for a combination no kernel serves."""
-    wd = None if weight_dtype is None else parse_dtype(weight_dtype)
-    if wd is None or wd == dtype:
-        return None
-    if wd != torch.bfloat16 or dtype != torch.float32 or torch.device(device).type != "cpu":
-        raise ValueError(
-            f"weight_dtype {weight_dtype} under dtype {dtype} on {device}: weights narrower than the "
-            "compute dtype are bfloat16 under float32 on CPU only"
-        )
-    if cfg is not None and cfg.is_v4:
-        raise ValueError("weight_dtype bfloat16 is not supported for DeepSeek-V4 checkpoints yet")
-    return wd
 
 
 def load_engine(

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import quantize_fp8_blocks
-from .config import ModelConfig
-from .tokenizer import DEFAULT_CHAT_TEMPLATE, MARKER_TOKENS
+from services.engine.tokenizer import DEFAULT_CHAT_TEMPLATE, MARKER_TOKENS
+from services.model.config import ModelConfig
+from services.model.fp8 import quantize_fp8_blocks
 
 _YARN = {
     "type": "yarn",

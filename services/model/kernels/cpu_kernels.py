@@ -47,18 +47,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import checkpoint, triton_kernels
-from .checkpoint import Fp8Weight
+from services.model import fp8
+from services.model.fp8 import Fp8Weight
+
+from .gpu import TRITON
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # small_linear streams each weight row once for up to this many rows (a weight read)
 TILE_ROWS = 32  # and up to this many (K % 16 == 0, K >= 256) in register tiles (1.2-1.8x MKL's
-# small-M GEMMs here); MKL beyond (cpu_kernels.cpp's `lin` uses the same bounds)
+# small-M GEMMs here); MKL beyond (csrc/attention.cpp's `lin` uses the same bounds)
 FP8_TILE_ROWS = 64  # linears kept FP8: register tiles up to this many rows (decode batches; MKL
 # would need the whole weight dequantised per call; `lin` again the same)
 
-_SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()  # the C++ side, beside this file
+# the C++ side, in csrc/ beside this file: one translation unit, in this order (each file uses the
+# helpers of those before it)
+SOURCES = ("linear.cpp", "experts.cpp", "attention.cpp")
+_SOURCE = "".join((Path(__file__).parent / "csrc" / name).read_text() for name in SOURCES)
 
 _lock = threading.Lock()
 _state: dict = {}  # "module": the compiled extension, or None when unavailable
@@ -79,13 +84,11 @@ def _build():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        from .presets import cache_root
-
         # -march=native: one build per CPU kind (a cache shared by unlike nodes must not mix them),
         # and one per source (two checkouts of different versions sharing a cache must not either)
         source = hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]
         tag = f"torch{torch.__version__.replace('+', '_')}_{_cpu_tag()}_{source}"
-        build_dir = cache_root() / "torch_extensions" / f"cpu_kernels_{tag}"
+        build_dir = _cache_root() / "torch_extensions" / f"cpu_kernels_{tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
     except Exception as e:  # no torch.utils.cpp_extension
         log.warning("CPU kernels unavailable (%s: %s); using torch ops", type(e).__name__, e)
@@ -103,6 +106,11 @@ def _build():
             error = e
     log.warning("CPU kernels unavailable (%s: %s); using torch ops", type(error).__name__, error)
     return None
+
+
+def _cache_root() -> Path:
+    """The moe-cluster cache the builds are kept in (the same root as presets.cache_root)."""
+    return Path(os.environ.get("MOE_CLUSTER_CACHE", Path.home() / ".cache" / "moe-cluster"))
 
 
 def _cpu_tag() -> str:
@@ -186,14 +194,14 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | No
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` with a weight kept FP8 (checkpoint.Fp8Weight), computed in x's dtype with the
+    """`linear` with a weight kept FP8 (fp8.Fp8Weight), computed in x's dtype with the
     dequantised weight's values: the Triton kernel on CUDA (triton_linear.py); on an fp32 CPU the
     C++ kernel up to FP8_TILE_ROWS rows (each FP8 row dequantised as it is read; up to TILE_ROWS
     rows the bits of `linear` on the dequantised weight, beyond them the register tiles' sums where
     `linear` has MKL's); beyond (prefill) the weight dequantised FP8_DEQUANT_BYTES of rows at a
     time, for F.linear."""
     N, K = w.shape
-    y = triton_kernels.run("linear", "fp8_linear", x, w.weight, w.scale, w.block, bias)  # CUDA
+    y = TRITON.fp8_linear(x, w.weight, w.scale, w.block, bias)  # CUDA
     if y is not None:
         return y
     bn, bk = w.block
@@ -210,7 +218,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
         if module is not None:
             return module.small_linear_fp8(x.contiguous(), w.weight.contiguous(), w.scale.contiguous(), bn, bk,
                                            None if bias is None else bias.contiguous())  # fmt: skip
-    rows = max(bn, checkpoint.FP8_DEQUANT_BYTES // (4 * K) // bn * bn)  # whole row blocks per chunk
+    rows = max(bn, fp8.FP8_DEQUANT_BYTES // (4 * K) // bn * bn)  # whole row blocks per chunk
     parts = [
         F.linear(
             x, w.dequantize(slice(n, n + rows)).to(x.dtype), None if bias is None else bias[n : n + rows]
@@ -270,7 +278,7 @@ def expert_ffn(
     weight [T, K] fp32, w13 [S, 2I, H], w2 [S, H, I] (fp32, or both bf16) -> fp32 [T, H] (see
     layers.grouped_expert_ffn for the math). FP8 experts kept FP8 (float8_e4m3fn, with w13_scale /
     w2_scale and fp8_block (bn, bk): bn divides I, bk % 16 == 0, H and I % 16 == 0): each row is
-    dequantized as it is read, to the values of checkpoint.dequantize_fp8_blocks, so the result
+    dequantized as it is read, to the values of fp8.dequantize_fp8_blocks, so the result
     is this kernel's on the dequantized weights, bit for bit. None where the kernel does not apply."""
     H, I = x.shape[1], w2.shape[2]
     if H % 8 or I % 8 or slot.dtype != torch.int64 or not _fp32_cpu(x, weight):
@@ -400,7 +408,7 @@ def route_sigmoid(
 def mla_decode_layer(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: float) -> torch.Tensor | None:
     """model.mla_forward for a decode-only step of a V3 layer (no indexer, interleaved rope) in
     one call: x [T, H] fp32 on CPU, w a weights.MLAWeights, cos_sin [T, R/2] each, cache [blocks, 64,
-    1, C+R], table [T, max_blocks] / lens [T] int64 (model.DecodeRows); the rows of this step are
+    1, C+R], table [T, max_blocks] / lens [T] int64 (batch.DecodeRows); the rows of this step are
     written at slot_mapping [T]; eps of the latent norms. None where the kernel does not apply."""
     C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     linears = (w.q_a, w.q_b, w.q_proj, w.kv_a, w.o)

@@ -1,7 +1,7 @@
 """Linears whose weights are kept FP8 (DeepSeek's block-FP8 checkpoints), in Triton.
 
 y = x @ W^T + bias, W being its float8_e4m3fn values times the scale of their (row block, column
-block) (`weight_scale_inv`, checkpoint.dequantize_fp8_blocks). Weight-only FP8: each [BLOCK_K,
+block) (`weight_scale_inv`, fp8.dequantize_fp8_blocks). Weight-only FP8: each [BLOCK_K,
 BLOCK_N] weight tile is converted to x's dtype in the kernel and its dot product scaled per
 output column (BLOCK_K divides the quantisation block's width, so a tile spans one column block;
 its columns may span several row blocks of W, hence a per-column scale vector), the sums in fp32.
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_kernels
-from .triton_kernels import INTERPRETED
+from . import hardware
+from .hardware import INTERPRETED
 
 # the activation dtypes the kernels take (shared by triton_mla and triton_moe)
 TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -77,7 +77,7 @@ def _splits(tiles: int, k_blocks: int, device: torch.device) -> int:
     """Splits of K: enough programs to fill the GPU about twice over at decode sizes (kv_a's 576
     outputs are 9 tiles of 64: 9 programs for 132 SMs without splits), each split at least 4 K
     tiles; a power of two."""
-    units = triton_kernels.multiprocessors(device)
+    units = hardware.multiprocessors(device)
     want = max(1, min(-(-2 * units // tiles), k_blocks // 4))
     return 1 << (want.bit_length() - 1)  # (the power of two at or below)
 
@@ -119,7 +119,7 @@ def fp8_linear(
     y = (torch.empty(M, N, dtype=x.dtype, device=x.device) if splits == 1
          else torch.empty(splits, M, N, dtype=torch.float32, device=x.device))  # fmt: skip
     dot_dtype = tl.float32 if INTERPRETED else TL_DTYPE[x.dtype]
-    bits = not triton_kernels.fp8_native(weight)
+    bits = not hardware.fp8_native(weight)
     weight = weight.view(torch.uint8) if bits else weight  # (the FP8 bytes, converted in the kernel)
     _fp8_linear_kernel[(*grid_mn, splits)](
         x2, weight, scale, scale if bias is None else bias, y, M, N, K, k_per_split, x2.stride(0),

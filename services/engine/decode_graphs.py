@@ -19,7 +19,7 @@ gRPC) the step is captured in pieces between its expert messages (`SegmentedDeco
 vLLM's piecewise graphs leave attention out): up to a layer's dispatch (its attention, norm and
 router), the shared experts between dispatch and combine, and from the routed experts' output to
 the next dispatch. Its `forward(batch)` replays them as a forward pass of its own, yielding the
-same expert messages (the real rows only) to the same driver (`model.run_interleaved`), so expert
+same expert messages (the real rows only) to the same driver (`messages.run_interleaved`), so expert
 load, ping-pong micro-batches (one instance each) and failures work as in an eager step.
 
 Whatever does not capture (a torch op that synchronises: the routed experts' torch path without
@@ -39,8 +39,9 @@ from bisect import bisect_left
 
 import torch
 
-from .kv_cache import BLOCK_SIZE
-from .model import DecodeRows, ExpertCombine, ExpertDispatch, StepBatch, StepGen
+from services.model.batch import DecodeRows, StepBatch
+from services.model.kv_cache import BLOCK_SIZE
+from services.model.messages import ExpertCombine, ExpertDispatch, StepGen
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ def _advance(step: StepGen, reply) -> ExpertDispatch | ExpertCombine | torch.Ten
 class SegmentedDecodeGraphs(StaticDecode):
     """Decode steps of one model + cache whose experts are answered elsewhere (remote), captured
     in pieces between the expert messages, one list of pieces per bucket (see the module
-    docstring). `forward(batch)` is a forward pass over them (model.StepGen). One instance per
+    docstring). `forward(batch)` is a forward pass over them (messages.StepGen). One instance per
     micro-batch: a step's pieces run in order, while another instance's may run between them."""
 
     def __init__(self, model, *args, **kwargs):

@@ -32,7 +32,9 @@ from enum import Enum
 
 import torch
 
-from .kv_cache import BLOCK_SIZE, BlockAllocator, block_hash, blocks_needed
+from services.model.kv_cache import BLOCK_SIZE, blocks_needed
+
+from .block_allocator import BlockAllocator, block_hash
 from .sampling import SamplingParams, TokenLogprobs
 
 

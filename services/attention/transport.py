@@ -1,0 +1,204 @@
+"""How one worker's share of a Dispatch travels: the transports under the dispatch client.
+
+What crosses is the same whatever the transport: the worker's rows (hidden [Tw, H]), their
+local slots [Tw, K] int32 and routing weights [Tw, K] float32 out, its partial sums [Tw, H]
+back. The dispatch client (`dispatch.RemoteExperts`) asks `Transports.open` for a call, fills
+the call's request views in place, starts it, and later takes its `result()`; the slot router,
+resends and fault handling stay above, unchanged. Two transports:
+
+- **shm** (services/rpc/shm.py), when the expert worker is on this node: the rows are written
+  into a shared-memory buffer of the pair and a doorbell wakes the worker's channel thread; the
+  driver thread waits for the answer itself (no thread pool hop, no serialisation).
+- **grpc**: a unary Dispatch call of protobuf bytes (services/rpc/wire.py), started on a thread
+  of the client's pool (a blocking call there overlaps the other work of the step); the portable
+  path between nodes.
+
+`DispatchConfig.transport`: "auto" (shm where the worker has a shared-memory listener on this
+node, gRPC otherwise), "grpc", or "shm" (a worker without a listener on this node is an error:
+for one-node deployments, tests and benchmarks that must not fall back). In shm, a request
+larger than a channel's buffer (a long prefill chunk) still goes by gRPC.
+Either way a failure is a `TransportError` with the gRPC status code that means it.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+import torch
+
+from services.rpc import shm, wire
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "grpc", "shm")
+
+
+class TransportError(Exception):
+    """A call that failed: `code` (a grpc.StatusCode, whichever transport) and `details`."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class Call:
+    """One worker's share of one Dispatch: `hidden`, `slot`, `weight` are the request's writable
+    views (fill them, then `start`); `result()` waits for the output [Tw, H] (valid until `release`)."""
+
+    transport = ""
+    hidden: torch.Tensor
+    slot: torch.Tensor
+    weight: torch.Tensor
+    nbytes_sent = 0
+    nbytes_received = 0
+
+    def start(self, layer: int, placement_version: int) -> None:
+        raise NotImplementedError
+
+    def result(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """The answer will not be read (the step failed elsewhere)."""
+
+    def release(self) -> None:
+        """The output has been used: the call's buffers may serve another call."""
+
+
+class GrpcCall(Call):
+    transport = "grpc"
+
+    def __init__(self, stub: grpc.UnaryUnaryMultiCallable, pool: ThreadPoolExecutor, timeout_s: float,
+                 placement_version: int, layer: int, shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
+        self._stub, self._pool, self._timeout_s = stub, pool, timeout_s
+        self._request = wire.DispatchRequestBuffer(layer, placement_version, shape, dtype, top_k)
+        self.hidden, self.slot, self.weight = self._request.hidden, self._request.slot, self._request.weight
+        self.nbytes_sent = len(self._request.data)
+        self._future: Future | None = None
+
+    def start(self, layer: int, placement_version: int) -> None:
+        self._future = self._pool.submit(self._stub, self._request.data, timeout=self._timeout_s)
+
+    def result(self) -> torch.Tensor:
+        try:
+            data = self._future.result()
+        except grpc.RpcError as e:
+            raise TransportError(e.code(), e.details()) from None
+        self.nbytes_received = len(data)
+        return wire.decode_dispatch_response(data).output
+
+    def cancel(self) -> None:
+        if self._future is not None:
+            self._future.cancel()
+
+
+class ShmCall(Call):
+    transport = "shm"
+
+    def __init__(self, channel: shm.ShmChannel, idle: list[shm.ShmChannel], timeout_s: float,
+                 shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
+        self._channel, self._idle, self._timeout_s = channel, idle, timeout_s
+        self.hidden, self.slot, self.weight = channel.request(*shape, top_k, dtype)
+        self.nbytes_sent = self.hidden.nbytes + self.slot.nbytes + self.weight.nbytes
+        self._error: TransportError | None = None
+        self._released = False
+
+    def start(self, layer: int, placement_version: int) -> None:
+        try:
+            self._channel.send(layer, placement_version)
+        except shm.ShmError as e:  # (the worker is gone: reported by result(), as for gRPC)
+            self._error = TransportError(e.code, e.details)
+
+    def result(self) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
+        try:
+            output, _ = self._channel.result(self._timeout_s)
+        except shm.ShmError as e:
+            raise TransportError(e.code, e.details) from None
+        self.nbytes_received = output.nbytes
+        return output
+
+    def cancel(self) -> None:
+        self._channel.close()  # (its answer may still come: the channel is not used again)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            if not self._channel.closed:
+                self._idle.append(self._channel)
+
+
+class Transports:
+    """The calls of one dispatch client: gRPC channels and shared-memory channels per worker
+    address, opened on first use. Not thread-safe (one driver thread)."""
+
+    def __init__(self, transport: str, timeout_s: float, max_message_bytes: int, rpc_threads: int,
+                 shm_capacity: int = shm.DEFAULT_CAPACITY):  # fmt: skip
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: one of {', '.join(TRANSPORTS)}")
+        self.transport, self.timeout_s, self.shm_capacity = transport, timeout_s, shm_capacity
+        self.max_message_bytes = max_message_bytes
+        self._grpc: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
+        self._idle: dict[str, list[shm.ShmChannel]] = {}  # address -> idle channels
+        self._no_shm: set[str] = set()  # addresses without a shared-memory listener on this node
+        self._pool = ThreadPoolExecutor(rpc_threads, thread_name_prefix="dispatch-rpc")
+        self.used: dict[str, str] = {}  # address -> the transport of its last call
+
+    def open(self, address: str, layer: int, placement_version: int, shape: tuple[int, int],
+             dtype: torch.dtype, top_k: int) -> Call:  # fmt: skip
+        """A call to the worker at `address` for a [Tw, H] request: shared memory where it can."""
+        if self.transport != "grpc" and address not in self._no_shm:
+            channel = self._shm_channel(address)
+            if channel is not None and channel.fits(*shape, top_k, dtype):
+                self.used[address] = "shm"
+                return ShmCall(channel, self._idle[address], self.timeout_s, shape, dtype, top_k)
+            if channel is not None:
+                self._idle[address].append(channel)  # (too big for it: this one goes by gRPC)
+        if self.transport == "shm" and address in self._no_shm:
+            raise TransportError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"transport shm: expert worker {address} has no shared-memory listener on this node")  # fmt: skip
+        self.used[address] = "grpc"
+        return GrpcCall(self._stub(address), self._pool, self.timeout_s, placement_version, layer, shape,
+                        dtype, top_k)  # fmt: skip
+
+    def _shm_channel(self, address: str) -> shm.ShmChannel | None:
+        idle = self._idle.setdefault(address, [])
+        while idle:
+            channel = idle.pop()
+            if not channel.closed:
+                return channel
+        channel = shm.ShmChannel.connect(address, self.shm_capacity)
+        if channel is None and not idle:
+            self._no_shm.add(address)
+            del self._idle[address]
+            log.info("expert worker %s: gRPC (no shared-memory listener on this node)", address)
+        return channel
+
+    def _stub(self, address: str) -> grpc.UnaryUnaryMultiCallable:
+        entry = self._grpc.get(address)
+        if entry is None:
+            channel = grpc.insecure_channel(address, options=wire.grpc_options(self.max_message_bytes))
+            call = channel.unary_unary(
+                wire.DISPATCH_METHOD, request_serializer=None, response_deserializer=None
+            )
+            entry = self._grpc[address] = (channel, call)
+        return entry[1]
+
+    def forget(self, address: str) -> None:
+        """Close what is open to `address` (it left the placement, or died: a restarted worker gets
+        fresh buffers)."""
+        entry = self._grpc.pop(address, None)
+        if entry is not None:
+            entry[0].close()
+        for channel in self._idle.pop(address, []):
+            channel.close()
+        self._no_shm.discard(address)
+        self.used.pop(address, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for address in list({*self._grpc, *self._idle}):
+            self.forget(address)

@@ -1,0 +1,245 @@
+"""The shared-memory data plane (services/rpc/shm.py): channels and their server on their own, a
+dispatch client over real expert servers with each transport, and a worker process killed
+mid-call."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from services.attention.dispatch import DispatchConfig, ExpertDispatchError, RemoteExperts
+from services.model.messages import ExpertCombine, ExpertDispatch
+from services.model.placement import Placement
+from services.rpc import shm
+
+from .clusters import expert_servers_in_process
+
+
+class Fake:
+    """A compute: out = hidden * (layer + 1) + the sum of each row's weights; errors on demand."""
+
+    def __init__(self):
+        self.calls, self.fail, self.sleep = 0, None, 0.0
+
+    def __call__(self, layer, version, hidden, slot, weight, out):
+        self.calls += 1
+        if self.sleep:
+            time.sleep(self.sleep)
+        if self.fail is not None:
+            raise self.fail
+        if version == 7:
+            raise KeyError("version 7 is not loaded")
+        out.copy_(hidden * (layer + 1) + weight.sum(1, keepdim=True))
+        return 0.001
+
+
+def status_of(e: Exception) -> grpc.StatusCode:
+    return (
+        grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, KeyError) else grpc.StatusCode.INVALID_ARGUMENT
+    )
+
+
+@pytest.fixture
+def served():
+    fake, address = Fake(), f"test-{os.getpid()}-{time.monotonic_ns()}:1"
+    server = shm.ShmServer(address, fake, status_of)
+    yield fake, address, server
+    server.close()
+
+
+def _roundtrip(channel: shm.ShmChannel, T=3, H=8, K=2, dtype=torch.float32, layer=2, version=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden, slot, weight = channel.request(T, H, K, dtype)
+    x, w = torch.randn(T, H, generator=g).to(dtype), torch.rand(T, K, generator=g)
+    hidden.copy_(x)
+    slot.fill_(1)
+    weight.copy_(w)
+    channel.send(layer, version)
+    out, seconds = channel.result(10)
+    assert seconds == pytest.approx(0.001)
+    return out, (x * (layer + 1) + w.sum(1, keepdim=True)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_channel_carries_requests_and_answers(served, dtype):
+    fake, address, server = served
+    channel = shm.ShmChannel.connect(address, capacity=1 << 16)
+    assert channel is not None and server.channels == 1
+    for seed, T in enumerate((1, 5, 64)):  # shapes change from call to call
+        out, want = _roundtrip(channel, T=T, dtype=dtype, seed=seed)
+        assert torch.equal(out, want)
+    assert fake.calls == 3 and channel.fits(64, 8, 2, dtype) and not channel.fits(4096, 8, 2, dtype)
+    with pytest.raises(ValueError, match="does not fit"):
+        channel.request(4096, 8, 2, dtype)
+    channel.close()
+
+
+def test_no_listener_means_no_channel():
+    assert shm.ShmChannel.connect("nobody-listens-here:1") is None
+
+
+def test_errors_come_back_as_status_codes_and_the_channel_goes_on(served):
+    fake, address, _ = served
+    channel = shm.ShmChannel.connect(address, capacity=1 << 16)
+    channel.request(2, 8, 2, torch.float32)
+    channel.send(0, 7)
+    with pytest.raises(shm.ShmError) as e:
+        channel.result(10)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "version 7" in e.value.details
+    fake.fail = ValueError("slot 99 out of range")
+    channel.request(2, 8, 2, torch.float32)
+    channel.send(0, 1)
+    with pytest.raises(shm.ShmError) as e:
+        channel.result(10)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "slot 99" in e.value.details
+    fake.fail = None
+    out, want = _roundtrip(channel)
+    assert torch.equal(out, want)
+
+
+def test_malformed_frames_and_handshakes_are_refused_and_others_keep_serving(served):
+    fake, address, server = served
+    good = shm.ShmChannel.connect(address, capacity=1 << 16)
+    # a frame that claims more than the buffer holds, an unknown dtype, a short frame
+    raw = shm.ShmChannel.connect(address, capacity=1 << 12)
+    for frame in (
+        shm._REQUEST.pack(1, 0, 1, 1 << 20, 4096, 8, 0),
+        shm._REQUEST.pack(2, 0, 1, 2, 8, 2, 9),
+        b"\x01\x02",
+    ):
+        raw._sock.send(frame)
+        answer = raw._sock.recv(shm._ANSWER.size + shm.MAX_ERROR_BYTES)
+        assert shm._ANSWER.unpack_from(answer)[1] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    # a handshake without its memfd, and one with a wrong magic: those connections close
+    for hello, fds in ((shm._HELLO.pack(shm.MAGIC, 4096), []), (shm._HELLO.pack(b"NOPE", 4096), None)):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(shm.abstract_address(address))
+        if fds is None:
+            fd = os.memfd_create("x")
+            os.ftruncate(fd, 8192)
+            socket.send_fds(s, [hello], [fd])
+            os.close(fd)
+        else:
+            s.send(hello)
+        s.settimeout(10)
+        assert s.recv(64) == b""  # closed, no ack
+        s.close()
+    assert fake.calls == 0
+    out, want = _roundtrip(good)
+    assert torch.equal(out, want)
+
+
+def test_a_closed_server_or_a_slow_one_fails_the_call_at_once_or_at_the_deadline(served):
+    fake, address, server = served
+    channel = shm.ShmChannel.connect(address, capacity=1 << 16)
+    fake.sleep = 1.0
+    channel.request(2, 8, 2, torch.float32)
+    channel.send(0, 1)
+    with pytest.raises(shm.ShmError) as e:
+        channel.result(0.2)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and channel.closed
+    fake.sleep = 0.0
+    channel = shm.ShmChannel.connect(address, capacity=1 << 16)
+    channel.request(2, 8, 2, torch.float32)
+    server.close()
+    t0 = time.monotonic()
+    with pytest.raises(shm.ShmError) as e:
+        channel.send(0, 1)
+        channel.result(30)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5
+
+
+def _routed(cfg, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, cfg.hidden_size, generator=g)
+    idx = torch.stack(
+        [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok] for _ in range(T)]
+    )
+    w = torch.rand(T, cfg.num_experts_per_tok, generator=g)
+    return ExpertDispatch.routed(cfg.moe_layers[0], 0, x, idx, w, cfg.n_routed_experts)
+
+
+def test_the_dispatch_client_gives_the_same_sums_over_each_transport(tiny_model):
+    with expert_servers_in_process(tiny_model, n=2) as (placement, cfg):
+        sums, stats = {}, {}
+        for transport in ("grpc", "shm", "auto"):
+            dispatch_cfg = DispatchConfig(transport=transport, shm_capacity=1 << 16)  # (a decode step's rows)
+            experts = RemoteExperts(cfg, placement, dispatch_cfg=dispatch_cfg)
+            # two micro-batches in flight at once: two channels per worker
+            a, b = experts.dispatch(_routed(cfg, seed=1)), experts.dispatch(_routed(cfg, seed=2))
+            sums[transport] = (experts.combine(ExpertCombine(a)), experts.combine(ExpertCombine(b)))
+            big = _routed(cfg, T=1024)  # more than a channel holds: still answered (by gRPC)
+            sums[transport] += (experts.combine(ExpertCombine(experts.dispatch(big))),)
+            stats[transport] = (
+                experts.stats.shm_calls,
+                experts.stats.rpcs,
+                set(experts.transport_of().values()),
+            )
+            experts.close()
+        assert all(torch.equal(x, y) for x, y in zip(sums["grpc"], sums["shm"], strict=True))
+        assert all(torch.equal(x, y) for x, y in zip(sums["grpc"], sums["auto"], strict=True))
+        assert stats["grpc"] == (0, 6, {"grpc"})
+        assert stats["shm"] == (4, 6, {"grpc"}) == stats["auto"]  # (the last call, too big, took gRPC)
+
+
+def test_transport_shm_refuses_a_worker_without_a_listener(tiny_model):
+    with expert_servers_in_process(tiny_model, n=1) as (placement, cfg):
+        elsewhere = Placement(placement.version, placement.phy2log, ("127.0.0.1:1",))
+        experts = RemoteExperts(cfg, elsewhere, dispatch_cfg=DispatchConfig(transport="shm", timeout_s=5))
+        with pytest.raises(ExpertDispatchError, match="no shared-memory listener"):
+            experts.combine(ExpertCombine(experts.dispatch(_routed(cfg))))
+        experts.close()
+        with pytest.raises(ValueError, match="transport 'carrier-pigeon'"):
+            RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="carrier-pigeon"))
+
+
+SERVER = """
+import sys, time, torch, grpc
+from services.rpc import shm
+def compute(layer, version, hidden, slot, weight, out):
+    if layer == 1:
+        time.sleep(60)  # killed meanwhile
+    out.copy_(hidden)
+    return 0.0
+server = shm.ShmServer(sys.argv[1], compute, lambda e: grpc.StatusCode.INTERNAL)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_killed_mid_call_is_seen_at_once():
+    address = f"killed-{os.getpid()}:1"
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        channel = shm.ShmChannel.connect(address, capacity=1 << 16)
+        _roundtrip_identity(channel, layer=0)
+        channel.request(2, 8, 2, torch.float32)
+        channel.send(1, 1)  # the worker sleeps in this one
+        threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(shm.ShmError) as e:
+            channel.result(60)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 10
+        assert shm.ShmChannel.connect(address) is None  # nothing left behind to connect to
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _roundtrip_identity(channel, layer):
+    hidden, slot, weight = channel.request(2, 8, 2, torch.float32)
+    hidden.copy_(torch.arange(16.0).view(2, 8))
+    slot.zero_()
+    weight.zero_()
+    channel.send(layer, 1)
+    out, seconds = channel.result(10)
+    assert torch.equal(out, torch.arange(16.0).view(2, 8))
+    return out, seconds
