@@ -77,6 +77,26 @@ def request_layout(T: int, H: int, K: int, dtype: torch.dtype) -> tuple[int, int
     return slot_at, weight_at, weight_at + T * K * 4
 
 
+class _Views:
+    """(hidden, slot, weight, output) tensors viewing a channel's regions (`region`: its bytes),
+    made once per shape (making them costs ~20 us; a decode step brings the same few shapes)."""
+
+    MAX_SHAPES = 256
+
+    def __init__(self, region: torch.Tensor, capacity: int):
+        self.region, self.capacity = region, capacity
+        self._made: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+    def __call__(self, T: int, H: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        key = (T, H, K, dtype)
+        views = self._made.get(key)
+        if views is None:
+            if len(self._made) >= self.MAX_SHAPES:
+                self._made.clear()
+            views = self._made[key] = _views(self.region, self.capacity, T, H, K, dtype)
+        return views
+
+
 def _views(region: torch.Tensor, capacity: int, T: int, H: int, K: int, dtype: torch.dtype):
     """(hidden, slot, weight, output) tensors viewing a channel's regions (region: its bytes)."""
     slot_at, weight_at, _ = request_layout(T, H, K, dtype)
@@ -95,7 +115,7 @@ class ShmChannel:
 
     def __init__(self, sock: socket.socket, buf: mmap.mmap, capacity: int):
         self._sock, self._buf, self.capacity = sock, buf, capacity
-        self._region = torch.frombuffer(buf, dtype=torch.uint8)
+        self._views = _Views(torch.frombuffer(buf, dtype=torch.uint8), capacity)
         self._seq = 0
         self._shape: tuple | None = None  # (T, H, K, dtype) of the request in flight
         self.closed = False
@@ -143,7 +163,7 @@ class ShmChannel:
         if not self.fits(T, H, K, dtype):
             raise ValueError(f"a [{T}, {H}] {dtype} request does not fit {self.capacity} bytes")
         self._shape = (T, H, K, dtype)
-        return _views(self._region, self.capacity, T, H, K, dtype)[:3]
+        return self._views(T, H, K, dtype)[:3]
 
     def send(self, layer: int, placement_version: int) -> None:
         T, H, K, dtype = self._shape
@@ -179,7 +199,7 @@ class ShmChannel:
                 _CODES.get(code, grpc.StatusCode.UNKNOWN), frame[_ANSWER.size :].decode(errors="replace")
             )
         T, H, K, dtype = self._shape
-        return _views(self._region, self.capacity, T, H, K, dtype)[3], seconds
+        return self._views(T, H, K, dtype)[3], seconds
 
     def close(self) -> None:
         if not self.closed:
@@ -243,7 +263,7 @@ class ShmServer:
                 if not ok or os.fstat(fds[0]).st_size < 2 * capacity:
                     raise ValueError(f"bad handshake: {magic!r}, capacity {capacity}")
                 buf = mmap.mmap(fds[0], 2 * capacity)
-                region = torch.frombuffer(buf, dtype=torch.uint8)
+                region = _Views(torch.frombuffer(buf, dtype=torch.uint8), capacity)
             finally:
                 os.close(fds[0])
             conn.send(_ACK.pack(MAGIC, 1))
@@ -261,7 +281,7 @@ class ShmServer:
             conn.close()
             del region, buf  # (the mapping closes once no view of it is left)
 
-    def _answer(self, frame: bytes, region: torch.Tensor, capacity: int) -> bytes:
+    def _answer(self, frame: bytes, views: _Views, capacity: int) -> bytes:
         """Run one request frame; the answer frame (a malformed request is answered INVALID_ARGUMENT)."""
         if len(frame) != _REQUEST.size:
             return _error(0, grpc.StatusCode.INVALID_ARGUMENT, f"request frame of {len(frame)} bytes")
@@ -275,7 +295,7 @@ class ShmServer:
             return _error(
                 seq, grpc.StatusCode.INVALID_ARGUMENT, f"[{T}, {H}] x {K} does not fit {capacity} bytes"
             )
-        hidden, slot, weight, out = _views(region, capacity, T, H, K, dtype)
+        hidden, slot, weight, out = views(T, H, K, dtype)
         self.requests += 1
         try:
             start = time.perf_counter()
