@@ -30,11 +30,12 @@ def expected(tiny_model):
     return [o.token_ids for o in engine.generate(scenario.prompts(REQUESTS), params)]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model):
+@pytest.fixture(scope="module", params=["auto", "grpc"])  # auto, on one node: shared memory
+def cluster(tiny_model, request):
     with tiny_cluster(
-        tiny_model, attention_workers=2, expert_workers=3, balancer_period_s=0, max_num_seqs=32
-    ) as c:
+        tiny_model, attention_workers=2, expert_workers=3, balancer_period_s=0, max_num_seqs=32,
+        expert_transport=request.param,
+    ) as c:  # fmt: skip
         yield c
 
 
@@ -56,6 +57,9 @@ def _balancer(cluster):
 
 def test_without_a_fault_the_cluster_equals_local_engine(cluster, expected):
     _complete_and_identical(_run(cluster, "none", None), expected)
+    want = {"auto": "shm", "grpc": "grpc"}[cluster.cfg.expert_transport]
+    for stats in ray.get([a.stats.remote() for a in cluster.attention.values()]):
+        assert set(stats["dispatch"]["transport"].values()) == {want}, stats["dispatch"]
 
 
 def test_expert_worker_killed(cluster, expected):
