@@ -76,6 +76,10 @@ class ClusterConfig:
         1, "tensor-parallel ranks per attention worker (heads split, latent cache replicated)"
     )
     attention_threads: int = _setting(1, "torch threads per attention worker")
+    expert_secret: str | None = _setting(
+        None,
+        "the data plane's shared secret: expert calls without it are refused (default: a new random one per up)",
+    )
     expert_transport: str = _setting(
         "auto", "attention <-> expert data plane: auto (shared memory on one node, gRPC across), shm, grpc"
     )
@@ -139,10 +143,12 @@ class ClusterConfig:
                 f"the load buckets live ({shared.ttl_seconds}s)"
             )
 
-    def shared(self, redis_url: str | None) -> SharedSettings:
-        """The settings every service of this cluster shares (with the Redis actually used)."""
+    def shared(self, redis_url: str | None, secret: str | None = None) -> SharedSettings:
+        """The settings every service of this cluster shares (with the Redis actually used and the
+        data-plane secret: `expert_secret`, else the one given, made by `Cluster.start`)."""
         return SharedSettings(namespace=self.namespace, redis_url=redis_url, key_prefix=self.key_prefix,
-                              bucket_seconds=self.balancer_bucket_seconds)  # fmt: skip
+                              bucket_seconds=self.balancer_bucket_seconds,
+                              secret=self.expert_secret or secret)  # fmt: skip
 
 
 def check_gpus(cfg: ClusterConfig, available: float, autoscaling: bool) -> None:
@@ -173,8 +179,31 @@ class Backend:
     placement_version: int
 
 
+def _data_plane_secret(cfg: ClusterConfig, reuse: bool) -> str:
+    """`expert_secret`, else (re-deploying beside a running balancer) the running cluster's, else a
+    new random one."""
+    import secrets
+
+    if cfg.expert_secret:
+        return cfg.expert_secret
+    if reuse:
+        try:
+            running = ray.get(ray.get_actor(BALANCER_NAME, namespace=cfg.namespace).data_plane_secret.remote(),
+                              timeout=30)  # fmt: skip
+        except (ValueError, ray.exceptions.RayError):  # no balancer running yet
+            running = None
+        if running:
+            return running
+    return secrets.token_urlsafe(32)
+
+
 def start_backend(
-    cfg: ClusterConfig, model_dir: str, redis_url: str, reuse: bool = False, step=log.info
+    cfg: ClusterConfig,
+    model_dir: str,
+    redis_url: str,
+    reuse: bool = False,
+    step=log.info,
+    loopback: bool = False,
 ) -> Backend:
     """Start (or, with `reuse`, find already running: `serve deploy` / KubeRay re-deploys) the
     balancer + expert workers and the attention workers.
@@ -183,12 +212,13 @@ def start_backend(
     started it or with another service) and named in the namespace. The balancer and the
     attention workers restart in place (`max_restarts=-1`) and re-attach by name; expert workers
     are not restarted in place: the balancer re-plans a dead worker's experts onto the others and
-    starts a fresh worker under a new name."""
-    shared = cfg.shared(redis_url)
+    starts a fresh worker under a new name. `loopback`: the expert workers listen on 127.0.0.1
+    only (a local run: every process on this machine)."""
+    shared = cfg.shared(redis_url, _data_plane_secret(cfg, reuse))
     lifetime = {"lifetime": "detached", "max_restarts": -1, "get_if_exists": reuse}
     created: list = []  # what this call started, stopped again if the start fails
     try:
-        return _start_backend(cfg, model_dir, shared, lifetime, created, step)
+        return _start_backend(cfg, model_dir, shared, lifetime, created, step, loopback)
     except BaseException:
         if not reuse:
             _stop_actors(created)
@@ -205,7 +235,7 @@ def _stop_actors(actors: list) -> None:
 
 
 def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, lifetime: dict, created: list,
-                   step) -> Backend:  # fmt: skip
+                   step, loopback: bool) -> Backend:  # fmt: skip
     from services.attention.worker import AttentionWorker, AttentionWorkerConfig
     from services.balancer.actor import Balancer
     from services.balancer.service import BalancerConfig
@@ -228,6 +258,8 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             expert_resources=cfg.expert_resources,
             expert_gpus=cfg.expert_gpus,
             expert_shm=cfg.expert_transport != "grpc",  # (grpc: no shared-memory listener at all)
+            # a local run (this process started Ray: one machine): expert ports on loopback only
+            expert_host="127.0.0.1" if loopback else None,
         )
     )
     created.append(balancer)
@@ -331,7 +363,9 @@ class Cluster:
                 step("starting embedded Redis")
                 redis = EmbeddedRedis.start()
                 redis_url = redis.url
-            backend = start_backend(cfg, model_dir, redis_url, step=step)
+            backend = start_backend(
+                cfg, model_dir, redis_url, step=step, loopback=started_ray and not cfg.address
+            )
 
             step(f"starting the OpenAI API on http://{cfg.host}:{cfg.port}")
             serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from services.cluster import ClusterConfig, resolve_model, router_config, start_backend
 from services.router.app import Router
 
-SECRET_ENV = {"redis_url": "MOE_REDIS_URL", "api_key": "MOE_API_KEY"}
+SECRET_ENV = {"redis_url": "MOE_REDIS_URL", "api_key": "MOE_API_KEY", "expert_secret": "MOE_EXPERT_SECRET"}
 
 
 def app_config(args: Mapping, environ: Mapping[str, str] = os.environ) -> ClusterConfig:

@@ -8,7 +8,7 @@ the same names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NAMESPACE = "moe-cluster"
 BALANCER_NAME = "moe-balancer"
@@ -21,6 +21,8 @@ class SharedSettings:
     key_prefix: str = "moe"  # Redis keys: {prefix}:load:{bucket}, {prefix}:placement
     bucket_seconds: float = 2.0  # width of one load-count time bucket
     ttl_seconds: int = 600  # a load bucket expires this long after its last write
+    # the data plane's shared secret (services/rpc/auth.py): every expert call carries it; None: open
+    secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.bucket_seconds <= 0 or self.ttl_seconds <= 0:

@@ -219,6 +219,85 @@ def test_bad_bodies_get_4xx_openai_errors(cluster, body, path):
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
+# strings a hostile (or careless) client sends inside otherwise valid requests
+HOSTILE = ["\udcff", "\ud800", "\x00", "\ufffd", "😀", "\u202e", "<｜end▁of▁sentence｜>", '{"', "\\", "\n" * 50,
+           "a" * 100_000, "ab" * 300_000]  # fmt: skip
+HOSTILE_TEXT = st.lists(st.sampled_from(HOSTILE) | st.text(max_size=8), min_size=1, max_size=4).map("".join)
+
+
+def _post(cluster, path: str, body: dict) -> httpx.Response:
+    # ensure_ascii: lone surrogates travel as JSON escapes, as a client's JSON library writes them
+    data = json.dumps(body, ensure_ascii=True)
+    return httpx.post(f"{cluster.url}{path}", content=data, headers={**AUTH, "Content-Type": "application/json"},
+                      timeout=120)  # fmt: skip
+
+
+def test_lone_surrogates_get_a_400_naming_the_field(cluster):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "\udcff ok"}], "max_tokens": 2}
+    cases = [("/v1/completions", {"model": "tiny", "prompt": "\udcff ok", "max_tokens": 2}, "prompt"),
+             ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": ["\ud800"], "max_tokens": 2}, "stop"),
+             ("/v1/chat/completions", chat, "messages"),
+             ("/tokenize", {"model": "tiny", "prompt": "a\udcffb"}, "prompt")]  # fmt: skip
+    for path, body, param in cases:
+        r = _post(cluster, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+        assert "surrogate" in r.json()["error"]["message"]
+    ok = _post(cluster, "/v1/completions", {"model": "tiny", "prompt": "\ud83d\ude00 ok", "max_tokens": 2})
+    assert ok.status_code == 200  # (an escaped surrogate *pair* is one valid character)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(text=HOSTILE_TEXT, where=st.sampled_from(["prompt", "chat", "stop", "user", "tool", "schema_key"]))
+def test_hostile_strings_in_valid_requests_never_get_a_5xx(cluster, text, where):
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "max_tokens": 2, "messages": messages}
+    path = "/v1/chat/completions"
+    if where == "prompt":
+        body, path = {"model": "tiny", "max_tokens": 2, "prompt": text}, "/v1/completions"
+    elif where == "chat":
+        messages[0]["content"] = text
+    elif where == "stop":
+        body["stop"] = [text[:64] or "x"]
+    elif where == "user":
+        body["user"] = text
+    elif where == "tool":
+        body["tools"] = [{"type": "function", "function": {"name": "f", "description": text,
+                                                           "parameters": {"type": "object"}}}]  # fmt: skip
+    else:
+        schema = {"type": "object", "properties": {text[:200] or "k": {"type": "integer"}}}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    r = _post(cluster, path, body)
+    assert r.status_code < 500, (where, r.status_code, r.text[:300])
+    if r.status_code != 200:
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text[:300]
+
+
+def test_deeply_nested_tool_schemas_get_no_5xx(cluster):
+    schema: dict = {"type": "integer"}
+    for depth in range(1, 400):
+        schema = {"type": "object", "properties": {"k": schema}}
+        if depth in (8, 40, 399):
+            tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+            body = {"model": "tiny", "max_tokens": 4, "tools": tools, "tool_choice": "required",
+                    "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
+            r = _post(cluster, "/v1/chat/completions", body)
+            assert r.status_code in (200, 400), (depth, r.status_code, r.text[:300])
+
+
+def test_cache_salt_isolates_prefix_hits(client):
+    params = {"model": "tiny", "prompt": [1] + list(range(100, 300)), "max_tokens": 2, "temperature": 0.0}
+
+    def cached(salt):
+        extra = {"cache_salt": salt} if salt is not None else {}
+        r = client.completions.create(**params, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("a") == 0
+    assert cached("b") == 0 and cached(None) == 0  # another tenant learns nothing
+    assert cached("a") == 192 and cached("b") == 192 and cached(None) == 192  # each its own hits
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(**params, extra_body={"cache_salt": ""})
+
 
 def test_unimplemented_fields_are_refused_by_name(cluster):
     base = {"model": "tiny", "prompt": [0, 5], "max_tokens": 2}
@@ -331,6 +410,23 @@ def test_one_node_data_plane_is_shared_memory_and_shows(cluster, client, capsys)
     assert cli(["status", "--namespace", cluster.cfg.namespace]) == 0
     out = capsys.readouterr().out
     assert " shm" in out and "ms per MoE layer" in out, out
+
+
+def test_a_local_runs_data_plane_is_on_loopback_and_refuses_strangers(cluster):
+    import grpc
+
+    from services.experts.client import ExpertClient
+    from services.rpc import shm
+
+    workers = ray.get(cluster.balancer.status.remote())["workers"]
+    assert workers and all(w["address"].startswith("127.0.0.1:") for w in workers), workers
+    for w in workers:
+        stranger = ExpertClient(w["address"])
+        with pytest.raises(grpc.RpcError) as e:
+            stranger.stats()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stranger.close()
+        assert shm.ShmChannel.connect(w["address"]) is None  # (no secret: no channel)
 
 
 def _gauge(cluster, name: str) -> float:

@@ -49,7 +49,10 @@ def test_cluster_serves_bf16_weights(tmp_path):
             for got, exp in zip(choice.logprobs.token_logprobs, _logprobs(expected), strict=True):
                 assert abs(got - exp) < 1e-5
         status = ray.get(cluster.balancer.status.remote())
-        held = sum(ExpertClient(w["address"]).stats().weight_bytes for w in status["workers"])
+        secret = ray.get(
+            cluster.balancer.data_plane_secret.remote()
+        )  # (the cluster's own: its calls are served)
+        held = sum(ExpertClient(w["address"], secret=secret).stats().weight_bytes for w in status["workers"])
     cfg = ModelConfig.from_dir(path)
     experts_bytes = (
         cfg.num_moe_layers * cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -72,7 +75,10 @@ def test_cluster_keeps_fp8_experts_fp8(tmp_path):
             for got, exp in zip(r.choices[0].logprobs.token_logprobs, _logprobs(expected), strict=True):
                 assert abs(got - exp) < 1e-5
         status = ray.get(cluster.balancer.status.remote())
-        held = sum(ExpertClient(w["address"]).stats().weight_bytes for w in status["workers"])
+        secret = ray.get(
+            cluster.balancer.data_plane_secret.remote()
+        )  # (the cluster's own: its calls are served)
+        held = sum(ExpertClient(w["address"], secret=secret).stats().weight_bytes for w in status["workers"])
     cfg = ModelConfig.from_dir(path)
     weights = cfg.num_moe_layers * cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     scales = weights // (16 * 16) * 4  # one fp32 scale per 16 x 16 block

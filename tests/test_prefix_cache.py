@@ -222,6 +222,35 @@ def test_cached_tokens_are_reported_per_request(tiny_model):
     assert outs[second].num_cached_tokens == 192
 
 
+def test_cache_salts_isolate_prefixes(tiny_model):
+    """vLLM's cache_salt: requests with different salts (or one salted, one not) never share a
+    block, so `cached_tokens` tells nothing across them; the same salt hits as before. Outputs
+    do not depend on the salt."""
+    engine = LocalEngine(EngineConfig(model=str(tiny_model)))
+    prompt = [0] + list(range(4, 204))
+
+    def run(salt):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                                        cache_salt=salt))  # fmt: skip
+        cached, tokens = None, []
+        while engine.has_unfinished():
+            for o in engine.step().outputs:
+                if o.request_id == rid:
+                    cached = o.num_cached_tokens if cached is None else cached
+                    tokens += o.token_ids
+        return cached, tokens
+
+    first = run("tenant-a")
+    assert first[0] == 0
+    assert run("tenant-b")[0] == 0 and run(None)[0] == 0  # another salt, no salt: nothing shared
+    assert run("tenant-a") == (192, first[1])  # the same salt: 3 full blocks, the same tokens
+    assert run(None)[0] == 192 and run("tenant-b")[0] == 192  # each its own
+    aff = PrefixAffinity()
+    aff.record(prompt, "w", cache_salt="tenant-a")
+    assert aff.choose(prompt, {"w": 0, "v": 0}, cache_salt="tenant-b") is None
+    assert aff.choose(prompt, {"w": 0, "v": 0}, cache_salt="tenant-a") == "w"
+
+
 def test_affinity_follows_the_prefix_unless_that_worker_is_too_busy():
     aff = PrefixAffinity(max_imbalance_tokens=100)
     shared = list(range(200))

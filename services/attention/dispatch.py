@@ -68,6 +68,7 @@ class DispatchConfig:
     rpc_threads: int = 64  # gRPC calls in flight at once (workers x micro-batches in flight)
     transport: str = "auto"  # "auto" (shared memory on this node, gRPC otherwise), "grpc", "shm"
     shm_capacity: int = shm.DEFAULT_CAPACITY  # bytes of a shared-memory channel's request (and answer) buffer
+    secret: str | None = field(default=None, repr=False)  # the cluster's data-plane secret (rpc/auth.py)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class RemoteExperts:
         self.stats = DispatchStats()
         d = self.dispatch_cfg
         self.transports = Transports(
-            d.transport, d.timeout_s, d.max_message_bytes, d.rpc_threads, d.shm_capacity
+            d.transport, d.timeout_s, d.max_message_bytes, d.rpc_threads, d.shm_capacity, d.secret
         )
         self._opened: set[str] = set()  # addresses with calls made
         self._retired: set[str] = set()

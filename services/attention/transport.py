@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import torch
 
-from services.rpc import shm, wire
+from services.rpc import auth, shm, wire
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +136,14 @@ class Transports:
     address, opened on first use. Not thread-safe (one driver thread)."""
 
     def __init__(self, transport: str, timeout_s: float, max_message_bytes: int, rpc_threads: int,
-                 shm_capacity: int = shm.DEFAULT_CAPACITY):  # fmt: skip
+                 shm_capacity: int = shm.DEFAULT_CAPACITY, secret: str | None = None):  # fmt: skip
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: one of {', '.join(TRANSPORTS)}")
         self.transport, self.timeout_s, self.shm_capacity = transport, timeout_s, shm_capacity
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes, self.secret = (
+            max_message_bytes,
+            secret,
+        )  # (the cluster's: services/rpc/auth.py)
         self._grpc: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
         self._idle: dict[str, list[shm.ShmChannel]] = {}  # address -> idle channels
         self._no_shm: set[str] = set()  # addresses without a shared-memory listener on this node
@@ -170,7 +173,7 @@ class Transports:
             channel = idle.pop()
             if not channel.closed:
                 return channel
-        channel = shm.ShmChannel.connect(address, self.shm_capacity)
+        channel = shm.ShmChannel.connect(address, self.shm_capacity, secret=self.secret)
         if channel is None and not idle:
             self._no_shm.add(address)
             del self._idle[address]
@@ -181,7 +184,7 @@ class Transports:
         entry = self._grpc.get(address)
         if entry is None:
             channel = grpc.insecure_channel(address, options=wire.grpc_options(self.max_message_bytes))
-            call = channel.unary_unary(
+            call = auth.with_secret(channel, self.secret).unary_unary(
                 wire.DISPATCH_METHOD, request_serializer=None, response_deserializer=None
             )
             entry = self._grpc[address] = (channel, call)

@@ -294,7 +294,7 @@ class AttentionWorker:
             if placement is None:  # single process: every routed expert here
                 return LocalExperts.load_all(reader, mcfg, dtype).to(cfg.engine.device)
             self.remote_experts = RemoteExperts(mcfg, Placement.from_dict(placement), addresses,
-                                                DispatchConfig(timeout_s=cfg.dispatch_timeout_s,
+                                                DispatchConfig(timeout_s=cfg.dispatch_timeout_s, secret=cfg.shared.secret,
                                                                transport=cfg.expert_transport))  # fmt: skip
             return self.remote_experts
 

@@ -89,6 +89,11 @@ class Balancer:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def data_plane_secret(self) -> str | None:
+        """The cluster's data-plane secret, for services (re)started beside this balancer (a Ray
+        client can read any actor's arguments anyway: Ray access is cluster access)."""
+        return self.core.shared.secret
+
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()

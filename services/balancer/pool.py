@@ -98,7 +98,7 @@ class ExpertPool:
     async def _join(self, wid: str, actor) -> None:
         address = await actor.start.remote()
         node = await actor.node_id.remote()
-        self.members[wid] = Member(actor, address, node, ExpertClient(address))
+        self.members[wid] = Member(actor, address, node, ExpertClient(address, secret=self.shared.secret))
 
     async def adopt_running(self, timeout_s: float = 10.0) -> list[str]:
         """Re-attach to the expert workers of this namespace that are still running (after a

@@ -109,7 +109,7 @@ class BalancerCore:
             keep_fp8_experts=cfg.expert_keep_fp8,
             num_threads=cfg.expert_threads, host=cfg.expert_host,
             model_config=read_model_config(cfg.model),  # their nodes need no checkpoint (peer copy)
-            device="cuda" if cfg.expert_gpus > 0 else "cpu", shm=cfg.expert_shm,
+            device="cuda" if cfg.expert_gpus > 0 else "cpu", shm=cfg.expert_shm, secret=cfg.shared.secret,
         )  # fmt: skip
         self.pool = ExpertPool(cfg.shared, worker_cfg, cfg.expert_resources, num_gpus=cfg.expert_gpus)
         self.target_workers = cfg.expert_workers
@@ -171,7 +171,9 @@ class BalancerCore:
             placement = initial_placement(self.model_cfg, pool, self.slots)
             if persisted is not None:
                 placement = Placement(persisted.version + 1, placement.phy2log, pool.workers)
-        await asyncio.to_thread(load_placement, placement, self.addresses, self.model_cfg.moe_layers)
+        await asyncio.to_thread(
+            load_placement, placement, self.addresses, self.model_cfg.moe_layers, secret=self.shared.secret
+        )
         self.placement = placement
         self._persist(placement)
         if self.attention:  # a restarted balancer that found no worker alive
@@ -390,7 +392,7 @@ class BalancerCore:
 
     async def _release(self, version: int, addresses: list[str]) -> None:
         try:
-            await asyncio.to_thread(release_version, version, addresses)
+            await asyncio.to_thread(release_version, version, addresses, secret=self.shared.secret)
         except Exception as e:  # a worker that died meanwhile holds nothing; the others were released
             log.warning("releasing v%d: %s", version, e)
 
@@ -477,7 +479,12 @@ class BalancerCore:
         try:  # (a) load the new version everywhere, old keeps serving; experts a node's
             # checkpoint lacks are copied from the live workers of the current pool (they hold v)
             replies = await asyncio.to_thread(
-                load_placement, new, addresses, self.model_cfg.moe_layers, peers=list(self.addresses.values())
+                load_placement,
+                new,
+                addresses,
+                self.model_cfg.moe_layers,
+                peers=list(self.addresses.values()),
+                secret=self.shared.secret,
             )
             record.bytes_read = sum(r.bytes_read for r in replies)
             record.bytes_from_peers = sum(r.bytes_from_peers for r in replies)
@@ -570,7 +577,7 @@ class BalancerCore:
         """Per expert worker: token counts per local slot of each loaded version (their own counters)."""
 
         def read(address: str):
-            client = ExpertClient(address)
+            client = ExpertClient(address, secret=self.shared.secret)
             try:
                 return client.stats()
             finally:

@@ -210,6 +210,14 @@ def _last_ref(refs: dict[int, int], block: int, error: str) -> bool:
     return True
 
 
+def salt_root(cache_salt: str | None) -> int | None:
+    """The parent of a salted prompt's first block (None: unsalted). Requests with different salts
+    never share a cached block, so a prefix hit reveals nothing across salts (vLLM's `cache_salt`)."""
+    if cache_salt is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(b"salt\0" + cache_salt.encode(), digest_size=16).digest(), "little")
+
+
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     """The chained hash of a full block: its tokens and everything before them (128-bit BLAKE2b,
     so that nobody can make two different prefixes share a block, as vLLM hashes with SHA-256)."""

@@ -37,6 +37,8 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS / stop token before this many tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     json_schema: dict | None = None  # the output must be JSON valid against it (grammar-constrained)
+    # not a sampling parameter, carried with them: prefix-cache isolation (block_allocator.salt_root)
+    cache_salt: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError(param, message) for the first invalid field."""

@@ -34,7 +34,7 @@ import torch
 
 from services.model.kv_cache import BLOCK_SIZE, blocks_needed
 
-from .block_allocator import BlockAllocator, block_hash
+from .block_allocator import BlockAllocator, block_hash, salt_root
 from .sampling import SamplingParams, TokenLogprobs
 
 
@@ -255,7 +255,7 @@ class Scheduler:
             return []
         if seq.prefix_hashes is not None and seq.prefix_hashes[0] == seq.num_tokens:
             return seq.prefix_hashes[1]
-        hashes, parent = [], None
+        hashes, parent = [], salt_root(seq.params.cache_salt)
         for i in range((seq.num_tokens - 1) // BLOCK_SIZE):
             parent = block_hash(parent, seq.token_slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE))
             hashes.append(parent)
@@ -266,7 +266,7 @@ class Scheduler:
         """Register the blocks `seq` has filled completely since the last call."""
         while len(seq.block_hashes) < seq.num_computed // BLOCK_SIZE:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else salt_root(seq.params.cache_salt)
             h = block_hash(parent, seq.token_slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE))
             self.allocator.register(seq.block_ids[i], h)
             seq.block_hashes.append(h)

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.model.config import ModelConfig
 from services.model.placement import Placement
-from services.rpc import expert_pb2, expert_pb2_grpc, wire
+from services.rpc import auth, expert_pb2, expert_pb2_grpc, wire
 
 from .store import ExpertNotFound, ExpertRows, check_expert_weights
 
@@ -23,9 +23,12 @@ log = logging.getLogger(__name__)
 class ExpertClient:
     """Sync client for one expert worker's control methods."""
 
-    def __init__(self, address: str, max_message_bytes: int = wire.MAX_MESSAGE_BYTES):
+    def __init__(
+        self, address: str, max_message_bytes: int = wire.MAX_MESSAGE_BYTES, secret: str | None = None
+    ):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=wire.grpc_options(max_message_bytes))
+        channel = grpc.insecure_channel(address, options=wire.grpc_options(max_message_bytes))
+        self._raw_channel, self.channel = channel, auth.with_secret(channel, secret)
         self.stub = expert_pb2_grpc.ExpertStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -76,7 +79,7 @@ class ExpertClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def close(self) -> None:
-        self.channel.close()
+        self._raw_channel.close()
 
 
 def worker_layout(placement: Placement, worker: int, moe_layers: Sequence[int]) -> dict[int, list[int]]:
@@ -91,12 +94,13 @@ def load_placement(
     moe_layers: Sequence[int],
     timeout: float = 600.0,
     peers: Sequence[str] = (),
+    secret: str | None = None,
 ) -> list[expert_pb2.LoadSlotsResponse]:
     """LoadSlots for `placement.version` on all of its workers concurrently (returns when every
     worker can serve it). `addresses`: worker id -> "host:port". `peers`: addresses of workers
     holding loaded versions (the current pool), to copy experts from where a worker's node has
     no checkpoint (each worker skips its own address)."""
-    clients = [ExpertClient(addresses[w]) for w in placement.workers]
+    clients = [ExpertClient(addresses[w], secret=secret) for w in placement.workers]
     layouts = [worker_layout(placement, i, moe_layers) for i in range(len(clients))]
     try:
         with ThreadPoolExecutor(len(clients)) as pool:
@@ -110,12 +114,14 @@ def load_placement(
             c.close()
 
 
-def release_version(version: int, addresses: Sequence[str], timeout: float = 30.0) -> None:
+def release_version(
+    version: int, addresses: Sequence[str], timeout: float = 30.0, secret: str | None = None
+) -> None:
     """ReleaseSlots(version) on every address (each one tried; raises afterwards, naming the ones
     that failed)."""
     failed = []
     for address in addresses:
-        client = ExpertClient(address)
+        client = ExpertClient(address, secret=secret)
         try:
             client.release_slots(version, timeout)
         except grpc.RpcError as e:
@@ -144,8 +150,10 @@ class PeerFetcher:
         timeout: float = 600.0,
         stats_timeout: float = 10.0,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+        secret: str | None = None,
     ):
         self.peers = [p for p in dict.fromkeys(peers) if p]
+        self.secret = secret
         self.cfg, self.timeout, self.stats_timeout = cfg, timeout, stats_timeout
         self.max_message_bytes = max_message_bytes
         self._clients: dict[str, ExpertClient] = {}
@@ -155,7 +163,7 @@ class PeerFetcher:
 
     def _client(self, address: str) -> ExpertClient:
         if address not in self._clients:
-            self._clients[address] = ExpertClient(address, self.max_message_bytes)
+            self._clients[address] = ExpertClient(address, self.max_message_bytes, self.secret)
         return self._clients[address]
 
     def holders(self) -> dict[tuple[int, int], list[str]]:

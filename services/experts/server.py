@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
-from services.rpc import shm, wire
+from services.rpc import auth, shm, wire
 
 from .servicer import ExpertServicer, add_expert_service, status_of
 from .store import SlotStore
@@ -51,6 +51,8 @@ class ExpertWorkerConfig:
     peer_timeout_s: float = 600.0  # deadline of one FetchExperts stream from a peer
     # also serve Dispatch through shared memory to clients on this node (services/rpc/shm.py)
     shm: bool = True
+    # the cluster's data-plane secret (services/rpc/auth.py): calls without it are refused; None: open
+    secret: str | None = field(default=None, repr=False)
 
 
 def read_model_config(model_dir: str | Path) -> dict:
@@ -77,8 +79,12 @@ class ExpertServer:
         self.store = SlotStore(model_cfg, cfg.model, dtype, cfg.max_versions, cfg.device,
                                weight_dtype, cfg.keep_fp8_experts)  # fmt: skip
         self.servicer = ExpertServicer(
-            self.store, peer_timeout_s=cfg.peer_timeout_s, max_message_bytes=cfg.max_message_bytes
+            self.store,
+            peer_timeout_s=cfg.peer_timeout_s,
+            max_message_bytes=cfg.max_message_bytes,
+            secret=cfg.secret,
         )
+        self.secret_check = auth.SecretCheck(cfg.secret) if cfg.secret is not None else None
         self.health = HealthServicer()
         self.server: grpc.Server | None = None
         self.address: str | None = None
@@ -92,6 +98,7 @@ class ExpertServer:
             ThreadPoolExecutor(self.cfg.rpc_threads, thread_name_prefix="expert-rpc"),
             options=wire.grpc_options(self.cfg.max_message_bytes),
             maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs,
+            interceptors=[self.secret_check] if self.secret_check is not None else None,
         )
         add_expert_service(server, self.servicer)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -105,7 +112,9 @@ class ExpertServer:
         self.servicer.address = self.address
         if self.cfg.shm:
             try:
-                self.shm = shm.ShmServer(self.address, self.servicer.compute_into, status_of)
+                self.shm = shm.ShmServer(
+                    self.address, self.servicer.compute_into, status_of, secret=self.cfg.secret
+                )
             except OSError as e:  # (another process holds the name: clients use gRPC)
                 log.warning("no shared-memory data plane on %s: %s", self.address, e)
         log.info("expert worker serving %s on %s (%s)", self.cfg.model, self.address, self.cfg.dtype)
@@ -139,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--secret", default=None, help="refuse calls without this data-plane secret")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -151,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             device=args.device,
             host=args.host,
             port=args.port,
+            secret=args.secret,
         )
     )
     print(server.start(), flush=True)

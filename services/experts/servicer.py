@@ -62,9 +62,14 @@ class ExpertServicer:
     gRPC server's threads)."""
 
     def __init__(
-        self, store: SlotStore, peer_timeout_s: float = 600.0, max_message_bytes: int = wire.MAX_MESSAGE_BYTES
+        self,
+        store: SlotStore,
+        peer_timeout_s: float = 600.0,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+        secret: str | None = None,
     ):
         self.store = store
+        self.secret = secret  # the cluster's (services/rpc/auth.py): what this worker sends to its peers
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
         self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes
         # one expert compute at a time, so concurrent calls (micro-batches, attention workers)
@@ -134,7 +139,11 @@ class ExpertServicer:
         if not peers:
             return self.store.load(version, experts)
         fetch = PeerFetcher(
-            peers, self.store.cfg, self.peer_timeout_s, max_message_bytes=self.max_message_bytes
+            peers,
+            self.store.cfg,
+            self.peer_timeout_s,
+            max_message_bytes=self.max_message_bytes,
+            secret=self.secret,
         )
         try:
             return self.store.load(version, experts, fetch)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from services.engine.block_allocator import block_hash
+from services.engine.block_allocator import block_hash, salt_root
 from services.model.kv_cache import BLOCK_SIZE
 
 
@@ -20,28 +20,30 @@ class PrefixAffinity:
         self._owner: OrderedDict[int, str] = OrderedDict()  # prefix hash -> worker, LRU first
 
     @staticmethod
-    def hashes(prompt_ids: Sequence[int], max_blocks: int) -> list[int]:
+    def hashes(prompt_ids: Sequence[int], max_blocks: int, cache_salt: str | None = None) -> list[int]:
         """Chained hashes of the prompt's full blocks (the ones a worker can have cached)."""
-        out, parent = [], None
+        out, parent = [], salt_root(cache_salt)
         for i in range(min(max_blocks, (len(prompt_ids) - 1) // BLOCK_SIZE)):
             parent = block_hash(parent, prompt_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
             out.append(parent)
         return out
 
-    def choose(self, prompt_ids: Sequence[int], outstanding: dict[str, int]) -> str | None:
+    def choose(
+        self, prompt_ids: Sequence[int], outstanding: dict[str, int], cache_salt: str | None = None
+    ) -> str | None:
         """The worker holding this prompt's longest cached prefix among `outstanding` (live worker
         -> outstanding tokens), unless it is busier than the least busy by more than
         `max_imbalance_tokens`; None: no preference (the caller takes the least busy)."""
         least = min(outstanding.values())
-        for h in reversed(self.hashes(prompt_ids, self.max_blocks)):
+        for h in reversed(self.hashes(prompt_ids, self.max_blocks, cache_salt)):
             owner = self._owner.get(h)
             if owner in outstanding and outstanding[owner] - least <= self.max_imbalance_tokens:
                 return owner
         return None
 
-    def record(self, prompt_ids: Sequence[int], worker: str) -> None:
+    def record(self, prompt_ids: Sequence[int], worker: str, cache_salt: str | None = None) -> None:
         """`worker` will hold this prompt's blocks."""
-        for h in self.hashes(prompt_ids, self.max_blocks):
+        for h in self.hashes(prompt_ids, self.max_blocks, cache_salt):
             self._owner[h] = worker
             self._owner.move_to_end(h)
         while len(self._owner) > self.capacity:

@@ -166,7 +166,7 @@ class RouterCore:
             params = {**sub.params, "max_tokens": sub.params["max_tokens"] - len(produced),
                       "min_tokens": max(0, sub.params.get("min_tokens", 0) - len(produced))}  # fmt: skip
             request_id = sub.request_id if attempt == 0 else f"{sub.request_id}-resumed-{attempt}"
-            worker = await self.pick_worker(prompt)
+            worker = await self.pick_worker(prompt, sub.params.get("cache_salt"))
             stream = self._stream(worker, prompt, params, request_id, (len(produced), sent_chars))
             try:
                 async with contextlib.aclosing(stream):
@@ -225,7 +225,7 @@ class RouterCore:
                 actor.abort.remote(request_id)
 
     # ---- attention worker health --------------------------------------------------------
-    async def pick_worker(self, prompt: list[int]) -> str:
+    async def pick_worker(self, prompt: list[int], cache_salt: str | None = None) -> str:
         """The live attention worker for `prompt`: the one holding its longest cached prefix unless
         it is much busier than the others (prefix affinity), else the one with the fewest
         outstanding tokens; waits (bounded) while every worker is down."""
@@ -233,13 +233,13 @@ class RouterCore:
         while True:
             live = {n: v for n, v in self.outstanding.items() if n not in self.down}
             if live:
-                name = self.affinity.choose(prompt, live) if self.cfg.prefix_caching else None
+                name = self.affinity.choose(prompt, live, cache_salt) if self.cfg.prefix_caching else None
                 if name is None:
                     least = min(live.values())
                     names = [n for n, v in live.items() if v == least]
                     name = names[next(self._rr) % len(names)]
                 if self.cfg.prefix_caching:
-                    self.affinity.record(prompt, name)
+                    self.affinity.record(prompt, name, cache_salt)
                 return name
             if time.monotonic() > deadline:
                 raise APIError(503, "no attention worker is available", retry_after=self.cfg.retry_after_s)

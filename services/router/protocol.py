@@ -71,6 +71,9 @@ class _Request(BaseModel):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     response_format: dict[str, Any] | None = None
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=1024
+    )  # vLLM's: prefix-cache isolation
 
     def output_schema(self) -> dict | None:
         """The JSON schema the output is constrained to (None: free text)."""
@@ -104,6 +107,7 @@ class _Request(BaseModel):
             min_tokens=self.min_tokens,
             logit_bias=self.bias(),
             json_schema=self.output_schema(),
+            cache_salt=self.cache_salt,
         )
         try:
             params.validate()
@@ -261,10 +265,41 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (a deeper tool schema would exhaust recursion)
+
+
+def _check_values(value: Any) -> None:
+    """A 400 naming the field for the first string (or key) that is not valid Unicode text (a lone
+    surrogate such as "\\udcff": JSON allows the escape, UTF-8 cannot encode it), or for nesting
+    deeper than MAX_JSON_DEPTH."""
+    stack = [(value, "", 0)]
+    while stack:
+        v, at, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(
+                400, f"{at}: nested more than {MAX_JSON_DEPTH} levels deep", param=at.split(".")[0]
+            )
+        if isinstance(v, str):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                raise APIError(400, f"{at or 'body'}: text with a lone surrogate (not valid Unicode)",
+                               param=at.split(".")[0] or None) from None  # fmt: skip
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                here = f"{at}.{k}" if at else str(k)
+                stack.append((k, at, depth + 1))
+                stack.append((item, here, depth + 1))
+        elif isinstance(v, list):
+            stack.extend((item, at, depth + 1) for item in reversed(v))
+
+
 def parse(model: type[BaseModel], body: Any):
-    """Validate a JSON body; pydantic errors become a 400 naming the first bad field."""
+    """Validate a JSON body; pydantic errors become a 400 naming the first bad field, and so do text
+    that is not valid Unicode (lone surrogates) and nesting beyond MAX_JSON_DEPTH."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_values(body)
     try:
         return model.model_validate(body)
     except ValidationError as e:

@@ -38,10 +38,13 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from services.rpc import auth
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"MOE1"
-_HELLO = struct.Struct("<4sQ")  # magic, capacity (bytes of each region)
+_HELLO = struct.Struct("<4sQ")  # magic, capacity (bytes of each region); then the cluster's secret
+MAX_SECRET_BYTES = 1024
 _ACK = struct.Struct("<4sB")  # magic, accepted
 _REQUEST = struct.Struct("<IIQIIIB")  # seq, layer, placement version, T, H, K, dtype code
 _ANSWER = struct.Struct("<IId")  # seq, grpc status code value (0 = OK), compute seconds; then the error text
@@ -122,7 +125,11 @@ class ShmChannel:
 
     @classmethod
     def connect(
-        cls, grpc_address: str, capacity: int = DEFAULT_CAPACITY, timeout_s: float = 5.0
+        cls,
+        grpc_address: str,
+        capacity: int = DEFAULT_CAPACITY,
+        timeout_s: float = 5.0,
+        secret: str | None = None,
     ) -> ShmChannel | None:
         """A channel to the expert worker serving `grpc_address`, or None where it has no
         shared-memory listener on this node (another node, or a worker without one)."""
@@ -137,7 +144,7 @@ class ShmChannel:
         try:
             os.ftruncate(fd, 2 * capacity)
             buf = mmap.mmap(fd, 2 * capacity)
-            socket.send_fds(sock, [_HELLO.pack(MAGIC, capacity)], [fd])
+            socket.send_fds(sock, [_HELLO.pack(MAGIC, capacity) + (secret or "").encode()], [fd])
             ack = sock.recv(_ACK.size)
             if len(ack) != _ACK.size or _ACK.unpack(ack) != (MAGIC, 1):
                 raise OSError(f"refused: {ack!r}")
@@ -222,8 +229,10 @@ class ShmServer:
     error; a malformed frame closes only its own channel)."""
 
     def __init__(self, grpc_address: str, compute: Compute, status_of: Callable[[Exception], grpc.StatusCode],
-                 max_capacity: int = 1 << 30):  # fmt: skip
+                 max_capacity: int = 1 << 30, secret: str | None = None):  # fmt: skip
         self.compute, self.status_of, self.max_capacity = compute, status_of, max_capacity
+        self.secret = secret
+        self.refused = 0  # handshakes refused: another user's process, or no / a wrong secret
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(abstract_address(grpc_address))
         self._listener.listen(64)
@@ -253,11 +262,17 @@ class ShmServer:
         buf = region = None
         try:
             conn.settimeout(10.0)
-            hello, fds, _, _ = socket.recv_fds(conn, _HELLO.size, 1)
+            hello, fds, _, _ = socket.recv_fds(conn, _HELLO.size + MAX_SECRET_BYTES, 1)
             conn.settimeout(None)
-            if len(hello) != _HELLO.size or len(fds) != 1:
+            if len(hello) < _HELLO.size or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
                 raise ValueError("bad handshake")
-            magic, capacity = _HELLO.unpack(hello)
+            magic, capacity = _HELLO.unpack_from(hello)
+            if not self._admits(conn, hello[_HELLO.size :]):
+                os.close(fds[0])
+                self.refused += 1
+                raise ValueError("refused: another user's process, or no / a wrong cluster secret")
             try:
                 ok = magic == MAGIC and 0 < capacity <= self.max_capacity and capacity % ALIGN == 0
                 if not ok or os.fstat(fds[0]).st_size < 2 * capacity:
@@ -280,6 +295,13 @@ class ShmServer:
                 self._channels.discard(conn)
             conn.close()
             del region, buf  # (the mapping closes once no view of it is left)
+
+    def _admits(self, conn: socket.socket, secret: bytes) -> bool:
+        """The peer runs as this process's user (abstract sockets have no file permissions: the
+        kernel's peer credentials stand in for them) and knows the cluster's secret, if any."""
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        return uid == os.getuid() and (self.secret is None or auth.matches(self.secret, secret))
 
     def _answer(self, frame: bytes, views: _Views, capacity: int) -> bytes:
         """Run one request frame; the answer frame (a malformed request is answered INVALID_ARGUMENT)."""
