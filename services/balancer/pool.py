@@ -66,6 +66,7 @@ class ExpertPool:
     members: dict[str, Member] = field(default_factory=dict)  # worker id -> member, in start order
     dead: list[DeadWorker] = field(default_factory=list)  # history, oldest first
     next_index: int = 0
+    slow: dict[str, int] = field(default_factory=dict)  # worker id -> resume attempts it did not answer
 
     # ---- membership ---------------------------------------------------------------------
     @property
@@ -100,10 +101,13 @@ class ExpertPool:
         node = await actor.node_id.remote()
         self.members[wid] = Member(actor, address, node, ExpertClient(address, secret=self.shared.secret))
 
-    async def adopt_running(self, timeout_s: float = 10.0) -> list[str]:
+    async def adopt_running(self, timeout_s: float = 30.0, max_slow: int = 3) -> list[str]:
         """Re-attach to the expert workers of this namespace that are still running (after a
-        balancer restart); returns their ids. Workers that do not answer are killed."""
-        found = []
+        balancer restart); returns their ids. A worker whose process is gone is dropped; one that
+        is alive but does not answer within `timeout_s` (a loaded machine) fails this attempt
+        (TimeoutError: the caller retries with backoff) and is killed only after `max_slow` such
+        attempts in a row: killing a slow but healthy worker would turn a resume into a restart."""
+        found, slow = [], []
         for info in ray.util.list_named_actors(all_namespaces=True):
             match = _WORKER_NAME.match(info["name"])
             if info["namespace"] != self.shared.namespace or match is None:
@@ -111,14 +115,26 @@ class ExpertPool:
             wid, index = match.group(1), int(match.group(2))
             self.next_index = max(self.next_index, index + 1)
             if wid in self.members:
+                found.append(wid)
                 continue
             try:
                 actor = ray.get_actor(info["name"], namespace=self.shared.namespace)
                 await asyncio.wait_for(self._join(wid, actor), timeout_s)
                 found.append(wid)
-            except Exception as e:  # gone or hung: not part of the pool
-                log.warning("expert worker %s did not answer (%s); killing it", wid, e)
+                self.slow.pop(wid, None)
+            except TimeoutError:
+                self.slow[wid] = self.slow.get(wid, 0) + 1
+                if self.slow[wid] >= max_slow:
+                    log.warning("expert worker %s did not answer in %d tries; killing it", wid, max_slow)
+                    self._kill(info["name"])
+                    self.slow.pop(wid)
+                else:
+                    slow.append(wid)
+            except Exception as e:  # gone (its actor died): not part of the pool
+                log.warning("expert worker %s is gone (%s); dropping it", wid, e)
                 self._kill(info["name"])
+        if slow:
+            raise TimeoutError(f"expert workers {slow} did not answer within {timeout_s}s; retrying")
         return found
 
     async def stop_worker(self, wid: str) -> None:

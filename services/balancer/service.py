@@ -28,6 +28,7 @@ balancer down freezes the placement, not serving.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -171,13 +172,16 @@ class BalancerCore:
             placement = initial_placement(self.model_cfg, pool, self.slots)
             if persisted is not None:
                 placement = Placement(persisted.version + 1, placement.phy2log, pool.workers)
-        await asyncio.to_thread(
-            load_placement, placement, self.addresses, self.model_cfg.moe_layers, secret=self.shared.secret
-        )
+        await self._load(placement, self.addresses)
         self.placement = placement
         self._persist(placement)
         if self.attention:  # a restarted balancer that found no worker alive
             await self._switch_attention(placement, self._addresses_of(placement))
+
+    async def _load(self, placement: Placement, addresses: dict[str, str], peers: list[str] = ()) -> list:
+        """LoadSlots of `placement` on its workers (with the cluster's secret), off the event loop."""
+        load = functools.partial(load_placement, peers=peers, secret=self.shared.secret)
+        return await asyncio.to_thread(load, placement, addresses, self.model_cfg.moe_layers)
 
     async def _resume(self, adopted: list[str]) -> bool:
         """Take over the running `adopted` workers and the placement they serve; False if there is
@@ -478,14 +482,7 @@ class BalancerCore:
         addresses = {w: self.addresses[w] for w in new.workers}
         try:  # (a) load the new version everywhere, old keeps serving; experts a node's
             # checkpoint lacks are copied from the live workers of the current pool (they hold v)
-            replies = await asyncio.to_thread(
-                load_placement,
-                new,
-                addresses,
-                self.model_cfg.moe_layers,
-                peers=list(self.addresses.values()),
-                secret=self.shared.secret,
-            )
+            replies = await self._load(new, addresses, peers=list(self.addresses.values()))
             record.bytes_read = sum(r.bytes_read for r in replies)
             record.bytes_from_peers = sum(r.bytes_from_peers for r in replies)
             died = [w for w in new.workers if w not in self.pool.members]

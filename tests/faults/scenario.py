@@ -5,8 +5,11 @@ tokens, then every stream read to its end. Used by tests/faults/ and benchmarks/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,6 +136,19 @@ def run(
     errors = [f"{type(r).__name__}: {r}" if isinstance(r, BaseException) else None for r in results]
     reasons = [None if isinstance(r, BaseException) else r for r in results]
     return Outcome(scenario, tokens, arrivals, reasons, errors, killed_at, time.monotonic() - t0, result)
+
+
+@contextlib.contextmanager
+def busy(processes: int):
+    """`processes` CPU-bound processes (a loaded machine, as a heavy build beside the cluster)
+    while the block runs; killed on exit."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
 
 
 def wait_healed(namespace: str, expert_workers: int, timeout_s: float = 120.0) -> dict:
