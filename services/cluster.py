@@ -76,6 +76,9 @@ class ClusterConfig:
         1, "tensor-parallel ranks per attention worker (heads split, latent cache replicated)"
     )
     attention_threads: int = _setting(1, "torch threads per attention worker")
+    router_replicas: int = _setting(
+        2, "Ray Serve replicas of the OpenAI router (a client's retry finds a live one when one dies)"
+    )
     expert_secret: str | None = _setting(
         None,
         "the data plane's shared secret: expert calls without it are refused (default: a new random one per up)",
@@ -126,6 +129,8 @@ class ClusterConfig:
             raise ValueError("redundant_experts must be >= 0")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
+        if self.router_replicas < 1:
+            raise ValueError("router_replicas must be >= 1")
         if self.expert_transport not in ("auto", "shm", "grpc"):
             raise ValueError(f"expert_transport {self.expert_transport!r}: auto, shm or grpc")
         if self.keep_fp8_linears and self.attention_tp > 1:
@@ -370,7 +375,10 @@ class Cluster:
             step(f"starting the OpenAI API on http://{cfg.host}:{cfg.port}")
             serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
             serve.run(
-                Router.bind(router_config(cfg, backend)), name=APP_NAME, route_prefix="/", blocking=False
+                Router.options(num_replicas=cfg.router_replicas).bind(router_config(cfg, backend)),
+                name=APP_NAME,
+                route_prefix="/",
+                blocking=False,
             )
             url = f"http://{cfg.host}:{cfg.port}"
             cluster = cls(
@@ -407,7 +415,9 @@ class Cluster:
 
         deadline = time.monotonic() + timeout_s
         try:
-            serve.get_app_handle(APP_NAME).drain.remote().result(timeout_s=timeout_s)
+            handle, drained = serve.get_app_handle(APP_NAME), set()
+            while len(drained) < self.cfg.router_replicas and time.monotonic() < deadline:  # (every replica:
+                drained.add(handle.drain.remote().result(timeout_s=timeout_s))  # a call reaches one of them)
             while time.monotonic() < deadline:
                 busy = 0
                 for actor in self.attention.values():

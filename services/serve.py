@@ -41,4 +41,4 @@ def app_config(args: Mapping, environ: Mapping[str, str] = os.environ) -> Cluste
 def app(args: dict):
     cfg = app_config(args)
     backend = start_backend(cfg, resolve_model(cfg), cfg.redis_url, reuse=True)
-    return Router.bind(router_config(cfg, backend))
+    return Router.options(num_replicas=cfg.router_replicas).bind(router_config(cfg, backend))

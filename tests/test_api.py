@@ -412,6 +412,23 @@ def test_one_node_data_plane_is_shared_memory_and_shows(cluster, client, capsys)
     assert " shm" in out and "ms per MoE layer" in out, out
 
 
+def test_a_generation_whose_router_replica_is_gone_is_aborted(cluster):
+    """A request whose owner (a router replica) never renews its lease is aborted within seconds
+    (owner_timeout_s, 5 s), long before its 4,000 tokens: no compute for a client that is gone.
+    The router replicas' own requests (every other test here) are not."""
+    actor = next(iter(cluster.attention.values()))
+    params = {"max_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
+    stream = actor.generate.options(num_returns="streaming").remote(
+        [0, 5, 6], params, "orphan-1", (0, 0), "ghost"
+    )
+    t0, tokens, last = time.monotonic(), 0, None
+    for ref in stream:
+        last = ray.get(ref)
+        tokens += len(last.token_ids)
+    assert last.finished and last.finish_reason == "abort" and tokens < 4000, (last, tokens)
+    assert time.monotonic() - t0 < 30
+
+
 def test_a_local_runs_data_plane_is_on_loopback_and_refuses_strangers(cluster):
     import grpc
 

@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from services.attention.dispatch import DispatchConfig, RemoteExperts
+from services.attention.leases import OwnerLeases
 from services.attention.load_reporter import LoadReporter, LoadReporterConfig
 from services.attention.ranks import RankGroup
 from services.attention.tensor_parallel import lead
@@ -50,6 +51,7 @@ class AttentionWorkerConfig:
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
     step_retry_wait_s: float = 0.05  # pause between retries of a failing step
     idle_wait_s: float = 0.05
+    owner_timeout_s: float = 5.0  # a request whose router replica renewed no lease this long is aborted
 
 
 @dataclass
@@ -313,13 +315,24 @@ class AttentionWorker:
         self.service = AttentionService(cfg, engine, reporter)
         self.service.placement_version = 0 if placement is None else int(placement["version"])
         self.cfg = cfg
+        self.leases = OwnerLeases(cfg.owner_timeout_s)
+        self._watchdog: asyncio.Task | None = None
 
     async def generate(
-        self, prompt_ids: list[int], params: dict, request_id: str, resumed: tuple[int, int] = (0, 0)
+        self,
+        prompt_ids: list[int],
+        params: dict,
+        request_id: str,
+        resumed: tuple[int, int] = (0, 0),
+        owner: str | None = None,
     ):
         """Stream of `RequestOutput`s (call with num_returns="streaming"); a refused request
         yields one `Refusal`. `resumed`: a request moved here from a dead worker (its last
-        resumed[0] prompt tokens are its own output, resumed[1] characters of it already sent)."""
+        resumed[0] prompt tokens are its own output, resumed[1] characters of it already sent).
+        `owner`: the router replica that asked (its lease, `keepalive`, lapsing aborts the request)."""
+        if owner is not None:
+            self.leases.start(owner, request_id, time.monotonic())
+            self._watch_leases()
         stream = self.service.generate(prompt_ids, SamplingParams(**params), request_id, tuple(resumed))
         try:
             async for out in stream:
@@ -327,7 +340,27 @@ class AttentionWorker:
         except (ValueError, QueueFullError) as e:  # refused when submitted: nothing streamed yet
             yield refusal(e)
         finally:
+            if owner is not None:
+                self.leases.end(owner, request_id)
             await stream.aclose()  # a caller that went away aborts the request (see AttentionService)
+
+    async def keepalive(self, owner: str) -> None:
+        """A router replica renews its lease: its requests here still have a caller."""
+        self.leases.renew(owner, time.monotonic())
+
+    def _watch_leases(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._abort_orphans())
+
+    async def _abort_orphans(self) -> None:
+        """Every second: abort the requests of router replicas whose lease lapsed (a dead replica's
+        generations would otherwise run to their last token for nobody)."""
+        while True:
+            await asyncio.sleep(1.0)
+            for request_id in self.leases.lapsed(time.monotonic()):
+                log.warning("aborting %s: its router replica renewed no lease for %.0fs",
+                            request_id, self.leases.timeout_s)  # fmt: skip
+                self.service.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         self.service.abort(request_id)

@@ -61,9 +61,11 @@ class Router:
         """This replica's process id (fault tests kill it)."""
         return os.getpid()
 
-    async def drain(self) -> None:
-        """Refuse new generation requests from now on (shutdown); running ones go on."""
+    async def drain(self) -> str:
+        """Refuse new generation requests from now on (shutdown); running ones go on. Returns this
+        replica's id (the caller drains until every replica has answered)."""
         self.core.draining = True
+        return self.core.owner
 
     # ---- operational endpoints ----------------------------------------------------------
     @app.get("/health")

@@ -8,6 +8,7 @@ import hmac
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class RouterConfig:
     max_failovers: int = 3  # times one request moves on after its attention worker died
     failover_wait_s: float = 60.0  # how long a request waits for a live attention worker
     ready_timeout_s: float = 5.0
+    keepalive_s: float = 1.0  # this replica renews its lease on every attention worker this often
 
 
 class _WorkerDied(Exception):
@@ -84,6 +86,10 @@ class RouterCore:
         self._probes: set[asyncio.Task] = set()
         self._rr = itertools.count()
         self.metrics = RouterMetrics()
+        # this replica's id on the attention workers: its requests there are aborted when it stops
+        # renewing its lease (it died: attention/leases.py)
+        self.owner = uuid.uuid4().hex
+        self._keepalive: asyncio.Task | None = None
 
     # ---- helpers ------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -195,8 +201,9 @@ class RouterCore:
         actor = self.workers[name]
         finished = False
         try:
+            self._keep_leases()
             stream = actor.generate.options(num_returns="streaming").remote(
-                prompt, params, request_id, resumed
+                prompt, params, request_id, resumed, self.owner
             )
             async for ref in stream:
                 out: RequestOutput | Refusal = await ref
@@ -225,6 +232,18 @@ class RouterCore:
                 actor.abort.remote(request_id)
 
     # ---- attention worker health --------------------------------------------------------
+    def _keep_leases(self) -> None:
+        if self._keepalive is None:
+            self._keepalive = asyncio.get_running_loop().create_task(self._renew_leases())
+
+    async def _renew_leases(self) -> None:
+        """Renew this replica's lease on every attention worker (fire and forget: a worker that
+        misses a few renewals gives its requests `owner_timeout_s` before aborting them)."""
+        while True:
+            for actor in self.workers.values():
+                actor.keepalive.remote(self.owner)
+            await asyncio.sleep(self.cfg.keepalive_s)
+
     async def pick_worker(self, prompt: list[int], cache_salt: str | None = None) -> str:
         """The live attention worker for `prompt`: the one holding its longest cached prefix unless
         it is much busier than the others (prefix affinity), else the one with the fewest
