@@ -196,7 +196,9 @@ def cmd_scale_experts(args) -> int:
     from services.cluster import connect
 
     balancer = connect(args.address, args.namespace)
-    result = ray.get(balancer.scale_experts.remote(args.num_workers))
+    result = ray.get(
+        balancer.scale_experts.remote(None if args.num_workers == "auto" else int(args.num_workers))
+    )
     print(json.dumps(result, indent=2))
     return 0 if result.get("ok", True) else 1
 
@@ -295,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                             ("scale-experts", cmd_scale_experts, "grow or shrink the expert pool")):  # fmt: skip
         s = sub.add_parser(name, help=help_)
         if name == "scale-experts":
-            s.add_argument("num_workers", type=int)
+            s.add_argument(
+                "num_workers", help='N (pins the pool at N) or "auto" (hands it back to the autoscaler)'
+            )
         s.add_argument("--address", default="auto")
         s.add_argument("--namespace", default=NAMESPACE)
         s.add_argument("--json", action="store_true")

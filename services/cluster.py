@@ -20,6 +20,7 @@ from typing import Any
 import ray
 import yaml
 
+from services.balancer.autoscale import AutoscaleConfig
 from services.settings import BALANCER_NAME, NAMESPACE, SharedSettings, attention_worker_name
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,20 @@ class ClusterConfig:
     host: str = _setting("127.0.0.1", "HTTP host of the OpenAI API")
     port: int = _setting(8000, "HTTP port of the OpenAI API")
     attention_workers: int = _setting(1, "attention workers (data parallel)")
-    expert_workers: int = _setting(2, "expert workers")
+    expert_workers: int = _setting(2, "expert workers (the start, when the pool autoscales)")
+    min_expert_workers: int | None = _setting(
+        None, "autoscaling: fewest expert workers (default: expert_workers)"
+    )
+    max_expert_workers: int | None = _setting(
+        None, "autoscaling: most expert workers (default: expert_workers); min < max turns it on"
+    )
+    expert_target_utilization: float = _setting(0.6, "autoscaling: busy fraction each expert worker aims at")
+    expert_upscale_delay_s: float = _setting(
+        30.0, "autoscaling: a larger pool wanted this long before it grows"
+    )
+    expert_downscale_delay_s: float = _setting(
+        120.0, "autoscaling: a smaller pool wanted this long before it shrinks"
+    )
     redundant_experts: int = _setting(0, "extra expert slots per MoE layer (replicas of hot experts)")
     redis_url: str | None = _setting(None, "external Redis (default: an embedded redis-server)")
     key_prefix: str = _setting("moe", "prefix of every Redis key")
@@ -129,6 +143,7 @@ class ClusterConfig:
             raise ValueError("redundant_experts must be >= 0")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
+        self.autoscale()  # checks the autoscaling bounds
         if self.router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
         if self.expert_transport not in ("auto", "shm", "grpc"):
@@ -147,6 +162,20 @@ class ClusterConfig:
                 f"the load window ({self.balancer_window_buckets} x {shared.bucket_seconds}s) is longer than "
                 f"the load buckets live ({shared.ttl_seconds}s)"
             )
+
+    def autoscale(self) -> AutoscaleConfig | None:
+        """The expert pool's autoscaling (balancer/autoscale.py), or None with min == max."""
+        lo, hi = (
+            self.min_expert_workers or self.expert_workers,
+            self.max_expert_workers or self.expert_workers,
+        )
+        cfg = AutoscaleConfig(lo, hi, self.expert_target_utilization, self.expert_upscale_delay_s,
+                              self.expert_downscale_delay_s)  # fmt: skip
+        if not lo <= self.expert_workers <= hi:
+            raise ValueError(
+                f"expert_workers {self.expert_workers} outside [{lo}, {hi}] (min/max_expert_workers)"
+            )
+        return cfg if cfg.enabled else None
 
     def shared(self, redis_url: str | None, secret: str | None = None) -> SharedSettings:
         """The settings every service of this cluster shares (with the Redis actually used and the
@@ -263,6 +292,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             expert_resources=cfg.expert_resources,
             expert_gpus=cfg.expert_gpus,
             expert_shm=cfg.expert_transport != "grpc",  # (grpc: no shared-memory listener at all)
+            autoscale=cfg.autoscale(),
             # a local run (this process started Ray: one machine): expert ports on loopback only
             expert_host="127.0.0.1" if loopback else None,
         )

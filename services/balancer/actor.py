@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import asdict
 
 import ray
 import torch
 
+from .autoscale import ExpertAutoscaler, busy_fractions
 from .service import BalancerConfig, BalancerCore
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,9 @@ class Balancer:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.core = BalancerCore(cfg)
         self._tasks: list[asyncio.Task] = []
+        self.autoscaler = ExpertAutoscaler(cfg.autoscale) if cfg.autoscale and cfg.autoscale.enabled else None
+        self.pinned = False  # `scale-experts N` pins the pool until `scale-experts auto`
+        self._busy_readings: dict[str, tuple[float, float]] = {}  # worker -> (compute s, monotonic)
         if ray.get_runtime_context().was_current_actor_reconstructed:
             log.warning("balancer restarted: re-attaching to the running pool")
             ray.get_runtime_context().current_actor.resume.remote()
@@ -48,6 +53,9 @@ class Balancer:
                 self._tasks.append(loop.create_task(self._every(self.core.cfg.period_s, self._rebalance)))
             if self.core.cfg.watch_s > 0:
                 self._tasks.append(loop.create_task(self._every(self.core.cfg.watch_s, self.core.watch)))
+            if self.autoscaler is not None:
+                period = self.autoscaler.cfg.period_s
+                self._tasks.append(loop.create_task(self._every(period, self._autoscale)))
         return info
 
     async def _rebalance(self) -> None:
@@ -74,11 +82,48 @@ class Balancer:
     async def rebalance(self, force: bool = False, loads: list | None = None) -> dict:
         return await self.core.rebalance(force, None if loads is None else torch.tensor(loads))
 
-    async def scale_experts(self, num_workers: int) -> dict:
+    async def scale_experts(self, num_workers: int | None) -> dict:
+        """Resize the pool to `num_workers` and pin it there (autoscaling paused); None hands the
+        pool back to the autoscaler."""
+        if num_workers is None:
+            self.pinned = False
+            return {
+                "ok": True,
+                "workers": len(self.core.pool.members),
+                "autoscale": self.autoscaler is not None,
+            }
+        self.pinned = True
         return await self.core.scale(num_workers)
 
+    async def _autoscale(self) -> None:
+        """One autoscaling tick: busy fraction of each worker since the last tick -> the policy ->
+        at most one worker more or less, through the live resize."""
+        if self.core.placement is None:
+            return
+        now, readings = time.monotonic(), {}
+        for wid, member in list(self.core.pool.members.items()):
+            try:
+                stats = await asyncio.to_thread(member.client.stats, 5.0)
+            except Exception:  # (dead or slow: the watch tick deals with it)
+                continue
+            readings[wid] = (stats.compute_seconds, now)
+        busy, self._busy_readings = busy_fractions(self._busy_readings, readings), readings
+        target = self.autoscaler.decide(busy, len(self.core.pool.members), now)
+        if target is not None and not self.pinned:
+            log.info(
+                "autoscaling the expert pool to %d workers (busy %s)", target, [round(b, 2) for b in busy]
+            )
+            await self.core.scale(target, reason="autoscale")
+            self._busy_readings = {}  # (a new pool: measure afresh)
+
     async def status(self) -> dict:
-        return self.core.status()
+        status = self.core.status()
+        if self.autoscaler is not None:
+            cfg = self.autoscaler.cfg
+            status["autoscale"] = {"min": cfg.min_workers, "max": cfg.max_workers, "pinned": self.pinned,
+                                   "target_utilization": cfg.target_utilization,
+                                   "desired": self.autoscaler.last_desired}  # fmt: skip
+        return status
 
     async def worker_stats(self) -> dict:
         return await self.core.worker_stats()

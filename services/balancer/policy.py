@@ -1,5 +1,6 @@
 """What the balancer decides, as pure functions: the EPLB layout of the expert pool, the initial
-placement, and whether a re-placement is worth its moves (hysteresis).
+placement, and whether a re-placement is worth its moves (hysteresis); `MigrationRecord`, what a
+re-placement did.
 
 The expert pool is a list of expert workers in slot order, each on a Ray node. EPLB's
 "GPUs" are the workers and its "nodes" the Ray nodes: worker w holds slots [w*S, (w+1)*S) and
@@ -130,3 +131,20 @@ def decide(
             return Decision(None, before, after, moved, f"gain {after - before:.4f} <= {min_gain}")
     new = Placement(current.version + 1, plan.phy2log, pool.workers)
     return Decision(new, before, after, moved, "scaled pool" if not same_pool else "balance gain")
+
+
+@dataclass
+class MigrationRecord:
+    version: int
+    reason: str
+    balancedness_before: float
+    balancedness_after: float
+    moved_slots: int
+    bytes_read: int  # expert weights read from checkpoints
+    load_s: float
+    switch_s: float
+    total_s: float
+    ok: bool
+    error: str | None = None
+    started_at: float = 0.0  # wall clock (time.time())
+    bytes_from_peers: int = 0  # expert weights copied from other expert workers

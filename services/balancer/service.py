@@ -50,8 +50,9 @@ from services.redis_store import (
 )
 from services.settings import SharedSettings
 
+from .autoscale import AutoscaleConfig
 from .eplb import gpu_loads, placement_stats
-from .policy import Decision, Pool, decide, initial_placement, slots_per_worker
+from .policy import Decision, MigrationRecord, Pool, decide, initial_placement, slots_per_worker
 from .pool import ExpertPool
 
 log = logging.getLogger(__name__)
@@ -76,26 +77,10 @@ class BalancerConfig:
     expert_gpus: float = 0.0  # Ray num_gpus per expert worker; > 0: its experts compute on CUDA
     expert_host: str | None = None  # None: each worker's node IP
     expert_shm: bool = True  # ExpertWorkerConfig.shm: also serve Dispatch through shared memory
+    autoscale: AutoscaleConfig | None = None  # the pool sizes itself (autoscale.py); None: fixed
     watch_s: float = 0.5  # health check / reconcile period (0: off)
     switch_timeout_s: float = 30.0  # an attention worker slower than this to switch is retried later
     gc_s: float = 5.0  # how often versions nobody uses are released
-
-
-@dataclass
-class MigrationRecord:
-    version: int
-    reason: str
-    balancedness_before: float
-    balancedness_after: float
-    moved_slots: int
-    bytes_read: int  # expert weights read from checkpoints
-    load_s: float
-    switch_s: float
-    total_s: float
-    ok: bool
-    error: str | None = None
-    started_at: float = 0.0  # wall clock (time.time())
-    bytes_from_peers: int = 0  # expert weights copied from other expert workers
 
 
 class BalancerCore:

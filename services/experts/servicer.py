@@ -75,6 +75,7 @@ class ExpertServicer:
         # one expert compute at a time, so concurrent calls (micro-batches, attention workers)
         # finish in turn instead of all late together; decoding and encoding overlap freely
         self._compute_lock = threading.Lock()
+        self.compute_seconds = 0.0  # busy time, both transports (the autoscaler's utilisation)
         # weights load on one thread of lower CPU priority, so where experts compute on the same
         # cores (CPU workers, or a busy host) loading yields to serving
         self.loader = ThreadPoolExecutor(
@@ -98,7 +99,9 @@ class ExpertServicer:
         with self._compute_lock:
             start = time.perf_counter()
             self.store.forward(version, layer, hidden, slot, weight, out)
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.compute_seconds += seconds
+            return seconds
 
     def Dispatch(self, request: bytes, context) -> bytes:
         try:
@@ -163,7 +166,9 @@ class ExpertServicer:
         return expert_pb2.ReleaseSlotsResponse(loaded_versions=self.store.release(request.version))
 
     def Stats(self, request, context) -> expert_pb2.StatsResponse:
-        return stats_to_proto(self.store.stats())
+        reply = stats_to_proto(self.store.stats())
+        reply.compute_seconds = self.compute_seconds
+        return reply
 
 
 def lower_thread_priority(niceness: int = 10) -> None:

@@ -1,0 +1,51 @@
+"""The expert pool's autoscaling policy (services/balancer/autoscale.py), pure: no Ray, no clock."""
+
+import pytest
+
+from services.balancer.autoscale import AutoscaleConfig, ExpertAutoscaler, busy_fractions
+
+
+def test_the_pool_wanted_follows_busy_time_within_bounds():
+    scaler = ExpertAutoscaler(AutoscaleConfig(1, 4, target_utilization=0.5), floor=2)
+    assert scaler.desired([0.9, 0.8], current=2) == 4  # 1.7 busy workers at 0.5 each: 4
+    assert scaler.desired([1.0] * 4, current=4) == 4  # (at most max)
+    assert scaler.desired([0.1, 0.0], current=2) == 2  # (never below the placement's floor)
+    assert scaler.desired([], current=3) == 3  # nothing measured: stay
+
+
+def test_a_change_waits_for_its_delay_and_moves_one_step():
+    scaler = ExpertAutoscaler(
+        AutoscaleConfig(1, 4, target_utilization=0.5, upscale_delay_s=10, downscale_delay_s=60)
+    )
+    hot, cold = [1.0, 1.0], [0.05, 0.05]
+    assert scaler.decide(hot, current=2, now=0.0) is None  # wanted from now ...
+    assert scaler.decide(hot, current=2, now=9.0) is None
+    assert scaler.decide(hot, current=2, now=10.0) == 3  # ... for 10 s: one more (not four)
+    assert scaler.decide(hot, current=3, now=11.0) is None  # the delay starts over
+    assert scaler.decide(cold, current=3, now=12.0) is None  # a change of mind restarts it too
+    assert scaler.decide(hot, current=3, now=13.0) is None
+    assert scaler.decide(hot, current=3, now=22.9) is None
+    assert scaler.decide(hot, current=3, now=23.0) == 4
+    for t in range(30, 90, 10):  # shrinking takes the longer delay
+        assert scaler.decide(cold, current=4, now=float(t)) is None
+    assert scaler.decide(cold, current=4, now=90.0) == 3
+    assert scaler.decide([0.5, 0.5, 0.5], current=3, now=91.0) is None  # 1.5 / 0.5 = 3: steady
+
+
+def test_busy_fractions_from_two_readings():
+    before = {"a": (10.0, 100.0), "b": (5.0, 100.0), "gone": (1.0, 100.0)}
+    after = {"a": (11.0, 102.0), "b": (0.5, 102.0), "new": (3.0, 102.0)}
+    assert busy_fractions(before, after) == [0.5, 0.25]  # b restarted: its counter counts from zero
+    assert busy_fractions({}, after) == []
+
+
+@pytest.mark.parametrize("bad", [dict(min_workers=0, max_workers=2), dict(min_workers=3, max_workers=2),
+                                 dict(min_workers=1, max_workers=2, target_utilization=0.0),
+                                 dict(min_workers=1, max_workers=2, upscale_delay_s=-1)])  # fmt: skip
+def test_bad_bounds_are_refused(bad):
+    with pytest.raises(ValueError):
+        AutoscaleConfig(**bad)
+
+
+def test_equal_bounds_mean_a_fixed_pool():
+    assert not AutoscaleConfig(2, 2).enabled and AutoscaleConfig(1, 2).enabled
