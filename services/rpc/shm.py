@@ -53,6 +53,9 @@ ALIGN = 64
 MAX_ERROR_BYTES = 4096
 DEFAULT_CAPACITY = 8 << 20  # bytes per region: a decode step's rows (512 rows of 4096 fp32 values)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# memfd, abstract Unix sockets and peer credentials are Linux's: elsewhere (a macOS laptop) every
+# pair takes gRPC
+SUPPORTED = hasattr(os, "memfd_create") and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "send_fds")
 
 
 class ShmError(Exception):
@@ -133,6 +136,8 @@ class ShmChannel:
     ) -> ShmChannel | None:
         """A channel to the expert worker serving `grpc_address`, or None where it has no
         shared-memory listener on this node (another node, or a worker without one)."""
+        if not SUPPORTED:
+            return None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(timeout_s)
@@ -230,6 +235,8 @@ class ShmServer:
 
     def __init__(self, grpc_address: str, compute: Compute, status_of: Callable[[Exception], grpc.StatusCode],
                  max_capacity: int = 1 << 30, secret: str | None = None):  # fmt: skip
+        if not SUPPORTED:
+            raise OSError("shared-memory channels need Linux (memfd, abstract Unix sockets, SO_PEERCRED)")
         self.compute, self.status_of, self.max_capacity = compute, status_of, max_capacity
         self.secret = secret
         self.refused = 0  # handshakes refused: another user's process, or no / a wrong secret
