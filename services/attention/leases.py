@@ -21,6 +21,11 @@ class OwnerLeases:
     def renew(self, owner: str, now: float) -> None:
         self._seen[owner] = now
 
+    def renew_all(self, now: float) -> None:
+        """Every owner's lease renewed (grace after the caller's own clock stalled)."""
+        for owner in self._seen:
+            self._seen[owner] = now
+
     def start(self, owner: str, request_id: str, now: float) -> None:
         """A request of `owner` starts (its arrival renews the lease)."""
         self.renew(owner, now)

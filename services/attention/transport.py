@@ -23,6 +23,7 @@ Either way a failure is a `TransportError` with the gRPC status code that means 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -33,6 +34,7 @@ from services.rpc import auth, shm, wire
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "grpc", "shm")
+NO_SHM_RETRY_S = 30.0
 
 
 class TransportError(Exception):
@@ -127,8 +129,12 @@ class ShmCall(Call):
     def release(self) -> None:
         if not self._released:
             self._released = True
-            if not self._channel.closed:
+            if self._channel.closed:
+                return
+            if self._channel.answered:
                 self._idle.append(self._channel)
+            else:  # (started, never answered: the worker may still read and write its buffer)
+                self._channel.close()
 
 
 class Transports:
@@ -146,14 +152,14 @@ class Transports:
         )  # (the cluster's: services/rpc/auth.py)
         self._grpc: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
         self._idle: dict[str, list[shm.ShmChannel]] = {}  # address -> idle channels
-        self._no_shm: set[str] = set()  # addresses without a shared-memory listener on this node
+        self._no_shm: dict[str, float] = {}  # address -> when it had no shared-memory listener here
         self._pool = ThreadPoolExecutor(rpc_threads, thread_name_prefix="dispatch-rpc")
         self.used: dict[str, str] = {}  # address -> the transport of its last call
 
     def open(self, address: str, layer: int, placement_version: int, shape: tuple[int, int],
              dtype: torch.dtype, top_k: int) -> Call:  # fmt: skip
         """A call to the worker at `address` for a [Tw, H] request: shared memory where it can."""
-        if self.transport != "grpc" and address not in self._no_shm:
+        if self.transport != "grpc" and self._may_try_shm(address):
             channel = self._shm_channel(address)
             if channel is not None and channel.fits(*shape, top_k, dtype):
                 self.used[address] = "shm"
@@ -167,6 +173,14 @@ class Transports:
         return GrpcCall(self._stub(address), self._pool, self.timeout_s, placement_version, layer, shape,
                         dtype, top_k)  # fmt: skip
 
+    def _may_try_shm(self, address: str) -> bool:
+        """No listener found for `address` is remembered for NO_SHM_RETRY_S (a full backlog or a
+        slow handshake must not send a worker on this node to gRPC for good)."""
+        since = self._no_shm.get(address)
+        if since is not None and time.monotonic() - since > NO_SHM_RETRY_S:
+            del self._no_shm[address]
+        return address not in self._no_shm
+
     def _shm_channel(self, address: str) -> shm.ShmChannel | None:
         idle = self._idle.setdefault(address, [])
         while idle:
@@ -175,7 +189,7 @@ class Transports:
                 return channel
         channel = shm.ShmChannel.connect(address, self.shm_capacity, secret=self.secret)
         if channel is None and not idle:
-            self._no_shm.add(address)
+            self._no_shm[address] = time.monotonic()
             del self._idle[address]
             log.info("expert worker %s: gRPC (no shared-memory listener on this node)", address)
         return channel
@@ -198,7 +212,7 @@ class Transports:
             entry[0].close()
         for channel in self._idle.pop(address, []):
             channel.close()
-        self._no_shm.discard(address)
+        self._no_shm.pop(address, None)
         self.used.pop(address, None)
 
     def close(self) -> None:

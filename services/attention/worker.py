@@ -276,7 +276,8 @@ def refusal(e: Exception) -> Refusal:
     return Refusal(status, str(e), getattr(e, "param", None))
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
+# (lease renewals and aborts in a group of their own: a worker holding ~1000 streams answers them)
+@ray.remote(num_cpus=0, max_concurrency=1000, concurrency_groups={"control": 16})
 class AttentionWorker:
     """Ray actor: loads the attention side of the model and serves requests as output streams.
 
@@ -344,6 +345,7 @@ class AttentionWorker:
                 self.leases.end(owner, request_id)
             await stream.aclose()  # a caller that went away aborts the request (see AttentionService)
 
+    @ray.method(concurrency_group="control")
     async def keepalive(self, owner: str) -> None:
         """A router replica renews its lease: its requests here still have a caller."""
         self.leases.renew(owner, time.monotonic())
@@ -355,13 +357,19 @@ class AttentionWorker:
     async def _abort_orphans(self) -> None:
         """Every second: abort the requests of router replicas whose lease lapsed (a dead replica's
         generations would otherwise run to their last token for nobody)."""
+        last = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
-            for request_id in self.leases.lapsed(time.monotonic()):
+            now = time.monotonic()
+            if now - last > 2.0:  # this loop itself was held up: its renewals may be queued behind
+                self.leases.renew_all(now)
+            last = now
+            for request_id in self.leases.lapsed(now):
                 log.warning("aborting %s: its router replica renewed no lease for %.0fs",
                             request_id, self.leases.timeout_s)  # fmt: skip
                 self.service.abort(request_id)
 
+    @ray.method(concurrency_group="control")
     async def abort(self, request_id: str) -> None:
         self.service.abort(request_id)
 

@@ -3,8 +3,8 @@
 Each tick the loop reads every expert worker's cumulative compute seconds (Stats) and turns the
 increase over the tick into a *busy fraction* (time computing / wall time) per worker; the policy
 asks for `ceil(sum of busy fractions / target_utilization)` workers, within
-[`min_workers`, `max_workers`] and never below what the placement needs to hold every expert
-once. Like Ray Serve's `autoscaling_config`, a change must be wanted for `upscale_delay_s` (grow)
+[`min_workers`, `max_workers`] (any pool of one worker or more holds every expert once; `floor`
+raises the minimum where a deployment needs more). Like Ray Serve's `autoscaling_config`, a change must be wanted for `upscale_delay_s` (grow)
 or the longer `downscale_delay_s` (shrink) before it happens, and the pool moves one worker at a
 time (hysteresis). The resize itself is the balancer's live one (re-plan, load, switch, retire:
 no request lost, no token changed). A manual `scale-experts N` pins the pool until

@@ -76,6 +76,7 @@ def run_interleaved(
     """
     results: list[torch.Tensor | None] = [None] * len(steps)
     waiting: dict[int, ExpertCombine] = {}
+    uncombined: dict[int, Any] = {}  # id -> handle dispatched and not combined yet (cancelled on failure)
 
     def advance(i: int, reply) -> None:
         step = steps[i]
@@ -84,7 +85,9 @@ def run_interleaved(
             while isinstance(msg, ExpertDispatch):
                 if tally is not None:
                     tally.load[msg.moe_layer] += msg.expert_counts
-                msg = step.send(experts.dispatch(msg))
+                handle = experts.dispatch(msg)
+                uncombined[id(handle)] = handle
+                msg = step.send(handle)
             waiting[i] = msg
         except StopIteration as stop:
             results[i] = stop.value
@@ -95,14 +98,15 @@ def run_interleaved(
         while waiting:
             for i in sorted(waiting):
                 t0 = time.perf_counter()
-                routed = experts.combine(waiting.pop(i))
+                msg = waiting.pop(i)
+                uncombined.pop(id(msg.handle), None)  # (combine consumes it, whatever it raises)
+                routed = experts.combine(msg)
                 if tally is not None:
                     tally.wait_s += time.perf_counter() - t0
                 advance(i, routed)
-    except BaseException:  # the other micro-batches' dispatches will never be combined
+    except BaseException:  # dispatches that will never be combined, this pass's or the others'
         cancel = getattr(experts, "cancel", None)
-        for msg in waiting.values():
-            if cancel is not None:
-                cancel(msg.handle)
+        for handle in uncombined.values() if cancel is not None else ():
+            cancel(handle)
         raise
     return results

@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -89,7 +90,7 @@ class RouterCore:
         # this replica's id on the attention workers: its requests there are aborted when it stops
         # renewing its lease (it died: attention/leases.py)
         self.owner = uuid.uuid4().hex
-        self._keepalive: asyncio.Task | None = None
+        self._keepalive: threading.Thread | None = None
 
     # ---- helpers ------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -234,15 +235,20 @@ class RouterCore:
     # ---- attention worker health --------------------------------------------------------
     def _keep_leases(self) -> None:
         if self._keepalive is None:
-            self._keepalive = asyncio.get_running_loop().create_task(self._renew_leases())
+            self._keepalive = threading.Thread(target=self._renew_leases, name="leases", daemon=True)
+            self._keepalive.start()
 
-    async def _renew_leases(self) -> None:
-        """Renew this replica's lease on every attention worker (fire and forget: a worker that
-        misses a few renewals gives its requests `owner_timeout_s` before aborting them)."""
+    def _renew_leases(self) -> None:
+        """Renew this replica's lease on every attention worker, from a thread of its own (a busy
+        event loop must not starve it), fire and forget: a worker that misses a few renewals
+        gives its requests `owner_timeout_s` before aborting them."""
         while True:
-            for actor in self.workers.values():
-                actor.keepalive.remote(self.owner)
-            await asyncio.sleep(self.cfg.keepalive_s)
+            for actor in list(self.workers.values()):
+                try:
+                    actor.keepalive.remote(self.owner)
+                except Exception as e:  # noqa: BLE001 (a worker restarting: the next round reaches it)
+                    log.debug("lease renewal: %s", e)
+            time.sleep(self.cfg.keepalive_s)
 
     async def pick_worker(self, prompt: list[int], cache_salt: str | None = None) -> str:
         """The live attention worker for `prompt`: the one holding its longest cached prefix unless

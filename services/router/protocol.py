@@ -271,27 +271,26 @@ MAX_JSON_DEPTH = 64  # nesting levels of a request body (a deeper tool schema wo
 def _check_values(value: Any) -> None:
     """A 400 naming the field for the first string (or key) that is not valid Unicode text (a lone
     surrogate such as "\\udcff": JSON allows the escape, UTF-8 cannot encode it), or for nesting
-    deeper than MAX_JSON_DEPTH."""
-    stack = [(value, "", 0)]
+    deeper than MAX_JSON_DEPTH. Iterative; each stack entry holds its top-level field only (a full
+    path per value would cost memory in proportion to keys x siblings)."""
+    stack: list[tuple[Any, str | None, int]] = [(value, None, 0)]
     while stack:
-        v, at, depth = stack.pop()
+        v, field, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise APIError(
-                400, f"{at}: nested more than {MAX_JSON_DEPTH} levels deep", param=at.split(".")[0]
-            )
+            raise APIError(400, f"{field}: nested more than {MAX_JSON_DEPTH} levels deep", param=field)
         if isinstance(v, str):
             try:
                 v.encode()
             except UnicodeEncodeError:
-                raise APIError(400, f"{at or 'body'}: text with a lone surrogate (not valid Unicode)",
-                               param=at.split(".")[0] or None) from None  # fmt: skip
+                raise APIError(400, f"{field or 'body'}: text with a lone surrogate (not valid Unicode)",
+                               param=field) from None  # fmt: skip
         elif isinstance(v, dict):
             for k, item in v.items():
-                here = f"{at}.{k}" if at else str(k)
-                stack.append((k, at, depth + 1))
-                stack.append((item, here, depth + 1))
+                top = field if field is not None else str(k)
+                stack.append((k, top, depth + 1))
+                stack.append((item, top, depth + 1))
         elif isinstance(v, list):
-            stack.extend((item, at, depth + 1) for item in reversed(v))
+            stack.extend((item, field, depth + 1) for item in v)
 
 
 def parse(model: type[BaseModel], body: Any):

@@ -25,10 +25,10 @@ shared-memory failure as it treats a gRPC one (resend the pairs, or refuse the s
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
-import select
 import socket
 import struct
 import threading
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"MOE1"
 _HELLO = struct.Struct("<4sQ")  # magic, capacity (bytes of each region); then the cluster's secret
 MAX_SECRET_BYTES = 1024
+MAX_CHANNELS = 4096  # per expert worker (attention workers x in-flight calls)
 _ACK = struct.Struct("<4sB")  # magic, accepted
 _REQUEST = struct.Struct("<IIQIIIB")  # seq, layer, placement version, T, H, K, dtype code
 _ANSWER = struct.Struct("<IId")  # seq, grpc status code value (0 = OK), compute seconds; then the error text
@@ -123,6 +124,7 @@ class ShmChannel:
         self._sock, self._buf, self.capacity = sock, buf, capacity
         self._views = _Views(torch.frombuffer(buf, dtype=torch.uint8), capacity)
         self._seq = 0
+        self.answered = True  # the last request's answer frame was read (the buffer is free)
         self._shape: tuple | None = None  # (T, H, K, dtype) of the request in flight
         self.closed = False
 
@@ -142,12 +144,19 @@ class ShmChannel:
         try:
             sock.settimeout(timeout_s)
             sock.connect(abstract_address(grpc_address))
-        except OSError:
+            if peer_uid(sock) != os.getuid():  # (anyone can bind an abstract name: not our secret's)
+                raise OSError("the listener runs as another user")
+        except OSError as e:
+            if not isinstance(e, ConnectionRefusedError | FileNotFoundError):
+                log.warning("no shared-memory channel to %s: %s", grpc_address, e)
             sock.close()
             return None
-        fd = os.memfd_create("moe-dispatch", os.MFD_CLOEXEC)
+        fd = os.memfd_create("moe-dispatch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, 2 * capacity)
+            fcntl.fcntl(
+                fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+            )  # (no SIGBUS for the peer)
             buf = mmap.mmap(fd, 2 * capacity)
             socket.send_fds(sock, [_HELLO.pack(MAGIC, capacity) + (secret or "").encode()], [fd])
             ack = sock.recv(_ACK.size)
@@ -180,6 +189,7 @@ class ShmChannel:
     def send(self, layer: int, placement_version: int) -> None:
         T, H, K, dtype = self._shape
         self._seq = (self._seq + 1) & 0xFFFFFFFF
+        self.answered = False  # (until its answer frame is read, the worker may still use the buffer)
         try:
             self._sock.send(_REQUEST.pack(self._seq, layer, placement_version, T, H, K, DTYPES.index(dtype)))
         except OSError as e:
@@ -189,16 +199,17 @@ class ShmChannel:
     def result(self, timeout_s: float) -> tuple[torch.Tensor, float]:
         """Wait for the answer: (output [T, H] viewing the response region, valid until the next
         request; compute seconds). ShmError: the worker's error, or UNAVAILABLE / DEADLINE_EXCEEDED."""
-        ready, _, _ = select.select([self._sock], [], [], timeout_s)
-        if not ready:
-            self.close()  # (an answer may still come: nobody must read it in a later call)
-            raise ShmError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout_s} s")
         try:
+            self._sock.settimeout(timeout_s)
             frame = self._sock.recv(_ANSWER.size + MAX_ERROR_BYTES)
+        except TimeoutError:
+            self.close()  # (an answer may still come: nobody must read it in a later call)
+            raise ShmError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout_s} s") from None
         except OSError as e:
             frame, error = b"", e
         else:
             error = "connection closed"
+        self.answered = True
         if len(frame) < _ANSWER.size:
             self.close()
             raise ShmError(grpc.StatusCode.UNAVAILABLE, f"expert worker gone ({error})")
@@ -259,9 +270,21 @@ class ShmServer:
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="shm-channel", daemon=True).start()
+            except OSError as e:
+                if self._closed:
+                    return
+                log.warning("shared-memory accept failed: %s", e)
+                time.sleep(0.1)
+                continue
+            try:  # another user's process, or too many channels: refused before any thread or read
+                if peer_uid(conn) != os.getuid() or self.channels >= MAX_CHANNELS:
+                    self.refused += 1
+                    conn.close()
+                    continue
+                threading.Thread(target=self._serve, args=(conn,), name="shm-channel", daemon=True).start()
+            except (OSError, RuntimeError) as e:
+                log.warning("shared-memory channel not started: %s", e)
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         with self._lock:
@@ -276,7 +299,7 @@ class ShmServer:
                     os.close(fd)
                 raise ValueError("bad handshake")
             magic, capacity = _HELLO.unpack_from(hello)
-            if not self._admits(conn, hello[_HELLO.size :]):
+            if not self._admits(conn, fds[0], hello[_HELLO.size :]):
                 os.close(fds[0])
                 self.refused += 1
                 raise ValueError("refused: another user's process, or no / a wrong cluster secret")
@@ -303,12 +326,14 @@ class ShmServer:
             conn.close()
             del region, buf  # (the mapping closes once no view of it is left)
 
-    def _admits(self, conn: socket.socket, secret: bytes) -> bool:
+    def _admits(self, conn: socket.socket, fd: int, secret: bytes) -> bool:
         """The peer runs as this process's user (abstract sockets have no file permissions: the
-        kernel's peer credentials stand in for them) and knows the cluster's secret, if any."""
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _, uid, _ = struct.unpack("3i", creds)
-        return uid == os.getuid() and (self.secret is None or auth.matches(self.secret, secret))
+        kernel's peer credentials stand in for them), knows the cluster's secret, if any, and
+        sealed its buffer's size (so it cannot shrink it under us)."""
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        sealed = seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+        mine = peer_uid(conn) == os.getuid() and (self.secret is None or auth.matches(self.secret, secret))
+        return bool(sealed) and mine
 
     def _answer(self, frame: bytes, views: _Views, capacity: int) -> bytes:
         """Run one request frame; the answer frame (a malformed request is answered INVALID_ARGUMENT)."""
@@ -325,6 +350,10 @@ class ShmServer:
                 seq, grpc.StatusCode.INVALID_ARGUMENT, f"[{T}, {H}] x {K} does not fit {capacity} bytes"
             )
         hidden, slot, weight, out = views(T, H, K, dtype)
+        slot, weight = (
+            slot.clone(),
+            weight.clone(),
+        )  # (checked, then used: the client cannot change them between)
         self.requests += 1
         try:
             start = time.perf_counter()
@@ -346,6 +375,12 @@ class ShmServer:
         for conn in channels:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (the kernel's word)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
 
 
 def _error(seq: int, code: grpc.StatusCode, message: str) -> bytes:
