@@ -3,16 +3,17 @@ cluster's secret serves its cluster and refuses everyone else, over gRPC and sha
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2
 
 from services.attention.dispatch import DispatchConfig, ExpertDispatchError, RemoteExperts
 from services.experts.client import ExpertClient, load_placement
 from services.experts.server import ExpertServer, ExpertWorkerConfig
 from services.model.config import ModelConfig
-from services.model.messages import ExpertCombine, ExpertDispatch
+from services.model.messages import ExpertCombine
 from services.model.placement import Placement
 from services.rpc import expert_pb2, shm
+
+from .wire_encoders import routed_dispatch
 
 SECRET = "s3cret-of-this-cluster"
 
@@ -30,19 +31,10 @@ def server(tiny_model):
     srv.stop(0)
 
 
-def _routed(cfg):
-    g = torch.Generator().manual_seed(0)
-    idx = torch.stack(
-        [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok] for _ in range(3)]
-    )
-    return ExpertDispatch.routed(cfg.moe_layers[0], 0, torch.randn(3, cfg.hidden_size, generator=g), idx,
-                                 torch.rand(3, cfg.num_experts_per_tok, generator=g), cfg.n_routed_experts)  # fmt: skip
-
-
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_the_clusters_own_calls_are_served_and_strangers_refused(server, transport):
     srv, address, placement, cfg = server
-    msg = _routed(cfg)
+    msg = routed_dispatch(cfg, T=3)
     ours = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport=transport, secret=SECRET))
     want = ours.combine(ExpertCombine(ours.dispatch(msg)))
     assert ours.stats.shm_calls == (ours.stats.rpcs if transport == "shm" else 0)

@@ -22,7 +22,7 @@ from services.experts.client import ExpertClient
 from services.experts.server import ExpertServer, ExpertWorkerConfig
 from services.model.checkpoint import CheckpointReader
 from services.model.config import ModelConfig
-from services.model.messages import ExpertCombine, ExpertDispatch
+from services.model.messages import ExpertCombine
 from services.model.moe import LocalExperts
 from services.model.placement import Placement
 from services.presets import init_model
@@ -31,6 +31,7 @@ from services.rpc import expert_pb2, wire
 from .wire_encoders import (
     encode_dispatch_request,
     encode_dispatch_response,
+    routed_dispatch,
     tensor_from_proto,
     tensor_to_proto,
 )
@@ -286,22 +287,12 @@ def test_load_slots_errors(server, wide_model):
 DEAD = "127.0.0.1:1"  # nothing listens there: connection refused, UNAVAILABLE
 
 
-def _routed(cfg, T=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, cfg.hidden_size, generator=g)
-    topk = torch.stack(
-        [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok] for _ in range(T)]
-    )
-    weight = torch.rand(T, cfg.num_experts_per_tok, generator=g)
-    return ExpertDispatch.routed(cfg.moe_layers[0], 0, x, topk, weight, cfg.n_routed_experts)
-
-
 @pytest.mark.parametrize("transport", ["auto", "grpc"])  # (auto: shared memory to the live worker here)
 def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_model, transport):
     srv, client = server
     _, cfg, everything = wide_model
     E = cfg.n_routed_experts
-    msg = _routed(cfg)
+    msg = routed_dispatch(cfg)
     want = everything.packed.forward(msg.decoder_layer, msg.x, msg.topk_idx, msg.topk_weight)
 
     # every expert on both workers; the dead one fails, its pairs go to the live one

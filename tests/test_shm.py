@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from services.attention.dispatch import DispatchConfig, ExpertDispatchError, RemoteExperts
-from services.model.messages import ExpertCombine, ExpertDispatch
+from services.model.messages import ExpertCombine
 from services.model.placement import Placement
 from services.rpc import shm
 
 from .clusters import expert_servers_in_process
+from .wire_encoders import routed_dispatch
 
 
 class Fake:
@@ -90,13 +91,13 @@ def test_errors_come_back_as_status_codes_and_the_channel_goes_on(served):
     channel = shm.ShmChannel.connect(address, capacity=1 << 16)
     channel.request(2, 8, 2, torch.float32)
     channel.send(0, 7)
-    with pytest.raises(shm.ShmError) as e:
+    with pytest.raises(shm.TransportError) as e:
         channel.result(10)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "version 7" in e.value.details
     fake.fail = ValueError("slot 99 out of range")
     channel.request(2, 8, 2, torch.float32)
     channel.send(0, 1)
-    with pytest.raises(shm.ShmError) as e:
+    with pytest.raises(shm.TransportError) as e:
         channel.result(10)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "slot 99" in e.value.details
     fake.fail = None
@@ -144,7 +145,7 @@ def test_a_closed_server_or_a_slow_one_fails_the_call_at_once_or_at_the_deadline
     fake.sleep = 1.0
     channel.request(2, 8, 2, torch.float32)
     channel.send(0, 1)
-    with pytest.raises(shm.ShmError) as e:
+    with pytest.raises(shm.TransportError) as e:
         channel.result(0.2)
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and channel.closed
     fake.sleep = 0.0
@@ -152,20 +153,10 @@ def test_a_closed_server_or_a_slow_one_fails_the_call_at_once_or_at_the_deadline
     channel.request(2, 8, 2, torch.float32)
     server.close()
     t0 = time.monotonic()
-    with pytest.raises(shm.ShmError) as e:
+    with pytest.raises(shm.TransportError) as e:
         channel.send(0, 1)
         channel.result(30)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5
-
-
-def _routed(cfg, T=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, cfg.hidden_size, generator=g)
-    idx = torch.stack(
-        [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok] for _ in range(T)]
-    )
-    w = torch.rand(T, cfg.num_experts_per_tok, generator=g)
-    return ExpertDispatch.routed(cfg.moe_layers[0], 0, x, idx, w, cfg.n_routed_experts)
 
 
 def test_the_dispatch_client_gives_the_same_sums_over_each_transport(tiny_model):
@@ -175,9 +166,12 @@ def test_the_dispatch_client_gives_the_same_sums_over_each_transport(tiny_model)
             dispatch_cfg = DispatchConfig(transport=transport, shm_capacity=1 << 16)  # (a decode step's rows)
             experts = RemoteExperts(cfg, placement, dispatch_cfg=dispatch_cfg)
             # two micro-batches in flight at once: two channels per worker
-            a, b = experts.dispatch(_routed(cfg, seed=1)), experts.dispatch(_routed(cfg, seed=2))
+            a, b = (
+                experts.dispatch(routed_dispatch(cfg, T=6, seed=1)),
+                experts.dispatch(routed_dispatch(cfg, T=6, seed=2)),
+            )
             sums[transport] = (experts.combine(ExpertCombine(a)), experts.combine(ExpertCombine(b)))
-            big = _routed(cfg, T=1024)  # more than a channel holds: still answered (by gRPC)
+            big = routed_dispatch(cfg, T=1024)  # more than a channel holds: still answered (by gRPC)
             sums[transport] += (experts.combine(ExpertCombine(experts.dispatch(big))),)
             stats[transport] = (
                 experts.stats.shm_calls,
@@ -196,7 +190,7 @@ def test_transport_shm_refuses_a_worker_without_a_listener(tiny_model):
         elsewhere = Placement(placement.version, placement.phy2log, ("127.0.0.1:1",))
         experts = RemoteExperts(cfg, elsewhere, dispatch_cfg=DispatchConfig(transport="shm", timeout_s=5))
         with pytest.raises(ExpertDispatchError, match="no shared-memory listener"):
-            experts.combine(ExpertCombine(experts.dispatch(_routed(cfg))))
+            experts.combine(ExpertCombine(experts.dispatch(routed_dispatch(cfg, T=6))))
         experts.close()
         with pytest.raises(ValueError, match="transport 'carrier-pigeon'"):
             RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="carrier-pigeon"))
@@ -227,7 +221,7 @@ def test_a_worker_killed_mid_call_is_seen_at_once():
         channel.send(1, 1)  # the worker sleeps in this one
         threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL)).start()
         t0 = time.monotonic()
-        with pytest.raises(shm.ShmError) as e:
+        with pytest.raises(shm.TransportError) as e:
             channel.result(60)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 10
         assert shm.ShmChannel.connect(address) is None  # nothing left behind to connect to

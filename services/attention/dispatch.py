@@ -118,7 +118,6 @@ class RemoteExperts:
         self.transports = Transports(
             d.transport, d.timeout_s, d.max_message_bytes, d.rpc_threads, d.shm_capacity, d.secret
         )
-        self._opened: set[str] = set()  # addresses with calls made
         self._retired: set[str] = set()
         self._pending = 0
         self._dead: dict[str, float] = {}  # address -> time it failed
@@ -143,7 +142,7 @@ class RemoteExperts:
             raise ValueError(f"no address for workers {missing}")
         self.router, self.addresses = SlotRouter(placement, self.cfg.n_routed_experts), addresses
         in_use = {addresses[w] for w in placement.workers}
-        self._retired = (self._retired | self._opened) - in_use
+        self._retired = (self._retired | set(self.transports.used)) - in_use
         self._close_retired()
 
     def _close_retired(self) -> None:
@@ -151,7 +150,6 @@ class RemoteExperts:
             return
         for address in self._retired:
             self.transports.forget(address)
-            self._opened.discard(address)
         self._retired = set()
 
     def transport_of(self) -> dict[str, str]:
@@ -265,7 +263,6 @@ class RemoteExperts:
             )
         except TransportError as e:
             raise ExpertDispatchError(f"decoder layer {layer}: worker {address}: {e}") from None
-        self._opened.add(address)
         if rows is None:
             wire.copy_into(call.hidden, x)
             torch.where(mine, local, _NO_SLOT, out=call.slot)
@@ -277,7 +274,7 @@ class RemoteExperts:
                 call.hidden.copy_(x.index_select(0, rows.to(x.device)))
             torch.index_select(torch.where(mine, local, _NO_SLOT), 0, rows, out=call.slot)
             torch.index_select(torch.where(mine, weight, _NO_WEIGHT), 0, rows, out=call.weight)
-        call.start(layer, placement.version)
+        call.start()
         pending.calls.append(call)
         self.stats.rpcs += 1
         self.stats.shm_calls += call.transport == "shm"

@@ -30,19 +30,12 @@ import grpc
 import torch
 
 from services.rpc import auth, shm, wire
+from services.rpc.shm import TransportError
 
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "grpc", "shm")
 NO_SHM_RETRY_S = 30.0
-
-
-class TransportError(Exception):
-    """A call that failed: `code` (a grpc.StatusCode, whichever transport) and `details`."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
 
 
 class Call:
@@ -56,7 +49,7 @@ class Call:
     nbytes_sent = 0
     nbytes_received = 0
 
-    def start(self, layer: int, placement_version: int) -> None:
+    def start(self) -> None:
         raise NotImplementedError
 
     def result(self) -> torch.Tensor:
@@ -80,7 +73,7 @@ class GrpcCall(Call):
         self.nbytes_sent = len(self._request.data)
         self._future: Future | None = None
 
-    def start(self, layer: int, placement_version: int) -> None:
+    def start(self) -> None:
         self._future = self._pool.submit(self._stub, self._request.data, timeout=self._timeout_s)
 
     def result(self) -> torch.Tensor:
@@ -100,26 +93,24 @@ class ShmCall(Call):
     transport = "shm"
 
     def __init__(self, channel: shm.ShmChannel, idle: list[shm.ShmChannel], timeout_s: float,
-                 shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
+                 placement_version: int, layer: int, shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
         self._channel, self._idle, self._timeout_s = channel, idle, timeout_s
+        self._layer, self._version = layer, placement_version
         self.hidden, self.slot, self.weight = channel.request(*shape, top_k, dtype)
         self.nbytes_sent = self.hidden.nbytes + self.slot.nbytes + self.weight.nbytes
         self._error: TransportError | None = None
         self._released = False
 
-    def start(self, layer: int, placement_version: int) -> None:
+    def start(self) -> None:
         try:
-            self._channel.send(layer, placement_version)
-        except shm.ShmError as e:  # (the worker is gone: reported by result(), as for gRPC)
-            self._error = TransportError(e.code, e.details)
+            self._channel.send(self._layer, self._version)
+        except TransportError as e:  # (the worker is gone: reported by result(), as for gRPC)
+            self._error = e
 
     def result(self) -> torch.Tensor:
         if self._error is not None:
             raise self._error
-        try:
-            output, _ = self._channel.result(self._timeout_s)
-        except shm.ShmError as e:
-            raise TransportError(e.code, e.details) from None
+        output, _ = self._channel.result(self._timeout_s)
         self.nbytes_received = output.nbytes
         return output
 
@@ -163,7 +154,8 @@ class Transports:
             channel = self._shm_channel(address)
             if channel is not None and channel.fits(*shape, top_k, dtype):
                 self.used[address] = "shm"
-                return ShmCall(channel, self._idle[address], self.timeout_s, shape, dtype, top_k)
+                return ShmCall(channel, self._idle[address], self.timeout_s, placement_version, layer, shape,
+                               dtype, top_k)  # fmt: skip
             if channel is not None:
                 self._idle[address].append(channel)  # (too big for it: this one goes by gRPC)
         if self.transport == "shm" and address in self._no_shm:

@@ -59,8 +59,9 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 SUPPORTED = hasattr(os, "memfd_create") and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "send_fds")
 
 
-class ShmError(Exception):
-    """A shared-memory call that failed, with the gRPC status code that means the same."""
+class TransportError(Exception):
+    """A Dispatch call that failed, on either transport (the dispatch client's gRPC calls raise it
+    too): `code`, the grpc.StatusCode that means it, and `details`."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(f"{code.name}: {details}")
@@ -102,6 +103,15 @@ class _Views:
                 self._made.clear()
             views = self._made[key] = _views(self.region, self.capacity, T, H, K, dtype)
         return views
+
+
+def fits(T: int, H: int, K: int, dtype: torch.dtype, capacity: int) -> bool:
+    """Whether a [T, H] request with K choices, and its answer, fit regions of `capacity` bytes."""
+    return (
+        dtype in DTYPES
+        and request_layout(T, H, K, dtype)[2] <= capacity
+        and T * H * dtype.itemsize <= capacity
+    )
 
 
 def _views(region: torch.Tensor, capacity: int, T: int, H: int, K: int, dtype: torch.dtype):
@@ -172,11 +182,7 @@ class ShmChannel:
         return cls(sock, buf, capacity)
 
     def fits(self, T: int, H: int, K: int, dtype: torch.dtype) -> bool:
-        return (
-            dtype in DTYPES
-            and request_layout(T, H, K, dtype)[2] <= self.capacity
-            and (T * H * dtype.itemsize <= self.capacity)
-        )
+        return fits(T, H, K, dtype, self.capacity)
 
     def request(self, T: int, H: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Writable views (hidden [T, H], slot [T, K] int32, weight [T, K] float32) of the next
@@ -194,17 +200,17 @@ class ShmChannel:
             self._sock.send(_REQUEST.pack(self._seq, layer, placement_version, T, H, K, DTYPES.index(dtype)))
         except OSError as e:
             self.close()
-            raise ShmError(grpc.StatusCode.UNAVAILABLE, f"expert worker gone ({e})") from None
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert worker gone ({e})") from None
 
     def result(self, timeout_s: float) -> tuple[torch.Tensor, float]:
         """Wait for the answer: (output [T, H] viewing the response region, valid until the next
-        request; compute seconds). ShmError: the worker's error, or UNAVAILABLE / DEADLINE_EXCEEDED."""
+        request; compute seconds). TransportError: the worker's error, or UNAVAILABLE / DEADLINE_EXCEEDED."""
         try:
             self._sock.settimeout(timeout_s)
             frame = self._sock.recv(_ANSWER.size + MAX_ERROR_BYTES)
         except TimeoutError:
             self.close()  # (an answer may still come: nobody must read it in a later call)
-            raise ShmError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout_s} s") from None
+            raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout_s} s") from None
         except OSError as e:
             frame, error = b"", e
         else:
@@ -212,13 +218,13 @@ class ShmChannel:
         self.answered = True
         if len(frame) < _ANSWER.size:
             self.close()
-            raise ShmError(grpc.StatusCode.UNAVAILABLE, f"expert worker gone ({error})")
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert worker gone ({error})")
         seq, code, seconds = _ANSWER.unpack_from(frame)
         if seq != self._seq:
             self.close()
-            raise ShmError(grpc.StatusCode.INTERNAL, f"answer {seq} to request {self._seq}")
+            raise TransportError(grpc.StatusCode.INTERNAL, f"answer {seq} to request {self._seq}")
         if code:
-            raise ShmError(
+            raise TransportError(
                 _CODES.get(code, grpc.StatusCode.UNKNOWN), frame[_ANSWER.size :].decode(errors="replace")
             )
         T, H, K, dtype = self._shape
@@ -299,7 +305,7 @@ class ShmServer:
                     os.close(fd)
                 raise ValueError("bad handshake")
             magic, capacity = _HELLO.unpack_from(hello)
-            if not self._admits(conn, fds[0], hello[_HELLO.size :]):
+            if not self._admits(fds[0], hello[_HELLO.size :]):
                 os.close(fds[0])
                 self.refused += 1
                 raise ValueError("refused: another user's process, or no / a wrong cluster secret")
@@ -326,14 +332,12 @@ class ShmServer:
             conn.close()
             del region, buf  # (the mapping closes once no view of it is left)
 
-    def _admits(self, conn: socket.socket, fd: int, secret: bytes) -> bool:
-        """The peer runs as this process's user (abstract sockets have no file permissions: the
-        kernel's peer credentials stand in for them), knows the cluster's secret, if any, and
-        sealed its buffer's size (so it cannot shrink it under us)."""
+    def _admits(self, fd: int, secret: bytes) -> bool:
+        """The peer (already checked to run as this process's user at accept) knows the cluster's
+        secret, if any, and sealed its buffer's size (so it cannot shrink it under us)."""
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         sealed = seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
-        mine = peer_uid(conn) == os.getuid() and (self.secret is None or auth.matches(self.secret, secret))
-        return bool(sealed) and mine
+        return bool(sealed) and (self.secret is None or auth.matches(self.secret, secret))
 
     def _answer(self, frame: bytes, views: _Views, capacity: int) -> bytes:
         """Run one request frame; the answer frame (a malformed request is answered INVALID_ARGUMENT)."""
@@ -345,7 +349,7 @@ class ShmServer:
                 seq, grpc.StatusCode.INVALID_ARGUMENT, f"bad request: dtype {code}, [{T}, {H}], K {K}"
             )
         dtype = DTYPES[code]
-        if request_layout(T, H, K, dtype)[2] > capacity or T * H * dtype.itemsize > capacity:
+        if not fits(T, H, K, dtype, capacity):
             return _error(
                 seq, grpc.StatusCode.INVALID_ARGUMENT, f"[{T}, {H}] x {K} does not fit {capacity} bytes"
             )
@@ -356,14 +360,13 @@ class ShmServer:
         )  # (checked, then used: the client cannot change them between)
         self.requests += 1
         try:
-            start = time.perf_counter()
             seconds = self.compute(layer, version, hidden, slot, weight, out)
         except Exception as e:
             code = self.status_of(e)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("shared-memory Dispatch failed")
             return _error(seq, code, str(e))
-        return _ANSWER.pack(seq, 0, seconds if seconds is not None else time.perf_counter() - start)
+        return _ANSWER.pack(seq, 0, seconds)
 
     def close(self) -> None:
         self._closed = True
