@@ -142,13 +142,38 @@ def _bad_requests(cfg):
 
 
 @pytest.mark.parametrize("case", list(_bad_requests(TINY)))
-def test_bad_requests_raise_invalid_request(model, case):
+@pytest.mark.parametrize("into", [False, True], ids=["new-tensor", "into-out"])
+def test_bad_requests_raise_invalid_request(model, case, into):
+    """Both ways of answering refuse the same requests (with `out`, a decode-sized request takes the
+    one-call kernel, which checks slots and weights itself) and write nothing."""
     path, cfg, _ = model
     store = SlotStore(cfg, path, torch.float32)
     store.load(1, _layout(cfg, [0, 1, 2, 3]))
     args, message = _bad_requests(cfg)[case]
+    x = args[1]
+    out = torch.full(x.shape, 7.0, dtype=x.dtype) if into else None
     with pytest.raises(InvalidRequest, match=message):
-        store.forward(1, *args)
+        store.forward(1, *args, out=out)
+    assert out is None or bool((out == 7.0).all())
+    assert store.stats().slots[1][cfg.moe_layers[0]][1] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("T, K", [(1, 4), (8, 3), (20, 3), (64, 6)])
+def test_forward_into_out_equals_forward(model, T, K):
+    """Answering into the response's buffer (the one-call CPU kernel at decode sizes, the grouped
+    matmuls beyond) gives the bits and the slot counts of the plain path."""
+    path, cfg, _ = model
+    stores = [SlotStore(cfg, path, torch.float32) for _ in range(2)]
+    for store in stores:
+        store.load(1, _layout(cfg, [4, 5, 6]))
+    layer = cfg.moe_layers[1]
+    x, slot, weight, _ = _request(cfg, [4, 5, 6], T=T, K=K, seed=T)
+    want = stores[0].forward(1, layer, x, slot, weight)
+    out = torch.full_like(x, float("nan"))
+    assert stores[1].forward(1, layer, x, slot, weight, out) is out
+    assert torch.equal(out, want)
+    assert stores[1].stats().slots == stores[0].stats().slots
+    assert stores[1].stats().dispatch_calls == 1
 
 
 @pytest.mark.parametrize(

@@ -368,6 +368,8 @@ class SlotStore:
                 f"placement version {version} is {state} on this worker (loaded: {self.loaded_versions})"
             )
         num_slots = held.num_slots
+        if out is not None and self._dispatch_kernel(held, layer, hidden, slot, weight, out):
+            return out
         if slot.numel():
             lo, hi = int(slot.min()), int(slot.max())
             if lo < -1 or hi >= num_slots:
@@ -388,6 +390,22 @@ class SlotStore:
             held.tokens[self.moe_index[layer]] += counts
             self.dispatch_calls += 1
         return out
+
+    def _dispatch_kernel(self, held: SlotVersion, layer: int, hidden, slot, weight, out) -> bool:
+        """The decode-sized CPU case in one kernel call (cpu_kernels.expert_dispatch: the range
+        and weight checks, the experts and the slot counts); False where it does not apply."""
+        packed = held.packed
+        if self.device.type != "cpu" or layer in packed.w13_scale:
+            return False
+        try:
+            ran = cpu_kernels.expert_dispatch(hidden, slot, weight, packed.w13[layer], packed.w2[layer], out,
+                                              held.tokens[self.moe_index[layer]], packed.swiglu_limit)  # fmt: skip
+        except ValueError as e:
+            raise InvalidRequest(f"{e} (placement version {held.version})") from None
+        if ran:
+            with self._lock:
+                self.dispatch_calls += 1
+        return ran
 
     def _check_request(self, layer: int, hidden, slot, weight) -> None:
         for name, t in (("hidden", hidden), ("slot", slot), ("weight", weight)):

@@ -137,6 +137,7 @@ FUNCTIONS = [
     "add_rms_norm",
     "expert_ffn_fp8",
     "small_linear_fp8",
+    "expert_dispatch",
 ]
 
 
@@ -300,6 +301,38 @@ def expert_ffn(
     if fp8:
         return module.expert_ffn_fp8(*args, w13_scale.contiguous(), w2_scale.contiguous(), bn, bk, limit)
     return module.expert_ffn(*args, limit)
+
+
+def expert_dispatch(
+    x: torch.Tensor,
+    slot: torch.Tensor,
+    weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor,
+    counts: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> bool:
+    """An expert worker's Dispatch at decode sizes in one call, straight from the request: out
+    [T, H] fp32 = expert_ffn(x, slot, weight, w13, w2) for slot [T, K] int32 local slots (-1 =
+    none), checked (ValueError, nothing written: a slot outside [-1, S), a weight not finite), and
+    counts [S] int64 += the pairs each slot computed. False (nothing done) where the kernel does
+    not apply: not fp32 / bf16 on the CPU, no kernels, or too many rows per slot (grouped matmuls)."""
+    H, I = x.shape[1], w2.shape[2]
+    if H % 8 or I % 8 or slot.dtype != torch.int32 or not _fp32_cpu(x, weight, out):
+        return False
+    if (
+        (swiglu_limit is not None and swiglu_limit <= 0)
+        or not _weights_cpu(w13, w2)
+        or w13.dtype is not w2.dtype
+    ):
+        return False
+    module = _module()
+    if module is None or not (w13.is_contiguous() and w2.is_contiguous()):
+        return False
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    return module.expert_dispatch(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, out, counts,
+                                  MAX_ROWS, limit)  # fmt: skip
 
 
 def dense_ffn(

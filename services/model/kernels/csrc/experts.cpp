@@ -35,14 +35,13 @@ struct Fp8 {
 // weight [T, K], w13 [S, 2I, H], w2 [S, H, I] (read through `src`: Packed or Fp8 above); H, I % 8
 // == 0. Each expert weight row is read once for all of its slot's tokens; a token's choices are
 // summed in slot order.
+// `sp`: the [T, K] slots; `into`: an fp32 [T, H] tensor to write the sums into (else a new one).
 template <typename Src>
-static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
-                                  const Src& src, int64_t S, double limit) {
+static torch::Tensor expert_ffn_w(const torch::Tensor& x, const int64_t* sp, int64_t K, const torch::Tensor& weight,
+                                  const Src& src, int64_t S, double limit, const torch::Tensor* into = nullptr) {
   using W = typename Src::W;
-  const int64_t T = x.size(0), H = src.H, K = slot.size(1), I = src.I;
-  TORCH_CHECK(x.size(1) == H && slot.size(0) == T && weight.numel() == T * K && H % 8 == 0 && I % 8 == 0,
-              "expert_ffn: shapes");
-  const int64_t* sp = slot.data_ptr<int64_t>();
+  const int64_t T = x.size(0), H = src.H, I = src.I;
+  TORCH_CHECK(x.size(1) == H && weight.numel() == T * K && H % 8 == 0 && I % 8 == 0, "expert_ffn: shapes");
   std::vector<int64_t> start(S + 1, 0);
   for (int64_t p = 0; p < T * K; ++p) {
     TORCH_CHECK(sp[p] < S, "expert slot ", sp[p], " out of range [0, ", S, ")");
@@ -102,7 +101,7 @@ static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& s
   for (int64_t t = 0; t < T; ++t) first[t + 1] += first[t];
   std::vector<int64_t> at_(first.begin(), first.end() - 1);
   for (int64_t p = 0; p < P; ++p) order[at_[pair[p] / K]++] = p;
-  auto out = torch::zeros({T, H}, x.options());
+  auto out = into ? into->zero_() : torch::zeros({T, H}, x.options());
   float* op = out.data_ptr<float>(); const float* wtp = weight.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
@@ -115,19 +114,26 @@ static torch::Tensor expert_ffn_w(const torch::Tensor& x, const torch::Tensor& s
 }
 
 template <typename W>
-static torch::Tensor expert_ffn_packed(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
-                                       const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
+static torch::Tensor expert_ffn_packed(const torch::Tensor& x, const int64_t* sp, int64_t K, const torch::Tensor& weight,
+                                       const torch::Tensor& w13, const torch::Tensor& w2, double limit,
+                                       const torch::Tensor* into) {
   const int64_t S = w13.size(0), I = w2.size(2), H = w13.size(2);
   TORCH_CHECK(w13.size(1) == 2 * I && w2.size(0) == S && w2.size(1) == H, "expert_ffn: shapes");
-  return expert_ffn_w(x, slot, weight, Packed<W>{w13.data_ptr<W>(), w2.data_ptr<W>(), I, H}, S, limit);
+  return expert_ffn_w(x, sp, K, weight, Packed<W>{w13.data_ptr<W>(), w2.data_ptr<W>(), I, H}, S, limit, into);
+}
+static torch::Tensor expert_ffn_slots(const torch::Tensor& x, const int64_t* sp, int64_t K, const torch::Tensor& weight,
+                                      const torch::Tensor& w13, const torch::Tensor& w2, double limit,
+                                      const torch::Tensor* into = nullptr) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && w13.scalar_type() == w2.scalar_type(),
+              "expert_ffn: fp32 x and weight, w13 and w2 of one dtype");
+  if (w13.scalar_type() == at::kBFloat16) return expert_ffn_packed<at::BFloat16>(x, sp, K, weight, w13, w2, limit, into);
+  TORCH_CHECK(w13.scalar_type() == at::kFloat, "expert_ffn: fp32 or bf16 expert weights, got ", w13.scalar_type());
+  return expert_ffn_packed<float>(x, sp, K, weight, w13, w2, limit, into);
 }
 static torch::Tensor expert_ffn_impl(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
                                      const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && w13.scalar_type() == w2.scalar_type(),
-              "expert_ffn: fp32 x and weight, w13 and w2 of one dtype");
-  if (w13.scalar_type() == at::kBFloat16) return expert_ffn_packed<at::BFloat16>(x, slot, weight, w13, w2, limit);
-  TORCH_CHECK(w13.scalar_type() == at::kFloat, "expert_ffn: fp32 or bf16 expert weights, got ", w13.scalar_type());
-  return expert_ffn_packed<float>(x, slot, weight, w13, w2, limit);
+  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.dim() == 2 && slot.size(0) == x.size(0), "expert_ffn: slot");
+  return expert_ffn_slots(x, slot.data_ptr<int64_t>(), slot.size(1), weight, w13, w2, limit);
 }
 torch::Tensor expert_ffn(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
                          const torch::Tensor& w13, const torch::Tensor& w2, double limit) {
@@ -154,7 +160,40 @@ torch::Tensor expert_ffn_fp8(const torch::Tensor& x, const torch::Tensor& slot, 
               "expert_ffn_fp8: shapes");
   const Fp8 src{(const uint8_t*)w13.data_ptr(), (const uint8_t*)w2.data_ptr(), w13_scale.data_ptr<float>(),
                 w2_scale.data_ptr<float>(), I, H, bn, bk};
-  return expert_ffn_w(x, slot, weight, src, S, limit);
+  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.dim() == 2 && slot.size(0) == x.size(0), "expert_ffn: slot");
+  return expert_ffn_w(x, slot.data_ptr<int64_t>(), slot.size(1), weight, src, S, limit);
+}
+// An expert worker's Dispatch at decode sizes, checked and counted in one call: out [T, H] fp32 =
+// expert_ffn(x, slot, weight) for slot [T, K] int32 local slots (-1: none) straight from the request;
+// counts [S] int64 += the pairs each slot computed. ValueError (nothing written) for a slot outside
+// [-1, S) or a weight that is not finite. False (nothing done) when the slots' rows are too many
+// for this kernel (more than `max_rows` tokens and more than `max_rows` rows per busy slot on
+// average): the caller's grouped matmuls take those.
+bool expert_dispatch(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
+                     const torch::Tensor& w13, const torch::Tensor& w2, const torch::Tensor& out,
+                     const torch::Tensor& counts, int64_t max_rows, double limit) {
+  NO_GIL;
+  const int64_t T = x.size(0), K = slot.size(1), S = w13.size(0);
+  TORCH_CHECK(slot.scalar_type() == at::kInt && slot.dim() == 2 && slot.size(0) == T && slot.is_contiguous() &&
+              weight.sizes() == slot.sizes() && weight.is_contiguous() && x.is_contiguous() &&
+              out.scalar_type() == at::kFloat && out.sizes() == x.sizes() && out.is_contiguous() &&
+              counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == S && counts.is_contiguous(),
+              "expert_dispatch: shapes / dtypes");
+  const int32_t* s32 = slot.data_ptr<int32_t>(); const float* wp = weight.data_ptr<float>();
+  std::vector<int64_t> sp(T * K), per_slot(S, 0);
+  int64_t pairs = 0, busy = 0;
+  for (int64_t p = 0; p < T * K; ++p) {
+    const int64_t s = s32[p];
+    TORCH_CHECK_VALUE(s >= -1 && s < S, "slot ", s, " out of range: ", S, " slots on this worker (-1 = none)");
+    TORCH_CHECK_VALUE(std::isfinite(wp[p]), "weight has NaN or infinite values");
+    sp[p] = s;
+    if (s >= 0) { busy += per_slot[s]++ == 0; ++pairs; }
+  }
+  if (T > max_rows && pairs > max_rows * busy) return false;
+  expert_ffn_slots(x, sp.data(), K, weight, w13, w2, limit, &out);
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) cp[s] += per_slot[s];
+  return true;
 }
 // A dense SwiGLU MLP (w13 [2I, H]: gate rows then up rows, w2 [H, I]) for a few rows x [T, H]:
 // expert_ffn with every row on one slot at weight 1 (its sums, bit for bit).
