@@ -155,24 +155,81 @@ def mla_forward(
     for b, n in enumerate(batch.query_lens):
         if n == 1:
             continue
-        L = batch.context_lens[b]
+        L, s0 = batch.context_lens[b], starts[b]
         blocks = batch.block_table[b, : (L + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
-        ctx = cache[blocks].view(-1, W)[:L]  # [L, W]
-        kv_full = linear(ctx[:, :C], w.kv_b).view(L, N, D + V)
-        k = torch.cat((kv_full[..., :D], ctx[:, None, C : C + R].expand(L, N, R)), dim=-1)  # [L, N, D+R]
-        v = kv_full[..., D:]  # [L, N, V]
-        s0 = starts[b]
         qb = torch.cat((q_nope[s0 : s0 + n], q_pe[s0 : s0 + n]), dim=-1)  # [n, N, D+R]
-        scores = torch.einsum("qnd,knd->nqk", qb, k).float() * scale
-        qpos = torch.arange(L - n, L, device=x.device)
-        masked = torch.arange(L, device=x.device)[None, :] > qpos[:, None]  # [n, L] causal
-        if index is not None:  # V3.2: also every token outside the query's top-k
-            masked = ~index.keep(slice(s0, s0 + n), ctx[:, C + R :], ~masked)
-        scores.masked_fill_(masked[None], float("-inf"))
-        probs = scores.softmax(dim=-1).to(x.dtype)
-        out[s0 : s0 + n] = torch.einsum("nqk,knv->qnv", probs, v)
+        keep = None
+        if index is not None:  # V3.2: every query attends to its top-k context tokens only
+            visible = (
+                torch.arange(L, device=x.device)[None, :] <= torch.arange(L - n, L, device=x.device)[:, None]
+            )
+            ctx = cache[blocks].view(-1, W)[:L]
+            keep = index.keep(slice(s0, s0 + n), ctx[:, C + R :], visible)  # [n, L]
+        out[s0 : s0 + n] = prefill_attention(qb, cache, blocks, L, kv_b, C, R, scale, keep).to(x.dtype)
 
     return linear(out.view(T, N * V), w.o, w.o_bias)
+
+
+PREFILL_SCORE_BYTES = 4 << 20  # fp32 scores of one (query tile, key tile): ~L2-sized tiles ran fastest here
+PREFILL_KEY_TILE = 8 * BLOCK_SIZE  # context tokens whose K/V are expanded at a time
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    L: int,
+    kv_b: torch.Tensor,
+    C: int,
+    R: int,
+    scale: float,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal MLA of one sequence's prefill chunk, tiled: q [n, N, D+R] (the queries of positions
+    L-n .. L-1) against the sequence's L context tokens in `cache` [blocks, 64, 1, W] (its
+    `blocks` [ceil(L / 64)]; a row is [c_kv | k_pe | ...]), kv_b [N, D+V, C] (W_UK rows, then
+    W_UV) -> [n, N, V] fp32.
+
+    Keys come PREFILL_KEY_TILE context tokens at a time (their c_kv expanded to per-head K/V for
+    that tile only) and queries in tiles whose scores fit PREFILL_SCORE_BYTES; each query keeps a
+    running max and sum (flash attention's online softmax), so the scratch is a few tiles however
+    long the context. Tiles wholly in a query tile's future are skipped. keep [n, L] bool (V3.2's
+    top-k, causal included): the tokens each query attends to; None: causal.
+    """
+    n, N, _ = q.shape
+    W, D = cache.shape[-1], q.shape[-1] - R
+    V = kv_b.shape[1] - D
+    tq = max(1, min(n, PREFILL_SCORE_BYTES // (4 * N * PREFILL_KEY_TILE)))
+    out = torch.zeros(n, N, V, dtype=torch.float32, device=q.device)
+    top = torch.full((N, n), float("-inf"), device=q.device)  # running max of each query's scores
+    total = torch.zeros(N, n, device=q.device)  # running sum of exp(score - max)
+    qpos = torch.arange(L - n, L, device=q.device)
+    for k0 in range(0, L, PREFILL_KEY_TILE):
+        k1 = min(L, k0 + PREFILL_KEY_TILE)
+        rows = cache[blocks[k0 // BLOCK_SIZE : -(-k1 // BLOCK_SIZE)]].view(-1, W)[: k1 - k0]  # [t, W]
+        kv = linear(rows[:, :C], kv_b.view(-1, C)).view(k1 - k0, N, D + V)
+        k = torch.cat((kv[..., :D], rows[:, None, C : C + R].expand(-1, N, R)), dim=-1)  # [t, N, D+R]
+        v = kv[..., D:]
+        for q0 in range(0, n, tq):
+            q1 = min(n, q0 + tq)
+            if k0 > L - n + q1 - 1:  # every key of the tile is after every query of this one
+                continue
+            scores = torch.einsum("qnd,knd->nqk", q[q0:q1], k).float() * scale  # [N, tq, t]
+            if keep is not None:
+                scores.masked_fill_(~keep[q0:q1, k0:k1][None], float("-inf"))
+            elif k1 - 1 > L - n + q0:  # (the diagonal: some keys after some queries)
+                future = torch.arange(k0, k1, device=q.device)[None, :] > qpos[q0:q1, None]
+                scores.masked_fill_(future[None], float("-inf"))
+            was = top[:, q0:q1].clone()
+            now = torch.maximum(was, scores.amax(-1))  # [N, tq]
+            top[:, q0:q1] = now
+            now.masked_fill_(now == float("-inf"), 0.0)  # (a query that has seen nothing yet)
+            probs = scores.sub_(now[..., None]).exp_()  # (in place: the scores are one tile's scratch)
+            rescale = torch.exp(was - now)
+            total[:, q0:q1] = total[:, q0:q1] * rescale + probs.sum(-1)
+            acc = out[q0:q1]
+            acc.mul_(rescale.t()[..., None]).add_(torch.einsum("nqk,knv->qnv", probs.to(v.dtype), v).float())
+    return out.div_(total.t()[..., None])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,17 @@ class RouterMetrics:
         self.balancedness_all = Gauge(
             "moe_balancedness", "Mean/max expert-worker load over all MoE layers", registry=r
         )
+        self.worker_load = Gauge(
+            "moe_expert_worker_load", "Routed (token, expert) pairs per expert worker in the balancer's window",
+            ["worker"], registry=r,
+        )  # fmt: skip
+        # per-expert load, bounded: one series per MoE layer (not one per layer x expert)
+        self.hottest = Gauge(
+            "moe_expert_load_max_over_mean",
+            "Load of a MoE layer's busiest logical expert over the layer's mean expert load",
+            ["layer"],
+            registry=r,
+        )
         self.migrations = Gauge("moe_migrations", "Expert re-placements completed", registry=r)
         self.expert_workers = Gauge("moe_expert_workers", "Expert workers in the pool", registry=r)
         self.failovers = Counter(
@@ -156,6 +167,12 @@ class RouterMetrics:
                 self.balancedness.labels(str(layer)).set(b)
             if balancer.get("balancedness") is not None:
                 self.balancedness_all.set(balancer["balancedness"])
+            for w in balancer.get("workers", []):
+                if w.get("load") is not None:
+                    self.worker_load.labels(w["id"]).set(w["load"])
+            for layer, loads in enumerate(balancer.get("loads") or []):
+                mean = sum(loads) / max(1, len(loads))
+                self.hottest.labels(str(layer)).set(max(loads, default=0) / mean if mean > 0 else 0.0)
             self.migrations.set(balancer.get("migrations", 0))
             self.expert_workers.set(sum(w.get("state") == "serving" for w in balancer.get("workers", [])))
             self.heals.set(balancer.get("heals", 0))

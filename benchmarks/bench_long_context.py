@@ -1,0 +1,103 @@
+"""Prefill of long prompts on LocalEngine: time, and peak memory beyond the latent cache.
+
+`small` preset (8 heads), one prompt of each length (2K, 16K, 32K tokens by default), greedy, one
+new token, each length in a fresh process (`--threads` torch threads). Peak memory growth is the
+process's peak resident memory during the request (VmHWM, reset before it through
+/proc/self/clear_refs) minus its resident memory before it, less the latent-cache rows the
+prompt fills (they are the cache itself, not scratch): what the prefill needs on top of holding
+the prompt. Prefill attention is tiled (model.prefill_attention): its scratch does not grow with
+the context.
+
+    python -m benchmarks.bench_long_context [--lengths 2048,16384,32768] [--out benchmarks/results/long_context.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PRESET = "small"
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _one(model_dir: str, length: int, threads: int, chunk: int) -> dict:
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
+    from services.model.kv_cache import BLOCK_SIZE
+
+    torch.set_num_threads(threads)
+    blocks = -(-(length + 8) // BLOCK_SIZE) + 1
+    engine = LocalEngine(EngineConfig(model=model_dir, max_num_seqs=1, max_model_len=length + 8, num_kv_blocks=blocks,
+                                      max_num_batched_tokens=chunk, prefix_caching=False))  # fmt: skip
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.generate([[0] + [5] * 63], params)  # warm-up (kernels, allocator)
+    cache = engine.cache.nbytes if hasattr(engine.cache, "nbytes") else 0
+    prompt = [0] + torch.randint(
+        4, engine.cfg.vocab_size, (length - 1,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    Path("/proc/self/clear_refs").write_text("5")  # (resets VmHWM to the current VmRSS)
+    before = _rss("VmRSS")
+    t0 = time.perf_counter()
+    engine.generate([prompt], params)
+    seconds = time.perf_counter() - t0
+    peak = _rss("VmHWM")
+    W = engine.cfg.kv_lora_rank + engine.cfg.qk_rope_head_dim
+    rows = length * W * 4 * engine.cfg.num_hidden_layers  # the prompt's latent-cache rows (fp32)
+    return {"prompt_tokens": length, "prefill_s": seconds, "tokens_per_s": length / seconds,
+            "peak_growth_bytes": peak - before, "latent_rows_bytes": rows,
+            "peak_growth_beyond_cache_bytes": max(0, peak - before - rows), "latent_cache_bytes": cache}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="2048,16384,32768")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (the prefill chunk)")
+    ap.add_argument("--out", default="benchmarks/results/long_context.json")
+    args = ap.parse_args()
+    from services.presets import init_model
+
+    model_dir = str(init_model(Path(tempfile.mkdtemp()) / PRESET, PRESET))
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    for length in (int(x) for x in args.lengths.split(",")):
+        with ctx.Pool(1) as pool:  # (a fresh process per length: its own peak)
+            row = pool.apply(_one, (model_dir, length, args.threads, args.chunk))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    base = rows[0]
+    for row in rows:
+        row["prefill_s_over_first"] = row["prefill_s"] / base["prefill_s"]
+    result = {
+        "benchmark": "long-prompt prefill, LocalEngine",
+        "model": f"{PRESET} preset",
+        "machine": {
+            "cpus": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
+        "threads": args.threads,
+        "prefill_chunk_tokens": args.chunk,
+        "target": "peak_growth_beyond_cache_bytes <= 256 MB at every length",
+        "target_met": all(r["peak_growth_beyond_cache_bytes"] <= 256 << 20 for r in rows),
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Tiled prefill attention (model.prefill_attention) against the whole-matrix softmax it
+replaces: causal chunks at the end of a longer context, V3.2's top-k masks, several key and
+query tiles, and a scratch bounded by the tiles rather than the context."""
+
+import pytest
+import torch
+
+from services.model import model
+from services.model.kv_cache import BLOCK_SIZE
+
+N, D, R, V, C = 4, 16, 8, 16, 32
+
+
+def _case(L, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nblocks = -(-L // BLOCK_SIZE)
+    cache = torch.randn(nblocks + 3, BLOCK_SIZE, 1, C + R, generator=g)
+    blocks = torch.randperm(nblocks + 3, generator=g)[:nblocks]  # scattered, as the allocator gives
+    q = torch.randn(n, N, D + R, generator=g)
+    kv_b = torch.randn(N, D + V, C, generator=g) / C**0.5
+    return q, cache, blocks, kv_b
+
+
+def _reference(q, cache, blocks, L, kv_b, scale, keep=None):
+    """The whole [N, n, L] score matrix at once (what mla_forward did before)."""
+    n = q.shape[0]
+    ctx = cache[blocks].view(-1, C + R)[:L]
+    kv = (ctx[:, :C] @ kv_b.view(-1, C).t()).view(L, N, D + V)
+    k = torch.cat((kv[..., :D], ctx[:, None, C:].expand(L, N, R)), dim=-1)
+    scores = torch.einsum("qnd,knd->nqk", q, k) * scale
+    visible = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+    scores.masked_fill_(~(visible if keep is None else keep)[None], float("-inf"))
+    return torch.einsum("nqk,knv->qnv", scores.softmax(-1), kv[..., D:])
+
+
+@pytest.mark.parametrize("L, n", [(5, 5), (64, 64), (300, 300), (300, 37), (1000, 1), (1000, 130)])
+@pytest.mark.parametrize("score_bytes", [32 << 20, 4 * N * 64 * 16])  # one query tile; tiles of 16 queries
+def test_tiled_equals_whole_softmax(monkeypatch, L, n, score_bytes):
+    monkeypatch.setattr(model, "PREFILL_KEY_TILE", 64)
+    monkeypatch.setattr(model, "PREFILL_SCORE_BYTES", score_bytes)
+    q, cache, blocks, kv_b = _case(L, n)
+    got = model.prefill_attention(q, cache, blocks, L, kv_b, C, R, 0.3)
+    torch.testing.assert_close(got, _reference(q, cache, blocks, L, kv_b, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_top_k_mask(monkeypatch):
+    """V3.2: each query sees only its kept tokens (here a random subset of its past, itself
+    included), across tiles where some query sees nothing for a whole tile."""
+    monkeypatch.setattr(model, "PREFILL_KEY_TILE", 64)
+    L, n = 400, 90
+    q, cache, blocks, kv_b = _case(L, n, seed=1)
+    visible = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+    keep = visible & (torch.rand(n, L, generator=torch.Generator().manual_seed(2)) < 0.05)
+    keep[torch.arange(n), torch.arange(L - n, L)] = True
+    got = model.prefill_attention(q, cache, blocks, L, kv_b, C, R, 0.3, keep)
+    torch.testing.assert_close(got, _reference(q, cache, blocks, L, kv_b, 0.3, keep), rtol=1e-5, atol=1e-5)
+
+
+def test_large_score_magnitudes_stay_finite(monkeypatch):
+    """Scores far below zero in early tiles and far above in later ones (the running max moves)."""
+    monkeypatch.setattr(model, "PREFILL_KEY_TILE", 64)
+    L, n = 256, 256
+    q, cache, blocks, kv_b = _case(L, n, seed=3)
+    got = model.prefill_attention(q * 40, cache, blocks, L, kv_b, C, R, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, _reference(q * 40, cache, blocks, L, kv_b, 1.0), rtol=1e-4, atol=1e-4)
