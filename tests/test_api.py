@@ -188,7 +188,7 @@ BAD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), s
 FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
           "stream", "messages", "stop_token_ids", "echo", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "min_p", "min_tokens", "logit_bias", "response_format", "tools", "tool_choice",
-          "top_logprobs", "unknown_field"]  # fmt: skip
+          "top_logprobs", "prompt_logprobs", "unknown_field"]  # fmt: skip
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))

@@ -28,7 +28,7 @@ from services.model.moe import LocalExperts
 from .decode_graphs import DecodeGraphs, SegmentedDecodeGraphs
 from .grammar import GrammarCompiler, GrammarError, Matcher
 from .outputs import Completion, RequestOutput, StepFailed, StepResult
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, prompt_logprobs, sample
 from .scheduler import Chunk, RequestError, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from .tokenizer import Detokenizer, Tokenizer
 
@@ -338,6 +338,7 @@ class Engine:
         except Exception as e:
             raise StepFailed([c.seq.request_id for c in chunks], e) from e
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+        logits = self._score_prompts([c for part in parts for c in part], logits)
         want = [c.seq for c in chunks if c.wants_logits]
         outputs = self._advance(chunks, want, logits)
         return StepResult(
@@ -355,12 +356,35 @@ class Engine:
         block_states = self.scheduler.allocator.block_states if self.cfg.is_v4 else None
         return StepBatch.build(
             [
-                (c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.seq.block_ids, c.wants_logits)
+                (c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.seq.block_ids, c.wants_logits,
+                 c.prompt_rows)
                 for c in chunks
             ],
             self.model.device,
             block_states,
-        )
+        )  # fmt: skip
+
+    def _score_prompts(self, chunks: list[Chunk], logits: torch.Tensor) -> torch.Tensor:
+        """Prompt logprobs from the rows the chunks asked for (each chunk's `prompt_rows`, then
+        its sampled row, in `chunks`' order: the batches' logits_index), added to their
+        sequences; the logits of the sampled rows only."""
+        if not any(c.prompt_rows for c in chunks):
+            return logits
+        sampled, at = [], 0
+        for c in chunks:
+            rows = c.prompt_rows
+            if rows:
+                seq, first = c.seq, c.start + rows.start  # logits of position p score token p + 1
+                targets = torch.tensor(
+                    seq.prompt_ids[first + 1 : first + 1 + len(rows)], device=logits.device
+                )
+                seq.prompt_logprobs += prompt_logprobs(logits[at : at + len(rows)], targets,
+                                                       seq.params.prompt_logprobs)  # fmt: skip
+                at += len(rows)
+            if c.wants_logits:
+                sampled.append(at)
+                at += 1
+        return logits[sampled]
 
     def _held_back(self, seq: Sequence, eos: set[int]) -> set[int]:
         """The tokens min_tokens forbids for now: EOS (unless ignored) and the stop tokens. A
@@ -408,6 +432,8 @@ class Engine:
                 num_cached_tokens=seq.num_cached_tokens or 0,
                 error=error,
             )
+            if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:  # (with the first token)
+                out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
             detok = self._detok.get(seq.request_id)
             if detok is not None:
                 out.text, stopped = detok.step(seq.output_ids, final=seq.status is SeqStatus.FINISHED)

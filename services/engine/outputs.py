@@ -25,6 +25,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set with finish_reason "error"
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), on the
+    # request's first output
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -47,8 +50,11 @@ class Completion:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.text += out.text

@@ -30,6 +30,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (need a tokenizer)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n alternatives per token (0 = only the chosen token)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's)
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
@@ -58,6 +59,13 @@ class SamplingParams:
             bad("seed", f"seed must be a 64-bit integer, got {self.seed!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             bad("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20
+        ):
+            bad(
+                "prompt_logprobs",
+                f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}",
+            )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "stop_token_ids must be non-negative integers")
         if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 16:
@@ -109,6 +117,22 @@ class SamplingParamError(ValueError):
 class TokenLogprobs:
     token_logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int | None = None  # the token's rank in the distribution (1 = most likely); prompt tokens
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, n: int) -> list[TokenLogprobs]:
+    """Logprobs of prompt tokens: logits [P, V] (row p predicts targets[p]), targets [P] int64 ->
+    per row the target's logprob and rank under the model's distribution (log_softmax of the raw
+    logits) and the `n` most likely tokens."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, targets.view(-1, 1)).view(-1)
+    ranks = (lp > chosen.view(-1, 1)).sum(-1).add_(1)
+    top = torch.topk(lp, n) if n else None
+    return [
+        TokenLogprobs(float(chosen[p]), list(zip(top.indices[p].tolist(), top.values[p].tolist(), strict=True))
+                      if top is not None else [], int(ranks[p]))
+        for p in range(lp.shape[0])
+    ]  # fmt: skip
 
 
 def process_logits(

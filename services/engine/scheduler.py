@@ -37,6 +37,8 @@ from services.model.kv_cache import BLOCK_SIZE, blocks_needed
 from .block_allocator import BlockAllocator, block_hash, salt_root
 from .sampling import SamplingParams, TokenLogprobs
 
+PROMPT_LOGPROBS_CHUNK = 256  # prompt tokens per step of a request that asks for prompt logprobs
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; the caller should retry later (HTTP 429/503)."""
@@ -77,10 +79,33 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
     generator: torch.Generator | None = None
+    # params.prompt_logprobs: entry p for prompt token p (None for the first), filled as prefill goes
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self):
         if self.generator is None:
             self.generator = self.params.make_generator()
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def prompt_logprobs_to_go(self) -> int:
+        """Prompt positions still to score for prompt logprobs (a resumed request's own earlier
+        output, at the end of its prompt, is not scored again)."""
+        if self.prompt_logprobs is None:
+            return 0
+        return len(self.prompt_ids) - self.num_resumed - len(self.prompt_logprobs)
+
+    def prompt_rows(self, start: int, n: int) -> range:
+        """Rows (0-based within a chunk of positions start .. start+n-1) whose logits score the
+        next prompt token for prompt logprobs: each prompt position but the last, once."""
+        if not self.prompt_logprobs_to_go:
+            return range(0)
+        first = len(self.prompt_logprobs) - 1  # the position whose logits score the next token
+        last = len(self.prompt_ids) - self.num_resumed - 1
+        lo, hi = max(start, first), min(start + n, last)
+        return range(lo - start, hi - start) if hi > lo else range(0)
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +141,11 @@ class Chunk:
     @property
     def wants_logits(self) -> bool:
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def prompt_rows(self) -> range:
+        """Rows of this chunk whose logits give prompt logprobs (before the sampled row, if any)."""
+        return self.seq.prompt_rows(self.start, self.num_tokens)
 
 
 class Scheduler:
@@ -210,7 +240,7 @@ class Scheduler:
         for seq in list(self.running):
             remaining = seq.num_tokens - seq.num_computed
             if seq.status is SeqStatus.RUNNING and remaining > 1 and budget > 0:
-                n = min(remaining, budget, self._state_room(seq))
+                n = min(remaining, budget, self._state_room(seq), self._logits_room(seq))
                 if n < 1:  # no state block free (V4): wait, unless nothing else can run
                     if chunks or not self._ensure_blocks(seq, seq.num_computed + 1):
                         continue
@@ -223,14 +253,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             hashes = self._prefix_hashes(seq)
-            hit = self._usable(self.allocator.lookup(hashes))
+            # prompt logprobs need every prompt position computed: no cache hit (vLLM does the same)
+            hit = [] if seq.prompt_logprobs_to_go else self._usable(self.allocator.lookup(hashes))
             seq.block_ids, seq.num_computed = hit, len(hit) * BLOCK_SIZE
             if self.state_start is not None:  # the hit's lookback keeps its attached state blocks
                 first = self._first_state_block(len(hit))
                 seq.state_blocks = range(first, first)
                 self._hold_state(seq, seq.num_computed)
             need = blocks_needed(seq.num_tokens) - len(hit)
-            n = min(seq.num_tokens - seq.num_computed, budget, self._state_room(seq))
+            n = min(seq.num_tokens - seq.num_computed, budget, self._state_room(seq), self._logits_room(seq))
             if n < 1 or not self.allocator.can_allocate(need):
                 self._free(seq)  # (gives the hit back)
                 break
@@ -247,6 +278,11 @@ class Scheduler:
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
+
+    def _logits_room(self, seq: Sequence) -> int:
+        """A prefill chunk scoring prompt logprobs computes logits for each of its rows: at most
+        PROMPT_LOGPROBS_CHUNK rows at a time, so [rows, vocab] stays bounded."""
+        return PROMPT_LOGPROBS_CHUNK if seq.prompt_logprobs_to_go else seq.num_tokens
 
     def _prefix_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of the full blocks a cached prefix of `seq` may cover: all but the

@@ -79,19 +79,21 @@ class StepBatch:
 
     @staticmethod
     def build(
-        chunks: list[tuple[list[int], int, list[int], bool]],
+        chunks: list[tuple[list[int], int, list[int], bool] | tuple[list[int], int, list[int], bool, range]],
         device: torch.device | str = "cpu",
         block_states: torch.Tensor | None = None,
     ) -> StepBatch:
         """chunks: per sequence (token_ids of this step, start position, cache block ids,
-        wants_logits); block_states (V4) [num_blocks] int32: each block's state block (-1: none,
-        `BlockAllocator.block_states`), for `state_table`."""
+        wants_logits[, rows]): logits for its last token when wants_logits, and first for its
+        `rows` (0-based in the chunk: prompt logprobs); block_states (V4) [num_blocks] int32: each
+        block's state block (-1: none, `BlockAllocator.block_states`), for `state_table`."""
         ids, pos, slots, qlens, slens, logits_index = [], [], [], [], [], []
         max_blocks = max(len(c[2]) for c in chunks)
         table = torch.zeros(len(chunks), max(max_blocks, 1), dtype=torch.int32)
         t = 0
-        for b, (tokens, start, blocks, want) in enumerate(chunks):
+        for b, (tokens, start, blocks, want, *rows) in enumerate(chunks):
             n = len(tokens)
+            logits_index.extend(t + r for r in (rows[0] if rows else ()))
             if start + n > len(blocks) * BLOCK_SIZE:
                 raise ValueError(f"sequence {b}: {start + n} tokens do not fit {len(blocks)} blocks")
             ids.extend(tokens)

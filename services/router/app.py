@@ -129,10 +129,23 @@ class Router:
         """A /tokenize or /detokenize body, checked (auth, model, a tokenizer to use)."""
         self.core.check_auth(request)
         req = parse(model, await self._body(request))
-        self.core.check_model(req.model)
+        if req.model is not None:
+            self.core.check_model(req.model)
         if self.core.tokenizer is None:
             raise APIError(400, "this model has no tokenizer (token-id mode)")
         return req
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request) -> dict:
+        """vLLM's /tokenizer_info (what lm-evaluation-harness's remote tokenizer reads): the
+        special tokens, the chat template and the context length."""
+        core = self.core
+        core.check_auth(request)
+        tok = core.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer (token-id mode)")
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                "pad_token": None, "chat_template": tok.chat_template, "model_max_length": core.cfg.max_model_len}  # fmt: skip
 
     @app.get("/version")
     async def version(self) -> dict:
@@ -190,7 +203,9 @@ class Router:
         req: CompletionRequest = parse(CompletionRequest, await self._body(request))
         core.check_model(req.model)
         req.check_unsupported()
-        params = req.sampling_params(core.cfg.default_completion_max_tokens, req.logprobs)
+        params = req.sampling_params(
+            core.cfg.default_completion_max_tokens, req.logprobs, req.num_prompt_logprobs()
+        )
         texts = core.check_prompts(req.prompts())
         prompts = [core.encode(p) for p in texts]
         echo = {}
@@ -199,11 +214,15 @@ class Router:
         rid = proto.new_id("cmpl")
         subs = core.subrequests(prompts, params, req.n, rid)
         head = proto.response_head(rid, "text_completion", req.model)
-        opts = {"logprobs": req.logprobs is not None, "token_ids": self._token_ids(req)}
+        opts = {"logprobs": req.logprobs is not None, "token_ids": self._token_ids(req), "echo": req.echo,
+                "prompt_logprobs": req.prompt_logprobs is not None}  # fmt: skip
         core.metrics.request_started("completions")
         if req.stream:
-            return await self._stream(subs, head, opts=opts, usage=req.include_usage_in_stream, echo=echo)
+            return await self._stream(subs, head, opts=opts, usage=req.include_usage_in_stream, echo=echo,
+                                      echo_only=req.echo_only)  # fmt: skip
         outs = await self._collect(request, subs)
+        if req.echo_only:  # (the one token the engine sampled is not part of the answer)
+            outs = [[proto.without_output(out) for out in seq] for seq in outs]
         choices = [proto.completion_choice(sub.index, seq, sub.prompt_ids, core.token_str,
                                            prefix=echo.get(sub.prompt_index, ""), **opts)
                    for sub, seq in zip(subs, outs, strict=True)]  # fmt: skip
@@ -228,7 +247,11 @@ class Router:
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         default_max = max(1, core.cfg.max_model_len - len(prompt_ids))
-        params = req.sampling_params(default_max, req.num_logprobs())
+        params = req.sampling_params(default_max, req.num_logprobs(), req.prompt_logprobs)
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(
+                400, "prompt_logprobs is not supported with stream in chat", param="prompt_logprobs"
+            )
         rid = proto.new_id("chatcmpl")
         subs = core.subrequests([prompt_ids], params, req.n, rid)
         opts = {"logprobs": req.logprobs, "token_ids": self._token_ids(req)}
@@ -245,7 +268,11 @@ class Router:
             proto.chat_choice(sub.index, seq, core.token_str, parsers[sub.index], **opts)
             for sub, seq in zip(subs, outs, strict=True)
         ]
-        return proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs), outs))
+        body = proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs), outs))
+        if req.prompt_logprobs is not None:  # (vLLM's field: the prompt's, once for all choices)
+            plps = proto.prompt_logprobs_of([o for seq in outs for o in seq])
+            body["prompt_logprobs"] = proto.vllm_prompt_logprobs(prompt_ids, plps, core.token_str)
+        return body
 
     # ---- shared plumbing ----------------------------------------------------------------
     def _token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -302,10 +329,11 @@ class Router:
         usage: bool,
         echo: dict[int, str] | None = None,
         parsers: list[ChatParser] | None = None,
+        echo_only: bool = False,
     ) -> StreamingResponse:
         """Stream the sub-requests' outputs as SSE chunks (`usage`: end with a usage chunk; `echo`:
-        prompt index -> text to put before each choice's first chunk; `parsers`: a chat stream's,
-        one per choice). An error before the first
+        prompt index -> text to put before each choice's first chunk; `echo_only`: without the
+        generated token; `parsers`: a chat stream's, one per choice). An error before the first
         output (a refused request, a full queue) is answered with its HTTP status; after it, it
         becomes an SSE error event. A client that disconnects cancels the generator, which aborts
         the sub-requests."""
@@ -336,6 +364,8 @@ class Router:
 
             try:
                 async for index, out in all_outputs():
+                    if echo_only:
+                        out = proto.without_output(out)
                     completion_tokens += len(out.token_ids)
                     prefix = ""
                     if not firsts[index]:
@@ -344,9 +374,8 @@ class Router:
                     if chat:
                         chunk = proto.chat_chunk(head, index, out, core.token_str, parsers[index], **opts)
                     else:
-                        chunk = proto.completion_chunk(
-                            head, index, out, core.token_str, offset=offsets[index], prefix=prefix, **opts
-                        )
+                        chunk = proto.completion_chunk(head, index, out, core.token_str, offset=offsets[index],
+                                                       prefix=prefix, prompt_ids=subs[index].prompt_ids, **opts)  # fmt: skip
                         offsets[index] += len(prefix) + len(out.text)
                     yield proto.sse(chunk)
                 if usage:

@@ -10,6 +10,7 @@ the builders at the bottom; token text comes from a `token_str` callable (the to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.engine.sampling import SamplingParamError, SamplingParams
+from services.engine.sampling import SamplingParamError, SamplingParams, TokenLogprobs
 from services.router.chat_format import ChatParser, ToolChoice, ToolsError, output_schema, response_schema
 
 if TYPE_CHECKING:
@@ -88,10 +89,14 @@ class _Request(BaseModel):
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
 
-    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         params = SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            max_tokens=1 if max_tokens == 0 and getattr(self, "echo", False) else max_tokens,  # (echo only)
+            prompt_logprobs=prompt_logprobs,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -134,6 +139,19 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: per prompt token, in each choice's "prompt_logprobs"
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt (and its logprobs) back, nothing generated
+        (how lm-evaluation-harness scores loglikelihoods)."""
+        return self.echo and self.max_tokens == 0
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top-n alternatives per prompt token the engine must compute: `echo` with `logprobs`
+        asks for them (in `logprobs`), `prompt_logprobs` too; None: no prompt logprobs."""
+        asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as text or token-id lists (a batch when a list of them is given)."""
@@ -151,8 +169,9 @@ class CompletionRequest(_Request):
         raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
 
     def check_unsupported(self) -> None:
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 needs echo: true (the prompt back, nothing generated)",
+                           param="max_tokens")  # fmt: skip
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1, self.n):
@@ -219,6 +238,7 @@ class ChatCompletionRequest(_Request):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True  # false: at most one tool call per turn
+    prompt_logprobs: int | None = None  # vLLM's: per prompt token, in the response's "prompt_logprobs"
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.messages)
@@ -247,7 +267,7 @@ class ChatCompletionRequest(_Request):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None  # (vLLM's is optional: the served model)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -261,7 +281,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 
 
@@ -349,9 +369,52 @@ def completion_tokens(outs: Iterable[Iterable[RequestOutput]]) -> int:
     return sum(len(o.token_ids) for seq in outs for o in seq)
 
 
-def completion_logprobs(outs: Sequence[RequestOutput], token_str: TokenStr, offset: int = 0) -> dict:
-    """The completions API's logprobs; `offset`: where the first token's text starts in the choice."""
+def without_output(out: RequestOutput) -> RequestOutput:
+    """An output with its generated tokens and text taken out (echo with max_tokens 0); a
+    finished one says "length" (the 0 tokens asked for)."""
+    return dataclasses.replace(out, token_ids=[], logprobs=[], text="",
+                               finish_reason="length" if out.finish_reason in ("stop", "length") else out.finish_reason)  # fmt: skip
+
+
+def prompt_logprobs_of(outs: Sequence[RequestOutput]) -> list[TokenLogprobs | None] | None:
+    """A choice's prompt logprobs (they come with its first output)."""
+    return next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+
+
+def vllm_prompt_logprobs(prompt_ids: Sequence[int], plps: list[TokenLogprobs | None] | None,
+                         token_str: TokenStr) -> list[dict | None] | None:  # fmt: skip
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id (str): {logprob,
+    rank, decoded_token}} for the prompt's token and the top alternatives."""
+    if plps is None:
+        return None
+    out: list[dict | None] = []
+    for tok, lp in zip(prompt_ids, plps, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(t): {"logprob": v, "rank": r + 1, "decoded_token": token_str(t)}
+            for r, (t, v) in enumerate(lp.top)
+        }
+        entry[str(tok)] = {"logprob": lp.token_logprob, "rank": lp.rank, "decoded_token": token_str(tok)}
+        out.append(entry)
+    return out
+
+
+def completion_logprobs(outs: Sequence[RequestOutput], token_str: TokenStr, offset: int = 0,
+                        prompt: tuple[Sequence[int], list[TokenLogprobs | None]] | None = None) -> dict:  # fmt: skip
+    """The completions API's logprobs; `offset`: where the first token's text starts in the
+    choice; `prompt` (echo): (prompt ids, their logprobs) first, from offset 0."""
     tokens, lps, tops, offsets = [], [], [], []
+    at = 0
+    for tok, lp in zip(*prompt, strict=True) if prompt is not None else ():
+        s = token_str(tok)
+        tokens.append(s)
+        lps.append(lp.token_logprob if lp else None)
+        # (the prompt's own token too, as vLLM adds it: lm-evaluation-harness checks greediness there)
+        tops.append({token_str(t): v for t, v in lp.top} | {s: lp.token_logprob} if lp else None)
+        offsets.append(at)
+        at += len(s)
     for out in outs:
         for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
             s = token_str(tok)
@@ -390,13 +453,18 @@ def _text(outs: Sequence[RequestOutput]) -> str:
 
 def completion_choice(index: int, outs: Sequence[RequestOutput], prompt_ids: Sequence[int],
                       token_str: TokenStr, *, logprobs: bool = False, token_ids: bool = False,
-                      prefix: str = "") -> dict:  # fmt: skip
+                      prefix: str = "", echo: bool = False, prompt_logprobs: bool = False) -> dict:  # fmt: skip
     """One choice of a whole completion from all its outputs; `token_ids` adds the generated and
-    the prompt's token ids (vLLM's `return_token_ids`); `prefix`: text before it (echo)."""
-    lps = completion_logprobs(outs, token_str) if logprobs else None
+    the prompt's token ids (vLLM's `return_token_ids`); `prefix`: text before it (echo; with
+    `logprobs` its tokens' logprobs come first); `prompt_logprobs`: vLLM's field too."""
+    plps = prompt_logprobs_of(outs)
+    prompt = (prompt_ids, plps) if echo and plps is not None else None
+    lps = completion_logprobs(outs, token_str, len(prefix), prompt) if logprobs else None
     choice = _choice(index, {"text": prefix + _text(outs)}, lps, outs, token_ids)
     if token_ids:
         choice["prompt_token_ids"] = list(prompt_ids)
+    if prompt_logprobs:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_ids, plps, token_str)
     return choice
 
 
@@ -410,11 +478,19 @@ def chat_choice(index: int, outs: Sequence[RequestOutput], token_str: TokenStr, 
 
 
 def completion_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, *, offset: int = 0,
-                     logprobs: bool = False, token_ids: bool = False, prefix: str = "") -> dict:  # fmt: skip
+                     logprobs: bool = False, token_ids: bool = False, prefix: str = "",
+                     prompt_ids: Sequence[int] = (), echo: bool = False, prompt_logprobs: bool = False) -> dict:  # fmt: skip
     """A streamed completion chunk of one output; `offset`: the length of the choice's text so far;
-    `prefix`: text before the output's (echo, on a choice's first chunk)."""
-    lps = completion_logprobs([out], token_str, offset + len(prefix)) if logprobs else None
-    return {**head, "choices": [_choice(index, {"text": prefix + out.text}, lps, [out], token_ids)]}
+    `prefix`: text before the output's (echo, on a choice's first chunk, with its tokens'
+    logprobs first when asked); prompt logprobs come on the chunk whose output carries them."""
+    prompt = (
+        (prompt_ids, out.prompt_logprobs) if echo and prefix and out.prompt_logprobs is not None else None
+    )
+    lps = completion_logprobs([out], token_str, offset + len(prefix), prompt) if logprobs else None
+    choice = _choice(index, {"text": prefix + out.text}, lps, [out], token_ids)
+    if prompt_logprobs and out.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_ids, out.prompt_logprobs, token_str)
+    return {**head, "choices": [choice]}
 
 
 def chat_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, parser: ChatParser, *,
