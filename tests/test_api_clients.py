@@ -7,6 +7,7 @@ import json
 import math
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -15,6 +16,7 @@ from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
 
 from .clusters import tiny_cluster
+from .test_api import SCHEMAS, TOOLS
 
 pytestmark = pytest.mark.cluster
 
@@ -102,6 +104,38 @@ def test_tokenizer_endpoints_as_lm_eval_calls_them(cluster, tok):
     ids = httpx.post(f"{cluster.url}/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()
     assert ids["tokens"] == tok.encode("test", add_bos=False)
     assert httpx.post(f"{cluster.url}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "test"
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_streamed_tool_calls_accumulate_to_the_whole_call(client, tool_choice):
+    """The official client's stream: each call's name arrives first, then argument fragments; put
+    together they are the non-streamed response's calls (same seed)."""
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+               tool_choice=tool_choice, max_tokens=120, seed=4)  # fmt: skip
+    whole = client.chat.completions.create(**ask).choices[0]
+    calls: dict[int, dict] = {}
+    fragments = 0
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            if d.index not in calls:
+                assert d.id and d.function.name  # (the name comes first)
+                calls[d.index] = {
+                    "id": d.id,
+                    "name": d.function.name,
+                    "arguments": d.function.arguments or "",
+                }
+            else:
+                assert d.function.name is None
+                calls[d.index]["arguments"] += d.function.arguments
+                fragments += 1
+    assert fragments >= 2  # (the arguments came in pieces, as they decoded)
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
+    for c in calls.values():
+        jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
 
 
 WORDS = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree", "river", "stone", "bird", "fish"]

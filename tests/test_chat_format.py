@@ -18,6 +18,7 @@ from services.router.chat_format import (
     parse_deepseek_calls,
     response_schema,
 )
+from services.router.tool_stream import merge, required_progress
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
@@ -98,7 +99,9 @@ def _stream(parser: ChatParser, text: str, cut: int, reason: str = "stop"):
             deltas.append(last)
         for d in deltas:
             for k, v in d.items():
-                merged[k] = v if k == "tool_calls" else merged.get(k, "") + v
+                merged[k] = merged.get(k, "" if k != "tool_calls" else []) + v
+    if "tool_calls" in merged:
+        merged["tool_calls"] = merge(merged["tool_calls"])
     return merged, reason
 
 
@@ -186,3 +189,64 @@ def test_malformed_tool_choice_and_trailing_text():
     )
     message, reason = ChatParser(auto).message(two + " Done.", "stop")
     assert len(message["tool_calls"]) == 1 and message["content"] == "Let me check. Done."
+
+
+V31_TEXT = f'Sure.{CALLS_BEGIN}{CALL_BEGIN}get_weather{CALL_SEP} {{"city": "Oslo, ```x"}}\n{CALL_END}{CALL_BEGIN}get_time{CALL_SEP}{{}}{CALL_END}{CALLS_END}'
+REQUIRED_TEXT = (
+    '[ {"name": "get_weather", "parameters": {"city": "Li\\"ma}"} },{"parameters":{}, "name":"get_time"}]'
+)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 1000])
+@pytest.mark.parametrize(
+    "choice, text",
+    [
+        ("auto", AUTO_TEXT),
+        ("auto", V31_TEXT),
+        ("required", REQUIRED_TEXT),
+        ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Kyiv", "days": [1, 2]}'),
+    ],
+)
+def test_tool_calls_stream_name_first_then_arguments(cut, choice, text):
+    """Streamed tool calls: each call's first delta names it (id, type, name, arguments ""), the
+    arguments follow in fragments while they decode, and accumulated they equal the whole message's."""
+    tools = ToolChoice.parse([WEATHER, TIME], choice)
+    whole, whole_reason = ChatParser(tools).message(text, "stop")
+    parser, deltas, content = ChatParser(tools), [], ""
+    pieces = [text[i : i + cut] for i in range(0, len(text), cut)]
+    for i, piece in enumerate(pieces):
+        out = [parser.feed(piece)]
+        if i == len(pieces) - 1:
+            last, reason = parser.finish("stop")
+            out.append(last)
+        for d in out:
+            deltas += [(i, c) for c in d.get("tool_calls", [])]
+            content += d.get("content", "")
+    firsts = {}
+    for step, d in deltas:
+        if d["index"] not in firsts:
+            assert d["id"].startswith("call_") and d["type"] == "function" and d["function"]["name"]
+            firsts[d["index"]] = step
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+    streamed = merge([d for _, d in deltas])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]
+    ]
+    assert reason == whole_reason and content == (whole["content"] or "")
+    if cut == 1:  # the first call was named while its arguments were still decoding
+        assert firsts[0] < len(pieces) - 1 and len([d for _, d in deltas if d["index"] == 0]) > 2
+
+
+def test_required_arguments_are_the_raw_parameters_text():
+    calls = required_progress(REQUIRED_TEXT)
+    assert [(c.name, c.arguments, c.done) for c in calls] == [
+        ("get_weather", '{"city": "Li\\"ma}"}', True),
+        ("get_time", "{}", True),
+    ]
+    partial = required_progress('[{"name": "get_weather", "parameters": {"city": "Li')
+    assert [(c.name, c.arguments, c.done) for c in partial] == [("get_weather", '{"city": "Li', False)]
+    assert (
+        required_progress('[{"name": "get_wea') == []
+        or required_progress('[{"name": "get_wea')[0].name is None
+    )

@@ -23,6 +23,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import tool_stream
+from .tool_stream import CallProgress, CallStream
+
 THINK_BEGIN, THINK_END = "<think>", "</think>"
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -166,12 +169,7 @@ def parse_deepseek_calls(text: str) -> list[dict]:
     return calls
 
 
-def _held(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could begin `marker` (held back while streaming)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
+_held = tool_stream.held
 
 
 @dataclass
@@ -180,15 +178,17 @@ class ChatParser:
 
     `in_reasoning`: the prompt opened a `<think>` block (R1 / V3.1 thinking templates); the
     output also enters one when it starts with `<think>`. Text up to `</think>` is reasoning.
-    Then: content, except that a forced tool call holds back everything for `finish`, and with
-    `auto` tools the text from `<｜tool▁calls▁begin｜>` on is held back and parsed at the end.
+    Then: content, except that a forced tool call's text, and with `auto` tools the text from
+    `<｜tool▁calls▁begin｜>` on, are tool calls: streamed as `tool_calls` deltas as they decode
+    (the name first, then argument fragments: tool_stream.py), completed at `finish`.
     """
 
     tools: ToolChoice = field(default_factory=ToolChoice)
     in_reasoning: bool = False
-    _pending: str = ""  # text not yet classified (a possible marker prefix, or held-back calls)
+    _pending: str = ""  # text not yet classified (a possible marker prefix, or the calls so far)
     _started: bool = False
     _in_calls: bool = False
+    _stream: CallStream = field(default_factory=CallStream)  # what the client has of the calls
 
     def feed(self, text: str) -> dict:
         """The delta fields ({"reasoning_content", "content"}) to send for the new `text`."""
@@ -213,7 +213,7 @@ class ChatParser:
             buf, self.in_reasoning = buf[end + len(THINK_END) :], False
         if self.tools.forced or self._in_calls:
             self._pending = buf
-            return delta
+            return self._with_calls(delta)
         if self.tools.mode == "auto":
             begin = buf.find(CALLS_BEGIN)
             if begin >= 0:
@@ -226,23 +226,42 @@ class ChatParser:
             self._pending = ""
         if buf:
             delta["content"] = buf
+        if self._in_calls:
+            self._with_calls(delta)
         return delta
 
+    def _with_calls(self, delta: dict) -> dict:
+        """`delta` with the tool-call deltas the calls' text so far allows."""
+        calls = tool_stream.progress(self.tools.mode, self._pending, self.tools.name)
+        calls = self._deltas(calls if self.tools.parallel else calls[:1])
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def _deltas(self, calls: list[CallProgress]) -> list[dict]:
+        return self._stream.deltas(calls)
+
     def finish(self, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The last delta (held-back text or the tool calls) and the choice's finish reason."""
+        """The last delta (held-back text, or what is left of the tool calls) and the choice's
+        finish reason."""
         rest, self._pending = self._pending, ""
         if self.in_reasoning:
             return ({"reasoning_content": rest} if rest else {}), finish_reason
         calls = self._calls(rest) if (self.tools.forced or self._in_calls) else None
-        if calls is None:
+        if calls is None or (not calls and not self._stream.started):
+            # no calls, or nothing parseable and nothing sent (a truncated output): the text as it is
             return ({"content": rest} if rest else {}), finish_reason
-        if not calls:  # nothing parseable (a truncated output): the text as it is
-            return ({"content": rest} if rest else {}), finish_reason
+        if not calls:  # truncated after some of it was streamed: the client has what there was
+            return {}, finish_reason
         reason = finish_reason if self.tools.mode == "named" or finish_reason != "stop" else "tool_calls"
+        last = self._deltas(
+            [CallProgress(c["function"]["name"], c["function"]["arguments"], True) for c in calls]
+        )
         after = rest.split(CALLS_END, 1)[1] if self._in_calls and CALLS_END in rest else ""
-        return ({"tool_calls": calls, "content": after} if after else {"tool_calls": calls}), reason
+        return ({"tool_calls": last} if last else {}) | ({"content": after} if after else {}), reason
 
     def _calls(self, text: str) -> list[dict]:
+        """The whole text's calls (empty where it does not parse)."""
         if self.tools.mode == "named":
             return [_call(self.tools.name, text, 0)]
         if self.tools.mode == "required":
@@ -250,7 +269,10 @@ class ChatParser:
                 items = json.loads(text)
             except json.JSONDecodeError:
                 return []
-            return [_call(c["name"], json.dumps(c["parameters"]), i) for i, c in enumerate(items)]
+            if not isinstance(items, list):
+                return []
+            # each call's arguments: the raw text of its "parameters" (what was streamed)
+            return [_call(c.name, c.arguments, i) for i, c in enumerate(tool_stream.required_progress(text))]
         calls = parse_deepseek_calls(text)
         return calls if self.tools.parallel else calls[:1]
 
@@ -261,13 +283,13 @@ class ChatParser:
         last, reason = self.finish_after(text, finish_reason)
         for d in last:
             for k, v in d.items():
-                parts[k] = parts.get(k, "") + v if k != "tool_calls" else v
+                parts[k] = parts.get(k, "" if k != "tool_calls" else []) + v
         message = {"role": "assistant", "content": parts.get("content") or None}
         if "reasoning_content" in parts:
             message["reasoning_content"] = parts["reasoning_content"]
-        if "tool_calls" in parts:
+        if "tool_calls" in parts:  # (the same deltas a stream sends, accumulated)
             message["tool_calls"] = [
-                {k: v for k, v in c.items() if k != "index"} for c in parts["tool_calls"]
+                {k: v for k, v in c.items() if k != "index"} for c in tool_stream.merge(parts["tool_calls"])
             ]
         elif message["content"] is None:
             message["content"] = ""

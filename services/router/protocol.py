@@ -503,7 +503,7 @@ def chat_chunk(head: dict, index: int, out: RequestOutput, token_str: TokenStr, 
     if out.finished:
         last, reason = parser.finish(out.finish_reason)
         for key, value in last.items():
-            delta[key] = delta.get(key, "") + value if key != "tool_calls" else value
+            delta[key] = delta.get(key, "" if key != "tool_calls" else []) + value
     elif not delta:
         delta = {"content": ""}
     lps = chat_logprobs([out], token_str) if logprobs else None
