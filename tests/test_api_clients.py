@@ -197,3 +197,96 @@ def test_lm_evaluation_harness_local_completions(cluster, local, tok, tmp_path, 
             assert math.isclose(loglikelihood, expected, abs_tol=1e-3), (context, continuation)
     gen = results["samples"]["moe_tiny_gen"]
     assert len(gen) == 8 and all(isinstance(s["resps"][0][0], str) for s in gen)
+
+
+# ---- the Responses API ---------------------------------------------------------------------------
+def test_responses_text_equals_chat(client):
+    ask = dict(model="tiny", max_output_tokens=12, temperature=0)
+    r = client.responses.create(input="Hello there", **ask)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                          max_tokens=12, temperature=0)  # fmt: skip
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    assert (
+        r.usage.input_tokens == chat.usage.prompt_tokens
+        and r.usage.output_tokens == chat.usage.completion_tokens
+    )
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "More"}]  # fmt: skip
+    r = client.responses.create(input=items, instructions="Be brief.", **ask)
+    chat = client.chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "More"}])  # fmt: skip
+    assert r.output_text == chat.choices[0].message.content and r.instructions == "Be brief."
+
+
+def test_responses_stream_events(client):
+    ask = dict(model="tiny", input="Tell me", max_output_tokens=10, temperature=0)
+    whole = client.responses.create(**ask)
+    kinds, text, final = [], "", None
+    for event in client.responses.create(**ask, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds.index("response.output_item.added") < kinds.index("response.output_text.delta")
+    assert kinds[-1] in ("response.completed", "response.incomplete") and "response.output_item.done" in kinds
+    assert text == whole.output_text == final.output_text
+    seqs = []  # (sequence numbers count up)
+    for event in client.responses.create(**ask, stream=True):
+        seqs.append(event.sequence_number)
+    assert seqs == list(range(len(seqs)))
+
+
+def test_responses_json_schema_and_function_tools(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    r = client.responses.create(model="tiny", input="JSON", max_output_tokens=60, extra_body={"seed": 2},
+                                text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}})  # fmt: skip
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+    tools = [
+        {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+        for t in TOOLS
+    ]
+    ask = dict(model="tiny", input="Weather?", tools=tools, tool_choice="required", max_output_tokens=120,
+               extra_body={"seed": 5})  # fmt: skip
+    r = client.responses.create(**ask)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and r.status == "completed"
+    for call in calls:
+        assert call.call_id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    streamed: dict[int, str] = {}
+    for event in client.responses.create(**ask, stream=True):
+        if event.type == "response.function_call_arguments.delta":
+            streamed[event.output_index] = streamed.get(event.output_index, "") + event.delta
+    assert list(streamed.values()) == [c.arguments for c in calls]
+
+    # the call's result goes back as input items
+    followup = [{"role": "user", "content": "Weather?"},
+                {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name, "arguments": calls[0].arguments},
+                {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}]  # fmt: skip
+    answer = dict(model="tiny", tools=tools, tool_choice="none", max_output_tokens=4)
+    with_result = client.responses.create(input=followup, **answer)
+    assert (
+        with_result.usage.input_tokens
+        > client.responses.create(input=followup[:1], **answer).usage.input_tokens
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [({"previous_response_id": "resp_x"}, "previous_response_id"), ({"store": True}, "store"),
+     ({"background": True}, "background"), ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+     ({"reasoning": {"effort": "high"}}, "reasoning")],
+)  # fmt: skip
+def test_responses_refuses_what_it_does_not_keep_by_name(client, extra, field):
+    ask = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**ask)
+    assert e.value.body["param"] == field

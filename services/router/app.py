@@ -21,6 +21,7 @@ from services import __version__
 from services.engine.outputs import RequestOutput
 
 from . import protocol as proto
+from . import responses
 from .chat_format import THINK_BEGIN, THINK_END, ChatParser
 from .core import RouterConfig, RouterCore, Sub
 from .protocol import (
@@ -31,6 +32,7 @@ from .protocol import (
     TokenizeRequest,
     parse,
 )
+from .responses import ResponsesRequest
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +236,32 @@ class Router:
         core.check_auth(request)
         core.check_open()
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._body(request))
+        rid = proto.new_id("chatcmpl")
+        prompt_ids, subs, parsers = self._chat_plan(req, rid)
+        opts = {"logprobs": req.logprobs, "token_ids": self._token_ids(req)}
+        core.metrics.request_started("chat")
+        if req.stream:
+            head = proto.response_head(rid, "chat.completion.chunk", req.model)
+            return await self._stream(
+                subs, head, parsers=parsers, opts=opts, usage=req.include_usage_in_stream
+            )
+        head = proto.response_head(rid, "chat.completion", req.model)
+        outs = await self._collect(request, subs)
+        choices = [
+            proto.chat_choice(sub.index, seq, core.token_str, parsers[sub.index], **opts)
+            for sub, seq in zip(subs, outs, strict=True)
+        ]
+        body = proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs), outs))
+        if req.prompt_logprobs is not None:  # (vLLM's field: the prompt's, once for all choices)
+            plps = proto.prompt_logprobs_of([o for seq in outs for o in seq])
+            body["prompt_logprobs"] = proto.vllm_prompt_logprobs(prompt_ids, plps, core.token_str)
+        return body
+
+    def _chat_plan(
+        self, req: ChatCompletionRequest, rid: str
+    ) -> tuple[list[int], list[Sub], list[ChatParser]]:
+        """A chat request's prompt ids, sub-requests (one per choice) and output parsers."""
+        core = self.core
         core.check_model(req.model)
         if core.tokenizer is None:
             raise APIError(400, "chat needs a tokenizer; this model runs in token-id mode", param="messages")
@@ -252,27 +280,76 @@ class Router:
             raise APIError(
                 400, "prompt_logprobs is not supported with stream in chat", param="prompt_logprobs"
             )
-        rid = proto.new_id("chatcmpl")
         subs = core.subrequests([prompt_ids], params, req.n, rid)
-        opts = {"logprobs": req.logprobs, "token_ids": self._token_ids(req)}
-        parsers = [ChatParser(tools, thinking) for _ in subs]
-        core.metrics.request_started("chat")
+        return prompt_ids, subs, [ChatParser(tools, thinking) for _ in subs]
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI's Responses API over the chat path (responses.py)."""
+        core = self.core
+        core.check_auth(request)
+        core.check_open()
+        req: ResponsesRequest = parse(ResponsesRequest, await self._body(request))
+        chat = req.to_chat()
+        rid = responses.new_id("resp")
+        _, subs, (parser,) = self._chat_plan(chat, rid)
+        core.metrics.request_started("responses")
         if req.stream:
-            head = proto.response_head(rid, "chat.completion.chunk", req.model)
-            return await self._stream(
-                subs, head, parsers=parsers, opts=opts, usage=req.include_usage_in_stream
-            )
-        head = proto.response_head(rid, "chat.completion", req.model)
-        outs = await self._collect(request, subs)
-        choices = [
-            proto.chat_choice(sub.index, seq, core.token_str, parsers[sub.index], **opts)
-            for sub, seq in zip(subs, outs, strict=True)
-        ]
-        body = proto.response(head, choices, self._usage(subs, proto.completion_tokens(outs), outs))
-        if req.prompt_logprobs is not None:  # (vLLM's field: the prompt's, once for all choices)
-            plps = proto.prompt_logprobs_of([o for seq in outs for o in seq])
-            body["prompt_logprobs"] = proto.vllm_prompt_logprobs(prompt_ids, plps, core.token_str)
-        return body
+            return await self._stream_response(req, rid, subs, parser)
+        created = proto.now()
+        outs = (await self._collect(request, subs))[0]
+        message, reason = parser.message("".join(o.text for o in outs), outs[-1].finish_reason)
+        usage = self._usage(subs, proto.completion_tokens([outs]), [outs])
+        return responses.response_object(req, rid, created, responses.output_items(message), reason, usage)
+
+    async def _stream_response(self, req: ResponsesRequest, rid: str, subs: list[Sub],
+                               parser: ChatParser) -> StreamingResponse:  # fmt: skip
+        """A Responses stream: its events (responses.ResponseEvents) from the choice's parser
+        deltas; refused before the first output with the HTTP status, after it a response.failed."""
+        core = self.core
+        started = time.monotonic()
+        outputs = core.merged(subs)
+        try:
+            first = await anext(outputs)
+        except APIError as e:
+            await outputs.aclose()
+            core.metrics.request_finished(e.status)
+            raise
+        events = responses.ResponseEvents(req, rid)
+
+        async def stream():
+            status, reason, outs = 200, None, []
+            for event in events.start():
+                yield responses.sse(event)
+            core.metrics.observe_ttft(time.monotonic() - started)
+
+            async def all_outputs():
+                yield first
+                async for item in outputs:
+                    yield item
+
+            try:
+                async for _, out in all_outputs():
+                    outs.append(out)
+                    deltas = [parser.feed(out.text)]
+                    if out.finished:
+                        last, reason = parser.finish(out.finish_reason)
+                        deltas.append(last)
+                    for delta in deltas:
+                        for event in events.feed(delta):
+                            yield responses.sse(event)
+                usage = self._usage(subs, proto.completion_tokens([outs]), [outs])
+                for event in events.finish(reason, usage):
+                    yield responses.sse(event)
+            except APIError as e:
+                status = e.status
+                yield responses.sse(events.failed(e.message))
+            finally:
+                await outputs.aclose()
+                core.metrics.request_finished(status)
+                self._observe_tpot([outs], started)
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
     # ---- shared plumbing ----------------------------------------------------------------
     def _token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
