@@ -164,6 +164,9 @@ def cmd_status(args) -> int:
         pairs = ", ".join(f"{w} {t}" for w, t in sorted(transports.items()))
         wait_ms = 1e3 * stats.get("expert_wait_per_moe_layer_s", 0.0)
         print(f"  {name} -> experts: {pairs or '-'}; expert wait {wait_ms:.2f} ms per MoE layer and step")
+        if "kv_cache_tokens" in stats:
+            print(f"  {name} KV cache: {stats['kv_cache_tokens']} tokens ({stats['kv_cache_dtype']} rows), "
+                  f"{stats['kv_blocks_used']} of {stats['kv_blocks_total']} blocks in use")  # fmt: skip
     print(f"{'expert worker':16} {'state':9} {'address':22} {'node':14} {'slots':>6} {'load':>10}")
     for w in st["workers"]:
         load = "-" if w.get("load") is None else f"{w['load']:.0f}"

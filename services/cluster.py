@@ -80,6 +80,9 @@ class ClusterConfig:
     max_model_len: int | None = _setting(None, "context length (default: min(model's, 4096))")
     max_waiting: int = _setting(512, "queued requests per attention worker before HTTP 429")
     kv_cache_gib: float = _setting(2.0, "latent KV cache per attention worker, GiB (at most)")
+    kv_cache_dtype: str = _setting(
+        "auto", "latent cache rows: auto (the model dtype) or fp8 (FlashMLA's FP8 rows: V3 656 B/token/layer)"
+    )
     micro_batches: int = _setting(
         1, "2 = ping-pong micro-batches (pays when experts have their own cores/GPUs)"
     )
@@ -137,6 +140,8 @@ class ClusterConfig:
             raise ValueError("need at least one attention worker and one expert worker")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: auto or fp8")
         if self.attention_gpus < 0 or self.expert_gpus < 0:
             raise ValueError("attention_gpus and expert_gpus must be >= 0")
         if self.redundant_experts < 0:
@@ -312,6 +317,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
         max_model_len=cfg.max_model_len,
         max_waiting=cfg.max_waiting,
         kv_cache_gib=cfg.kv_cache_gib,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         micro_batches=cfg.micro_batches,
         prefix_caching=cfg.prefix_caching,
         num_threads=cfg.attention_threads,

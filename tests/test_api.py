@@ -410,6 +410,7 @@ def test_one_node_data_plane_is_shared_memory_and_shows(cluster, client, capsys)
     assert cli(["status", "--namespace", cluster.cfg.namespace]) == 0
     out = capsys.readouterr().out
     assert " shm" in out and "ms per MoE layer" in out, out
+    assert "KV cache: " in out and "tokens (auto rows)" in out, out
 
 
 def test_a_generation_whose_router_replica_is_gone_is_aborted(cluster):

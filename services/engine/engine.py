@@ -20,7 +20,14 @@ from services.model.checkpoint import CheckpointReader, check_keep_fp8_experts, 
 from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
 from services.model.deepseek_v4 import DeepseekV4
 from services.model.kernels import cpu_kernels
-from services.model.kv_cache import PagedLatentCache, V4Cache, blocks_needed
+from services.model.kv_cache import (
+    BLOCK_SIZE,
+    FP8_GROUP,
+    PagedLatentCache,
+    V4Cache,
+    blocks_needed,
+    fp8_row_bytes,
+)
 from services.model.messages import ExpertBackend, ExpertTally, run_interleaved
 from services.model.model import DeepseekV3
 from services.model.moe import LocalExperts
@@ -57,6 +64,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: enough for max_num_seqs full-length sequences
     num_state_blocks: int | None = None  # DeepSeek-V4's window-state blocks (default: state_blocks)
     kv_cache_gib: float = 2.0  # upper bound for the default num_kv_blocks
+    # "auto": latent rows in `dtype`; "fp8": FlashMLA's FP8 rows (kv_cache.fp8_row_bytes: V3 656 B/token/layer)
+    kv_cache_dtype: str = "auto"
     max_waiting: int = 1024
     num_threads: int | None = None  # torch intra-op threads (None: leave torch's default)
     micro_batches: int = 1  # 2 = ping-pong: one micro-batch's expert calls overlap the other's attention
@@ -76,11 +85,32 @@ class EngineConfig:
             return self._v4_sizes(cfg, max_model_len)[0]
         if self.num_kv_blocks:
             return self.num_kv_blocks
-        per_block = PagedLatentCache.bytes_per_block(
-            cfg.num_hidden_layers, cfg.cache_dim, parse_dtype(self.dtype)
-        )
+        per_block = self.latent_bytes_per_token(cfg) * BLOCK_SIZE
         wanted = self.max_num_seqs * blocks_needed(max_model_len)
         return max(1, min(wanted, int(self.kv_cache_gib * 2**30) // per_block))
+
+    def fp8_dims(self, cfg: ModelConfig) -> tuple[int, int] | None:
+        """(C, R) of FP8 latent rows when kv_cache_dtype is "fp8" (ValueError where the model's
+        rows cannot be: V3.2's indexer keys and V4's cache are not in this format yet)."""
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: 'auto' or 'fp8'")
+        if self.kv_cache_dtype == "auto":
+            return None
+        if cfg.is_v4 or cfg.cache_dim != cfg.kv_lora_rank + cfg.qk_rope_head_dim:
+            raise ValueError(
+                "kv_cache_dtype fp8: DeepSeek-V3-style caches only (not V3.2's indexer keys or V4's)"
+            )
+        if cfg.kv_lora_rank % FP8_GROUP:
+            raise ValueError(
+                f"kv_cache_dtype fp8 needs kv_lora_rank % {FP8_GROUP} == 0, got {cfg.kv_lora_rank}"
+            )
+        return cfg.kv_lora_rank, cfg.qk_rope_head_dim
+
+    def latent_bytes_per_token(self, cfg: ModelConfig) -> int:
+        """Cache bytes one token takes over all layers."""
+        fp8 = self.fp8_dims(cfg)
+        row = fp8_row_bytes(*fp8) if fp8 else cfg.cache_dim * parse_dtype(self.dtype).itemsize
+        return cfg.num_hidden_layers * row
 
     def state_blocks(self, cfg: ModelConfig, max_model_len: int) -> int:
         """DeepSeek-V4's window-state blocks (see `_v4_sizes`)."""
@@ -119,7 +149,8 @@ class EngineConfig:
         if cfg.is_v4:
             return V4Cache(cfg, *self._v4_sizes(cfg, max_model_len), model.dtype, model.device)
         blocks = self.kv_blocks(cfg, max_model_len)
-        return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.cache_dim, model.dtype, model.device)
+        return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.cache_dim, model.dtype, model.device,
+                                self.fp8_dims(cfg))  # fmt: skip
 
 
 def split_micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
@@ -294,6 +325,8 @@ class Engine:
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "kv_blocks_total": sched.allocator.num_blocks,  # (less a reserved scratch block)
+            "kv_cache_dtype": self.engine_cfg.kv_cache_dtype,
+            "kv_cache_tokens": sched.allocator.num_blocks * BLOCK_SIZE,  # tokens the cache holds
             "kv_blocks_used": sched.allocator.num_blocks - sched.num_free_blocks,
             "state_blocks_total": self.cache.num_state_blocks,  # DeepSeek-V4's window state (0 otherwise)
             "state_blocks_used": self.cache.num_state_blocks - sched.allocator.num_free_states,

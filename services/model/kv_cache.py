@@ -43,9 +43,45 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+# FP8 latent rows (`kv_cache_dtype="fp8"`), FlashMLA's "FP8 with scale" layout: per token
+# [c_kv as float8_e4m3fn (C bytes) | one fp32 scale per FP8_GROUP values of c_kv | k_pe as bf16]
+# (V3: 512 + 4 x 4 + 64 x 2 = 656 bytes against 1,152 in bf16 and 2,304 in fp32). A group's
+# scale is its largest |value| / 448 (e4m3's largest finite value), so nothing saturates.
+FP8_GROUP = 128
+FP8_MAX = 448.0
+
+
+def fp8_row_bytes(C: int, R: int) -> int:
+    """Bytes of one FP8 latent row for kv_lora_rank C (a multiple of FP8_GROUP) and rope dim R."""
+    return C + 4 * (C // FP8_GROUP) + 2 * R
+
+
+def quantize_latent_rows(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """c_kv [T, C], k_pe [T, R] -> uint8 [T, fp8_row_bytes(C, R)] FP8 latent rows."""
+    T, C = c_kv.shape
+    groups = c_kv.float().view(T, C // FP8_GROUP, FP8_GROUP)
+    scale = (groups.abs().amax(-1) / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)  # [T, C/128]
+    fp8 = (groups / scale[..., None]).view(T, C).to(torch.float8_e4m3fn)
+    return torch.cat([fp8.view(torch.uint8), scale.view(torch.uint8).view(T, -1),
+                      k_pe.to(torch.bfloat16).view(torch.uint8).view(T, -1)], dim=-1)  # fmt: skip
+
+
+def dequantize_latent_rows(
+    rows: torch.Tensor, C: int, R: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """uint8 [..., fp8_row_bytes(C, R)] FP8 latent rows -> [..., C + R] in `dtype` ([c_kv | k_pe])."""
+    lead, G = rows.shape[:-1], C // FP8_GROUP
+    flat = rows.reshape(-1, rows.shape[-1])
+    fp8 = flat[:, :C].contiguous().view(torch.float8_e4m3fn).float().view(-1, G, FP8_GROUP)
+    scale = flat[:, C : C + 4 * G].contiguous().view(torch.float32).view(-1, G, 1)
+    rope = flat[:, C + 4 * G :].contiguous().view(torch.bfloat16).float()
+    return torch.cat([(fp8 * scale).view(-1, C), rope], dim=-1).to(dtype).view(*lead, C + R)
+
+
 class PagedLatentCache:
     """`kv[layer]` is `[num_blocks, BLOCK_SIZE, 1, latent_dim]`, all layers in one tensor
-    (`latent_dim` here is the whole row: `ModelConfig.cache_dim`)."""
+    (`latent_dim` here is the whole row: `ModelConfig.cache_dim`); with `fp8` = (C, R) the rows
+    are FP8 latent rows instead: uint8 `[..., fp8_row_bytes(C, R)]`."""
 
     num_state_blocks = 0
 
@@ -56,7 +92,10 @@ class PagedLatentCache:
         latent_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        fp8: tuple[int, int] | None = None,
     ):
+        if fp8 is not None:
+            latent_dim, dtype = fp8_row_bytes(*fp8), torch.uint8
         self.kv = zeros(num_layers, num_blocks, BLOCK_SIZE, 1, latent_dim, dtype=dtype, device=device)
 
     @property
@@ -66,10 +105,6 @@ class PagedLatentCache:
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, latent_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * BLOCK_SIZE * latent_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class V4Cache:

@@ -29,7 +29,7 @@ from .fp8 import Fp8Weight
 from .indexer import IndexQueries, index_keys
 from .kernels import cpu_kernels
 from .kernels.gpu import FLASH_MLA, TRITON
-from .kv_cache import BLOCK_SIZE
+from .kv_cache import BLOCK_SIZE, dequantize_latent_rows, quantize_latent_rows
 from .layers import Rope, add_rms_norm, dense_ffn, rms_norm, route
 from .messages import ExpertCombine, ExpertDispatch, StepGen
 from .weights import LayerWeights, MLAWeights, load_layer, load_layers, shard_heads
@@ -58,13 +58,16 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, dec: DecodeRows, C: int, 
     """Decode attention over each row's paged context: q [Bd, N, C+R] absorbed latent queries,
     cache [blocks, 64, 1, W] -> o_lat [Bd, N, C]. FlashMLA where it applies (Hopper, installed),
     else the Triton split-KV kernel (CUDA), else the C++ kernel (fp32 CPU), else torch ops."""
-    o = FLASH_MLA.mla_decode(q, cache, dec, C, scale)
-    if o is None:
+    fp8 = cache.dtype == torch.uint8  # FP8 latent rows: the C++ kernel reads them, or torch dequantizes
+    o = None if fp8 else FLASH_MLA.mla_decode(q, cache, dec, C, scale)
+    if o is None and not fp8:
         o = TRITON.mla_decode(q, cache, dec.table, dec.lens, C, scale)
     if o is None:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
         o = cpu_kernels.mla_decode(q, cache, dec.table, dec.lens, C, scale)
     if o is None:
         ctx = cache[dec.table].view(q.shape[0], -1, cache.shape[-1])  # [Bd, Lmax, W]
+        if fp8:
+            ctx = dequantize_latent_rows(ctx, C, q.shape[-1] - C, q.dtype)
         scores = torch.bmm(q, ctx[..., : q.shape[-1]].transpose(1, 2)).float() * scale  # [Bd, N, Lmax]
         scores.masked_fill_(dec.pad, float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
@@ -112,8 +115,9 @@ def mla_forward(
     cos, sin = cos_sin
     kv = linear(x, w.kv_a, w.kv_a_bias)
     W, index = cache.shape[-1], None
+    fp8 = cache.dtype == torch.uint8  # FP8 latent rows (kv_cache.quantize_latent_rows)
     q_nope, q_pe = q[..., :D], None
-    if w.indexer is None:  # on a GPU one kernel: the latent norm, both ropes and the cache write
+    if w.indexer is None and not fp8:  # on a GPU one kernel: the latent norm, both ropes and the cache write
         q_pe = TRITON.latent_to_cache(kv, q[..., D:], w.kv_a_norm, cos, sin,
                                   batch.slot_mapping, cache, rope.interleave, NORM_EPS_LATENT)  # fmt: skip
     if q_pe is None:
@@ -122,7 +126,8 @@ def mla_forward(
         if w.indexer is not None:  # V3.2: cache the indexer keys too; score the context for our queries
             rows.append(index_keys(x, w.indexer, cos_sin))
             index = IndexQueries.build(x, q_lora, w.indexer, cfg, cos_sin)
-        cache.view(-1, W)[batch.slot_mapping] = torch.cat(rows, dim=-1).to(cache.dtype)
+        written = quantize_latent_rows(*rows) if fp8 else torch.cat(rows, dim=-1).to(cache.dtype)
+        cache.view(-1, W)[batch.slot_mapping] = written
 
     kv_b = w.kv_b.view(N, D + V, C)
     out = None if only_decodes else torch.empty(T, N, V, dtype=x.dtype, device=x.device)
@@ -207,6 +212,8 @@ def prefill_attention(
     for k0 in range(0, L, PREFILL_KEY_TILE):
         k1 = min(L, k0 + PREFILL_KEY_TILE)
         rows = cache[blocks[k0 // BLOCK_SIZE : -(-k1 // BLOCK_SIZE)]].view(-1, W)[: k1 - k0]  # [t, W]
+        if rows.dtype == torch.uint8:  # FP8 latent rows: this tile's, dequantized
+            rows = dequantize_latent_rows(rows, C, R, q.dtype)
         kv = linear(rows[:, :C], kv_b.view(-1, C)).view(k1 - k0, N, D + V)
         k = torch.cat((kv[..., :D], rows[:, None, C : C + R].expand(-1, N, R)), dim=-1)  # [t, N, D+R]
         v = kv[..., D:]

@@ -19,20 +19,23 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import tool_stream
-from .tool_stream import CallProgress, CallStream
+from .tool_stream import (  # noqa: F401  (the markup's markers and parser: re-exported)
+    CALL_BEGIN,
+    CALL_END,
+    CALL_SEP,
+    CALLS_BEGIN,
+    CALLS_END,
+    CallProgress,
+    CallStream,
+    parse_deepseek_calls,
+    tool_call,
+)
 
 THINK_BEGIN, THINK_END = "<think>", "</think>"
-CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-CALL_BEGIN, CALL_END, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-_CALL = re.compile(
-    re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(CALL_SEP) + r"(.*?)" + re.escape(CALL_END), re.S
-)
-_V3_ARGS = re.compile(r"([^\n]+)\n```(?:json)?\n(.*)\n```\s*", re.S)
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -154,21 +157,6 @@ def output_schema(response_format: dict[str, Any] | None, tools: ToolChoice) -> 
     return tools.schema() if tools.forced else schema
 
 
-def _call(name: str, arguments: str, index: int) -> dict:
-    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}  # fmt: skip
-
-
-def parse_deepseek_calls(text: str) -> list[dict]:
-    """DeepSeek's tool-call markup (V3 or V3.1 variant) -> OpenAI tool calls (with `index`)."""
-    calls = []
-    for kind, rest in _CALL.findall(text):
-        v3 = _V3_ARGS.fullmatch(rest)
-        name, args = (v3.group(1), v3.group(2)) if v3 and kind.strip() == "function" else (kind, rest)
-        calls.append(_call(name.strip(), args.strip(), len(calls)))
-    return calls
-
-
 _held = tool_stream.held
 
 
@@ -263,7 +251,7 @@ class ChatParser:
     def _calls(self, text: str) -> list[dict]:
         """The whole text's calls (empty where it does not parse)."""
         if self.tools.mode == "named":
-            return [_call(self.tools.name, text, 0)]
+            return [tool_call(self.tools.name, text, 0)]
         if self.tools.mode == "required":
             try:
                 items = json.loads(text)
@@ -272,7 +260,9 @@ class ChatParser:
             if not isinstance(items, list):
                 return []
             # each call's arguments: the raw text of its "parameters" (what was streamed)
-            return [_call(c.name, c.arguments, i) for i, c in enumerate(tool_stream.required_progress(text))]
+            return [
+                tool_call(c.name, c.arguments, i) for i, c in enumerate(tool_stream.required_progress(text))
+            ]
         calls = parse_deepseek_calls(text)
         return calls if self.tools.parallel else calls[:1]
 

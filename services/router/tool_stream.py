@@ -24,7 +24,12 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_CALL = re.compile(
+    re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(CALL_SEP) + r"(.*?)" + re.escape(CALL_END), re.S
+)
+_V3_ARGS = re.compile(r"([^\n]+)\n```(?:json)?\n(.*)\n```\s*", re.S)
 V3_FENCE_END = "\n```"
 _V3_HEAD = re.compile(r"([^\n]+)\n(```(?:json)?\n)?")
 _WS = " \t\n\r"
@@ -148,10 +153,23 @@ def _safe(raw: str, end_marker: str) -> str:
     return raw.rstrip(_WS)
 
 
+def tool_call(name: str, arguments: str, index: int) -> dict:
+    return {"index": index, "id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def parse_deepseek_calls(text: str) -> list[dict]:
+    """DeepSeek's tool-call markup (V3 or V3.1 variant), whole -> OpenAI tool calls (with `index`)."""
+    calls = []
+    for kind, rest in _CALL.findall(text):
+        v3 = _V3_ARGS.fullmatch(rest)
+        name, args = (v3.group(1), v3.group(2)) if v3 and kind.strip() == "function" else (kind, rest)
+        calls.append(tool_call(name.strip(), args.strip(), len(calls)))
+    return calls
+
+
 def markup_progress(text: str) -> list[CallProgress]:
     """The calls in DeepSeek's tool-call markup so far (`text` from the calls' begin marker)."""
-    from .chat_format import parse_deepseek_calls  # (the whole-call parser)
-
     calls: list[CallProgress] = []
     at = 0
     while (begin := text.find(CALL_BEGIN, at)) >= 0:

@@ -138,6 +138,7 @@ FUNCTIONS = [
     "expert_ffn_fp8",
     "small_linear_fp8",
     "expert_dispatch",
+    "mla_decode_fp8",
 ]
 
 
@@ -375,12 +376,19 @@ def mla_decode(
     1, W], table [B, max_blocks] int64, lens [B] int64 -> o [B, N, C], the softmax(scale * q .
     row[:C+R])-weighted sum of the rows' first C = latent_dim values. None where the kernel does
     not apply."""
-    if q.shape[-1] % 8 or latent_dim % 8 or not _fp32_cpu(q) or not _paged_cache_ok(cache, table, lens):
+    fp8 = cache.dtype == torch.uint8  # FP8 latent rows (kv_cache.fp8_row_bytes), dequantized as read
+    ok = _paged_cache_ok(cache, table, lens) if not fp8 else (
+        cache.is_cpu and cache.is_contiguous() and table.dtype == lens.dtype == torch.int64
+        and latent_dim % 128 == 0 and (q.shape[-1] - latent_dim) % 8 == 0)  # fmt: skip
+    if q.shape[-1] % 8 or latent_dim % 8 or not _fp32_cpu(q) or not ok:
         return None
     module = _module()
     if module is None:
         return None
-    return module.mla_decode(q.contiguous(), cache, table.contiguous(), lens.contiguous(), latent_dim, scale)
+    args = (q.contiguous(), cache, table.contiguous(), lens.contiguous(), latent_dim)
+    if fp8:
+        return module.mla_decode_fp8(*args, q.shape[-1] - latent_dim, scale)
+    return module.mla_decode(*args, scale)
 
 
 def absorb(x: torch.Tensor, kv_b: torch.Tensor, D: int, side: str) -> torch.Tensor | None:

@@ -86,17 +86,42 @@ std::vector<torch::Tensor> route_sigmoid(const torch::Tensor& x, const torch::Te
   return {idx, wt};
 }
 
+// Where mla_decode reads a cache row (flat index r = block * 64 + offset): `F32Rows` in place;
+// `Fp8CacheRows` (kv_cache.py's FP8 latent rows: C float8_e4m3fn values, C / 128 fp32 scales, R bf16)
+// dequantized into the caller's buffer [C + R], to kv_cache.dequantize_latent_rows's values.
+struct F32Rows {
+  const float* p; int64_t W;
+  const float* row(int64_t r, float*) const { return p + r * W; }
+};
+struct Fp8CacheRows {
+  const uint8_t* p; int64_t bytes, C, R;
+  const float* row(int64_t r, float* buf) const {
+    const uint8_t* b = p + r * bytes;
+    float scales[64];  // (C / 128 <= 64)
+    __builtin_memcpy(scales, b + C, 4 * (C / 128));
+    dequant_fp8_row(b, scales, C, 128, buf);
+    const uint8_t* rope = b + C + 4 * (C / 128);
+    for (int64_t i = 0; i < R; ++i) {
+      uint16_t h; __builtin_memcpy(&h, rope + 2 * i, 2);
+      const uint32_t bits = (uint32_t)h << 16; __builtin_memcpy(buf + C + i, &bits, 4);
+    }
+    return buf;
+  }
+};
+
 // MLA decode attention over the paged latent cache, one query token per sequence, in place
 // (no gather, no padding): o[b, h] = sum_l softmax_l(scale * q[b, h] . row_l[:QD]) row_l[:C],
-// row_l = cache row of token l < lens[b] through table[b]. q [B, N, QD] (QD = C + R), cache
-// [blocks, 64, 1, W] fp32, table [B, max_blocks] int64, lens [B] int64; QD, C % 8 == 0. Heads
-// go in groups of 4 that share each row's load (the latent is one KV head for all of them).
-static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
-                         const torch::Tensor& lens, int64_t C, double scale) {
+// row_l = cache row of token l < lens[b] through table[b] (read through `rows`). q [B, N, QD]
+// (QD = C + R), cache [blocks, 64, 1, W] (fp32 rows, or FP8 rows of W bytes), table [B,
+// max_blocks] int64, lens [B] int64; QD, C % 8 == 0. Heads go in groups of 4 that share each
+// row's load (the latent is one KV head for all of them).
+template <typename Rows>
+static torch::Tensor mla_decode_rows(const torch::Tensor& q, const torch::Tensor& cache, const Rows& rows,
+                                     const torch::Tensor& table, const torch::Tensor& lens, int64_t C, double scale) {
   constexpr int HG = 4;
-  const int64_t B = q.size(0), N = q.size(1), QD = q.size(2), W = cache.size(-1), MB = table.size(1);
+  const int64_t B = q.size(0), N = q.size(1), QD = q.size(2), MB = table.size(1);
   const int64_t groups = (N + HG - 1) / HG;
-  TORCH_CHECK(QD % 8 == 0 && C % 8 == 0 && C <= QD && QD <= W && cache.dim() == 4 && cache.size(1) == 64 &&
+  TORCH_CHECK(QD % 8 == 0 && C % 8 == 0 && C <= QD && cache.dim() == 4 && cache.size(1) == 64 &&
               table.size(0) == B && lens.numel() == B && table.scalar_type() == torch::kInt64 &&
               lens.scalar_type() == torch::kInt64, "mla_decode: shapes");
   for (int64_t b = 0; b < B; ++b) {  // every row read must be inside the cache
@@ -108,12 +133,12 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
     }
   }
   auto o = torch::empty({B, N, C}, q.options());
-  const float* qp = q.data_ptr<float>(); const float* cp = cache.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   const int64_t* tp = table.data_ptr<int64_t>(); const int64_t* lp = lens.data_ptr<int64_t>();
   float* outp = o.data_ptr<float>();
   const float sc = (float)scale;
   at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p;
+    std::vector<float> p, buf(QD);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / groups, h0 = (i % groups) * HG, L = lp[b];
       const int nh = (int)std::min<int64_t>(HG, N - h0);
@@ -121,7 +146,7 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
       for (int j = 0; j < nh; ++j) { qs[j] = qp + (b * N + h0 + j) * QD; mx[j] = -INFINITY; sum[j] = 0.0f; }
       p.resize(HG * L);
       for (int64_t l = 0; l < L; ++l) {
-        dots(cp + (tp[b * MB + l / 64] * 64 + l % 64) * W, qs, nh, QD, d);
+        dots(rows.row(tp[b * MB + l / 64] * 64 + l % 64, buf.data()), qs, nh, QD, d);
         for (int j = 0; j < nh; ++j) { p[j * L + l] = d[j] * sc; mx[j] = std::max(mx[j], p[j * L + l]); }
       }
       for (int j = 0; j < nh; ++j)
@@ -129,7 +154,7 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
       float* orow = outp + (b * N + h0) * C;
       for (int64_t c = 0; c < nh * C; ++c) orow[c] = 0.0f;
       for (int64_t l = 0; l < L; ++l) {
-        const float* row = cp + (tp[b * MB + l / 64] * 64 + l % 64) * W;
+        const float* row = rows.row(tp[b * MB + l / 64] * 64 + l % 64, buf.data());
         for (int j = 0; j < nh; ++j) {
           const float pl = p[j * L + l] / sum[j];
           const v8 pv = {pl, pl, pl, pl, pl, pl, pl, pl};
@@ -140,6 +165,11 @@ static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor
     }
   });
   return o;
+}
+static torch::Tensor mla_decode_impl(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
+                                     const torch::Tensor& lens, int64_t C, double scale) {
+  TORCH_CHECK(q.size(2) <= cache.size(-1) && cache.scalar_type() == at::kFloat, "mla_decode: fp32 cache rows");
+  return mla_decode_rows(q, cache, F32Rows{cache.data_ptr<float>(), cache.size(-1)}, table, lens, C, scale);
 }
 
 // One MLA layer for a decode-only step, whole (the absorbed form of model.mla_forward, the same
@@ -290,6 +320,15 @@ torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, con
                          const torch::Tensor& lens, int64_t C, double scale) {
   NO_GIL;
   return mla_decode_impl(q, cache, table, lens, C, scale);
+}
+// mla_decode over FP8 latent rows: cache [blocks, 64, 1, C + 4 C / 128 + 2 R] uint8; C % 128 == 0.
+torch::Tensor mla_decode_fp8(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
+                             const torch::Tensor& lens, int64_t C, int64_t R, double scale) {
+  NO_GIL;
+  const int64_t bytes = C + 4 * (C / 128) + 2 * R;
+  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.size(-1) == bytes && C % 128 == 0 && C / 128 <= 64 &&
+              q.size(2) == C + R && cache.is_contiguous(), "mla_decode_fp8: FP8 latent rows of ", bytes, " bytes");
+  return mla_decode_rows(q, cache, Fp8CacheRows{cache.data_ptr<uint8_t>(), bytes, C, R}, table, lens, C, scale);
 }
 torch::Tensor absorb_q(const torch::Tensor& q, const torch::Tensor& kv_b3, int64_t D) {
   NO_GIL;
