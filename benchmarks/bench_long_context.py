@@ -8,7 +8,13 @@ prompt fills (they are the cache itself, not scratch): what the prefill needs on
 the prompt. Prefill attention is tiled (model.prefill_attention): its scratch does not grow with
 the context.
 
-    python -m benchmarks.bench_long_context [--lengths 2048,16384,32768] [--out benchmarks/results/long_context.json]
+With `--sparse`: DeepSeek-V3.2's gathered sparse attention against dense MLA on the same tiny
+dims (`tiny-v32`, top-16 of the context, and `tiny`): prefill time and decode step time at
+contexts of 2K / 8K / 32K (`--sparse-lengths`), each in a fresh process; the sparse decode step
+should stay nearly flat once the context exceeds top-k (only the indexer's one dot per token and
+index head grows), the dense one grows with the context.
+
+    python -m benchmarks.bench_long_context [--lengths 2048,16384,32768] [--sparse] [--out benchmarks/results/long_context.json]
 """
 
 from __future__ import annotations
@@ -61,11 +67,55 @@ def _one(model_dir: str, length: int, threads: int, chunk: int) -> dict:
             "peak_growth_beyond_cache_bytes": max(0, peak - before - rows), "latent_cache_bytes": cache}  # fmt: skip
 
 
+def _decode(model_dir: str, length: int, threads: int, steps: int = 16) -> dict:
+    """Prefill one `length`-token prompt, then time `steps` decode steps."""
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    engine = LocalEngine(EngineConfig(model=model_dir, max_num_seqs=1, max_model_len=length + steps + 8,
+                                      kv_cache_gib=4.0, prefix_caching=False))  # fmt: skip
+    prompt = [0] + torch.randint(
+        4, engine.cfg.vocab_size, (length - 1,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed < length:
+        engine.step()  # the prefill (and its first token)
+    prefill = time.perf_counter() - t0
+    engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return {"context": length, "prefill_s": prefill, "decode_step_s": (time.perf_counter() - t0) / steps}
+
+
+def sparse_rows(lengths: list[int], threads: int) -> dict:
+    tmp = Path(tempfile.mkdtemp())
+    from services.presets import init_model
+
+    out = {}
+    ctx = multiprocessing.get_context("spawn")
+    for preset in ("tiny-v32", "tiny"):
+        model_dir = str(init_model(tmp / preset, preset))
+        rows = []
+        for length in lengths:
+            with ctx.Pool(1) as pool:
+                rows.append(pool.apply(_decode, (model_dir, length, threads)))
+            print(preset, json.dumps(rows[-1]), flush=True)
+        for row in rows:
+            row["decode_step_over_first"] = row["decode_step_s"] / rows[0]["decode_step_s"]
+        out[preset] = rows
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="2048,16384,32768")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (the prefill chunk)")
+    ap.add_argument("--sparse", action="store_true", help="also V3.2 sparse vs dense MLA decode (tiny dims)")
+    ap.add_argument("--sparse-lengths", default="2048,8192,32768")
     ap.add_argument("--out", default="benchmarks/results/long_context.json")
     args = ap.parse_args()
     from services.presets import init_model
@@ -95,6 +145,10 @@ def main() -> None:
         "target_met": all(r["peak_growth_beyond_cache_bytes"] <= 256 << 20 for r in rows),
         "rows": rows,
     }
+    if args.sparse:
+        result["sparse_v32_vs_dense"] = sparse_rows(
+            [int(x) for x in args.sparse_lengths.split(",")], args.threads
+        )
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
 

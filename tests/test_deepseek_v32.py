@@ -238,3 +238,23 @@ def test_cluster_api_serves_v32_like_the_local_engine(tmp_path):
                                       extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
         got = [c.token_ids for c in sorted(r.choices, key=lambda c: c.index)]
     assert got == [w.token_ids for w in want]
+
+
+def test_fused_index_scores_equal_the_torch_math():
+    """cpu_kernels.index_scores (the indexer's scores in one call) against IndexQueries' torch
+    math, for a shared prefill context and per-query decode contexts, with prefix visibility."""
+    import torch.nn.functional as F
+
+    from services.model.kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU kernels")
+    g = torch.Generator().manual_seed(0)
+    Q, Hi, Di, L = 5, 6, 16, 200
+    q, w = torch.randn(Q, Hi, Di, generator=g), torch.randn(Q, Hi, generator=g)
+    lens = torch.tensor([1, 64, 65, 150, 200])
+    visible = torch.arange(L)[None, :] < lens[:, None]
+    for keys in (torch.randn(L, Di, generator=g), torch.randn(Q, L, Di, generator=g)):
+        dots = torch.einsum("qhd,ld->qhl", q, keys) if keys.dim() == 2 else torch.einsum("qhd,qld->qhl", q, keys)
+        want = torch.einsum("qh,qhl->ql", w, F.relu(dots * Di**-0.5)).masked_fill(~visible, float("-inf"))
+        torch.testing.assert_close(cpu_kernels.index_scores(q, w, keys, lens), want, rtol=1e-5, atol=1e-5)

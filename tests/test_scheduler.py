@@ -122,3 +122,26 @@ def test_abort_of_unknown_or_finished_request_is_harmless():
     sched.add(s)
     _run(sched)
     assert sched.finish_id(s.request_id, "abort") is None and s.finish_reason == "length"
+
+
+def test_max_model_len_up_to_the_models_own_when_the_cache_holds_it():
+    """max_model_len may be the model's own (163,840 with YaRN) when the cache holds one sequence
+    that long; beyond the model's, or more than the cache holds, the engine refuses to start,
+    naming the numbers (a long prompt then gets a 400, never an out-of-memory)."""
+    from services.engine.engine import EngineConfig
+    from services.model.config import ModelConfig
+    from services.presets import PRESETS
+
+    cfg = ModelConfig.from_hf(PRESETS["small"])
+    own = cfg.max_position_embeddings
+    assert EngineConfig(model="-", max_model_len=own, kv_cache_gib=1.0).kv_blocks(cfg, own) * 64 >= own
+    with pytest.raises(ValueError, match="beyond the model's own"):
+        EngineConfig(model="-", max_model_len=own + 1).scheduler_config(cfg)
+    with pytest.raises(ValueError, match=r"kv_cache_gib 0.25 holds \d+ tokens"):
+        EngineConfig(model="-", max_model_len=own, kv_cache_gib=0.25).kv_blocks(cfg, own)
+    assert EngineConfig(model="-", max_model_len=own, kv_cache_gib=0.25, kv_cache_dtype="fp8").kv_blocks(
+        cfg, own
+    )
+    sched = Scheduler(SchedulerConfig(max_model_len=own), num_blocks=4)
+    with pytest.raises(RequestError, match="needs 320 tokens of KV cache; it holds 256"):
+        sched.add(Sequence(list(range(300)), SamplingParams(max_tokens=10)))

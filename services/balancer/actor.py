@@ -29,11 +29,24 @@ class Balancer:
         self.autoscaler = ExpertAutoscaler(cfg.autoscale) if cfg.autoscale and cfg.autoscale.enabled else None
         self.pinned = False  # `scale-experts N` pins the pool until `scale-experts auto`
         self._busy_readings: dict[str, tuple[float, float]] = {}  # worker -> (compute s, monotonic)
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._resuming: asyncio.Task | None = None
+        if self._restarted:
             log.warning("balancer restarted: re-attaching to the running pool")
             ray.get_runtime_context().current_actor.resume.remote()
 
+    def _kick(self) -> None:
+        """After a restart, make sure the resume runs, once: the call __init__ sends itself starts
+        it, and so does any call that comes first (a loaded machine has been seen to lose the
+        self-call, leaving a restarted balancer idle)."""
+        if self._restarted and self._resuming is None:
+            self._resuming = asyncio.get_running_loop().create_task(self._resume())
+
     async def resume(self) -> None:
+        self._kick()
+        await asyncio.shield(self._resuming)
+
+    async def _resume(self) -> None:
         """After a restart: start (re-attach), retrying with backoff until it works."""
         delay = 0.5
         while True:
@@ -72,19 +85,23 @@ class Balancer:
                 log.exception("%s failed", getattr(fn, "__name__", fn))
 
     async def placement(self) -> dict:
+        self._kick()
         if self.core.placement is None:
             raise RuntimeError("the balancer is starting: no placement yet")
         return self.core.placement_info()
 
     async def register_attention(self, names: list[str]) -> None:
+        self._kick()
         self.core.register_attention(names)
 
     async def rebalance(self, force: bool = False, loads: list | None = None) -> dict:
+        self._kick()
         return await self.core.rebalance(force, None if loads is None else torch.tensor(loads))
 
     async def scale_experts(self, num_workers: int | None) -> dict:
         """Resize the pool to `num_workers` and pin it there (autoscaling paused); None hands the
         pool back to the autoscaler."""
+        self._kick()
         if num_workers is None:
             self.pinned = False
             return {
@@ -117,6 +134,7 @@ class Balancer:
             self._busy_readings = {}  # (a new pool: measure afresh)
 
     async def status(self) -> dict:
+        self._kick()
         status = self.core.status()
         if self.autoscaler is not None:
             cfg = self.autoscaler.cfg
@@ -126,17 +144,21 @@ class Balancer:
         return status
 
     async def worker_stats(self) -> dict:
+        self._kick()
         return await self.core.worker_stats()
 
     async def migration_log(self) -> list[dict]:
+        self._kick()
         return [asdict(m) for m in self.core.migrations]
 
     async def pid(self) -> int:
+        self._kick()
         return os.getpid()
 
     async def data_plane_secret(self) -> str | None:
         """The cluster's data-plane secret, for services (re)started beside this balancer (a Ray
         client can read any actor's arguments anyway: Ray access is cluster access)."""
+        self._kick()
         return self.core.shared.secret
 
     async def shutdown(self) -> None:

@@ -73,21 +73,35 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA, replay decode steps from captured graphs (decode_graphs.py)
 
     def scheduler_config(self, cfg: ModelConfig) -> SchedulerConfig:
+        max_model_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} is beyond the model's own "
+                             f"({cfg.max_position_embeddings} positions)")  # fmt: skip
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len or min(cfg.max_position_embeddings, 4096),
+            max_model_len=max_model_len,
             max_waiting=self.max_waiting,
         )
 
     def kv_blocks(self, cfg: ModelConfig, max_model_len: int) -> int:
+        """Cache blocks: num_kv_blocks, else what max_num_seqs full-length sequences want, within
+        kv_cache_gib; ValueError where that cannot hold one max_model_len sequence (as vLLM
+        refuses to start: a long prompt must get a 400, never run out of cache)."""
         if cfg.is_v4:
             return self._v4_sizes(cfg, max_model_len)[0]
         if self.num_kv_blocks:
             return self.num_kv_blocks
         per_block = self.latent_bytes_per_token(cfg) * BLOCK_SIZE
         wanted = self.max_num_seqs * blocks_needed(max_model_len)
-        return max(1, min(wanted, int(self.kv_cache_gib * 2**30) // per_block))
+        blocks = max(1, min(wanted, int(self.kv_cache_gib * 2**30) // per_block))
+        if blocks < blocks_needed(max_model_len):
+            raise ValueError(
+                f"max_model_len {max_model_len} needs {blocks_needed(max_model_len) * per_block / 2**30:.2f} GiB of "
+                f"latent cache ({per_block // BLOCK_SIZE} B per token); kv_cache_gib {self.kv_cache_gib} holds "
+                f"{blocks * BLOCK_SIZE} tokens: raise kv_cache_gib, use kv_cache_dtype fp8, or lower max_model_len"
+            )
+        return blocks
 
     def fp8_dims(self, cfg: ModelConfig) -> tuple[int, int] | None:
         """(C, R) of FP8 latent rows when kv_cache_dtype is "fp8" (ValueError where the model's

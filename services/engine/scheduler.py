@@ -184,7 +184,12 @@ class Scheduler:
                 f"length {self.cfg.max_model_len}",
             )
         if blocks_needed(n + seq.params.max_tokens) > self.allocator.num_blocks:
-            raise RequestError("max_tokens", "the request does not fit in the KV cache")
+            raise RequestError(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({seq.params.max_tokens}) needs "
+                f"{blocks_needed(n + seq.params.max_tokens) * BLOCK_SIZE} tokens of KV cache; it holds "
+                f"{self.allocator.num_blocks * BLOCK_SIZE}",
+            )
         if seq.request_id in self._by_id:
             raise RequestError("request_id", f"duplicate request id {seq.request_id!r}")
         if len(self.waiting) >= self.cfg.max_waiting:

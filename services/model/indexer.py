@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels import cpu_kernels
 
 INDEXER_NORM_EPS = 1e-6  # the k_norm LayerNorm's eps in transformers and DeepSeek's code
 
@@ -100,25 +101,14 @@ class IndexQueries:
         weights = F.linear(x, w.weights_proj).float() * Hi**-0.5
         return cls(q, weights, cfg.index_topk)
 
-    def keep(self, rows: torch.Tensor | slice, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Which context tokens the queries `rows` attend to.
-
-        rows: which of the step's queries ([Q] indices or a slice); keys [Q, L, Di] or [L, Di]
-        (shared by all Q queries: one prefill sequence) cached indexer keys; visible [Q, L] bool
-        (causal and within the sequence). Returns [Q, L] bool: the `topk` best-scoring visible
-        tokens of each query (all visible ones when a query sees <= topk tokens).
-        """
-        if keys.shape[-2] <= self.topk:  # nothing to drop: every visible token is among the top-k
-            return visible
-        top = self._scores(rows, keys, visible).topk(self.topk, dim=-1).indices
-        return torch.zeros_like(visible).scatter_(-1, top, True) & visible
-
     def select(
         self, rows: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`keep`'s tokens as lists, for attention to gather rather than mask (decode): keys [Q,
-        L, Di], visible [Q, L] -> (positions [Q, k] int64 with each row's chosen ones first,
-        count [Q] int64 of them), k = min(topk, L)."""
+        """The context tokens the queries `rows` ([Q] indices into the step's queries) attend to:
+        the `topk` best-scoring visible ones (all visible ones when a query sees <= topk), as
+        lists for attention to gather. keys [Q, L, Di] or [L, Di] (shared: one sequence's context)
+        cached indexer keys, visible [Q, L] bool (causal and within the sequence) -> (positions
+        [Q, k] int64 with each row's chosen ones first, count [Q] int64 of them), k = min(topk, L)."""
         k = min(self.topk, keys.shape[-2])
         top = self._scores(rows, keys, visible).topk(k, dim=-1).indices  # [Q, k]
         chosen = visible.gather(1, top)  # (fewer than k visible: the rest are -inf picks)
@@ -126,7 +116,11 @@ class IndexQueries:
         return top.gather(1, first), chosen.sum(1)
 
     def _scores(self, rows, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """[Q, L] fp32 index scores of the queries `rows`, -inf where not visible."""
+        """[Q, L] fp32 index scores of the queries `rows`, -inf where not visible (each query's
+        visible tokens are a prefix of the context: causal, or a decode row's length)."""
+        fused = cpu_kernels.index_scores(self.q[rows], self.weights[rows], keys, visible.sum(1))
+        if fused is not None:  # fp32 CPU: one call, no [Q, Hi, L] temporaries
+            return fused
         q = self.q[rows].float()  # [Q, Hi, Di]
         if keys.dim() == 2:
             dots = torch.einsum("qhd,ld->qhl", q, keys.float())

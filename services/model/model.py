@@ -162,17 +162,43 @@ def mla_forward(
             continue
         L, s0 = batch.context_lens[b], starts[b]
         blocks = batch.block_table[b, : (L + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
+        if index is not None:  # V3.2: each query attends to its top-k context tokens, gathered
+            out[s0 : s0 + n] = sparse_prefill(q_nope[s0 : s0 + n], q_pe[s0 : s0 + n], s0, index, cache, blocks, L,
+                                              kv_b, C, R, scale)  # fmt: skip
+            continue
         qb = torch.cat((q_nope[s0 : s0 + n], q_pe[s0 : s0 + n]), dim=-1)  # [n, N, D+R]
-        keep = None
-        if index is not None:  # V3.2: every query attends to its top-k context tokens only
-            visible = (
-                torch.arange(L, device=x.device)[None, :] <= torch.arange(L - n, L, device=x.device)[:, None]
-            )
-            ctx = cache[blocks].view(-1, W)[:L]
-            keep = index.keep(slice(s0, s0 + n), ctx[:, C + R :], visible)  # [n, L]
-        out[s0 : s0 + n] = prefill_attention(qb, cache, blocks, L, kv_b, C, R, scale, keep).to(x.dtype)
+        out[s0 : s0 + n] = prefill_attention(qb, cache, blocks, L, kv_b, C, R, scale).to(x.dtype)
 
     return linear(out.view(T, N * V), w.o, w.o_bias)
+
+
+SPARSE_PREFILL_BYTES = 32 << 20  # V3.2 prefill: a query tile's index scores or gathered rows
+
+
+def sparse_prefill(q_nope, q_pe, s0: int, index: IndexQueries, cache, blocks, L: int, kv_b, C: int, R: int,
+                   scale: float) -> torch.Tensor:  # fmt: skip
+    """DeepSeek-V3.2's prefill attention, gathered: q_nope [n, N, D], q_pe [n, N, R] (the step's
+    queries s0 .. s0+n-1, positions L-n .. L-1 of one sequence) -> [n, N, V]. Per query tile: the
+    indexer picks each query's top-k context tokens (`IndexQueries.select`), their cache rows are
+    gathered and attended in the absorbed form, as decode does (`sparse_decode`): the cost grows
+    with top-k, not with the context (but for the indexer's own scores, one dot per token and
+    index head). Tiles are sized so the index scores [tile, Hi, L] and the gathered rows [tile,
+    k, W] stay within SPARSE_PREFILL_BYTES."""
+    n, D, W = q_nope.shape[0], q_nope.shape[-1], cache.shape[-1]
+    flat_rows = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=blocks.device)).view(-1)[:L]
+    keys = cache.view(-1, W)[flat_rows][:, C + R :]  # [L, Di] the context's indexer keys
+    k, heads = min(index.topk, L), index.q.shape[1]
+    tile = max(1, SPARSE_PREFILL_BYTES // (4 * max(k * W, heads * L)))
+    out = []
+    for q0 in range(0, n, tile):
+        q1 = min(n, q0 + tile)
+        positions = torch.arange(L - n + q0, L - n + q1, device=keys.device)
+        visible = torch.arange(L, device=keys.device)[None, :] <= positions[:, None]  # [t, L] causal
+        pos, count = index.select(torch.arange(s0 + q0, s0 + q1, device=keys.device), keys, visible)
+        q_lat = torch.bmm(q_nope[q0:q1].transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [t, N, C]
+        o_lat = sparse_decode(torch.cat((q_lat, q_pe[q0:q1]), dim=-1), cache, flat_rows[pos], count, C, scale)
+        out.append(torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1))  # W_UV
+    return torch.cat(out)
 
 
 PREFILL_SCORE_BYTES = 4 << 20  # fp32 scores of one (query tile, key tile): ~L2-sized tiles ran fastest here
@@ -188,7 +214,6 @@ def prefill_attention(
     C: int,
     R: int,
     scale: float,
-    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal MLA of one sequence's prefill chunk, tiled: q [n, N, D+R] (the queries of positions
     L-n .. L-1) against the sequence's L context tokens in `cache` [blocks, 64, 1, W] (its
@@ -198,8 +223,8 @@ def prefill_attention(
     Keys come PREFILL_KEY_TILE context tokens at a time (their c_kv expanded to per-head K/V for
     that tile only) and queries in tiles whose scores fit PREFILL_SCORE_BYTES; each query keeps a
     running max and sum (flash attention's online softmax), so the scratch is a few tiles however
-    long the context. Tiles wholly in a query tile's future are skipped. keep [n, L] bool (V3.2's
-    top-k, causal included): the tokens each query attends to; None: causal.
+    long the context. Tiles wholly in a query tile's future are skipped. (V3.2 attends to gathered
+    top-k rows instead: `sparse_prefill`.)
     """
     n, N, _ = q.shape
     W, D = cache.shape[-1], q.shape[-1] - R
@@ -222,9 +247,7 @@ def prefill_attention(
             if k0 > L - n + q1 - 1:  # every key of the tile is after every query of this one
                 continue
             scores = torch.einsum("qnd,knd->nqk", q[q0:q1], k).float() * scale  # [N, tq, t]
-            if keep is not None:
-                scores.masked_fill_(~keep[q0:q1, k0:k1][None], float("-inf"))
-            elif k1 - 1 > L - n + q0:  # (the diagonal: some keys after some queries)
+            if k1 - 1 > L - n + q0:  # (the diagonal: some keys after some queries)
                 future = torch.arange(k0, k1, device=q.device)[None, :] > qpos[q0:q1, None]
                 scores.masked_fill_(future[None], float("-inf"))
             was = top[:, q0:q1].clone()

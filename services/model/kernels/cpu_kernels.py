@@ -139,6 +139,7 @@ FUNCTIONS = [
     "small_linear_fp8",
     "expert_dispatch",
     "mla_decode_fp8",
+    "index_scores",
 ]
 
 
@@ -408,6 +409,23 @@ def absorb(x: torch.Tensor, kv_b: torch.Tensor, D: int, side: str) -> torch.Tens
     if module is None:
         return None
     return module.absorb_q(x, kv_b, D) if side == "q" else module.absorb_o(x.contiguous(), kv_b, D)
+
+
+def index_scores(
+    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor | None:
+    """DeepSeek-V3.2's lightning-indexer scores in one call (indexer.IndexQueries' math, no
+    [Q, Hi, L] temporaries): q [Q, Hi, Di], w [Q, Hi], keys [L, Di] (one shared context) or [Q, L,
+    Di], lens [Q] int64 (query q sees its first lens[q] tokens) -> [Q, L] fp32, -inf beyond each
+    query's tokens. None where the kernel does not apply (not fp32 on the CPU, Di % 8)."""
+    keys = keys if keys.dim() == 3 else keys.unsqueeze(0)
+    if q.shape[-1] % 8 or not _fp32_cpu(q, w, keys) or lens.dtype != torch.int64:
+        return None
+    module = _module()
+    if module is None:
+        return None
+    return module.index_scores(q.contiguous(), w.contiguous(), keys.contiguous(), lens.contiguous(),
+                               q.shape[-1] ** -0.5)  # fmt: skip
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

@@ -330,6 +330,43 @@ torch::Tensor mla_decode_fp8(const torch::Tensor& q, const torch::Tensor& cache,
               q.size(2) == C + R && cache.is_contiguous(), "mla_decode_fp8: FP8 latent rows of ", bytes, " bytes");
   return mla_decode_rows(q, cache, Fp8CacheRows{cache.data_ptr<uint8_t>(), bytes, C, R}, table, lens, C, scale);
 }
+// DeepSeek-V3.2's lightning-indexer scores, fused (no [Q, Hi, L] temporaries): out[q, l] =
+// sum_h w[q, h] * relu(scale * q[q, h] . k[l]) for l < lens[q], -inf beyond. q [Q, Hi, Di],
+// w [Q, Hi], keys [Q, L, Di] or [1, L, Di] (one context shared by every query), lens [Q] int64;
+// fp32 contiguous, Di % 8 == 0. Heads in groups of 4 per key row; each score sums its heads in order.
+torch::Tensor index_scores(const torch::Tensor& q, const torch::Tensor& w, const torch::Tensor& keys,
+                           const torch::Tensor& lens, double scale) {
+  NO_GIL;
+  const int64_t Q = q.size(0), Hi = q.size(1), Di = q.size(2), L = keys.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+              q.is_contiguous() && w.is_contiguous() && keys.is_contiguous() && Di % 8 == 0 &&
+              w.size(0) == Q && w.size(1) == Hi && keys.size(2) == Di && (keys.size(0) == 1 || keys.size(0) == Q) &&
+              lens.scalar_type() == at::kLong && lens.numel() == Q, "index_scores: shapes");
+  auto out = torch::empty({Q, L}, q.options());
+  const float* qp = q.data_ptr<float>(); const float* wp = w.data_ptr<float>(); const float* kp = keys.data_ptr<float>();
+  const int64_t* lp = lens.data_ptr<int64_t>(); float* op = out.data_ptr<float>();
+  const int64_t blocks = (L + 63) / 64, kstride = keys.size(0) == 1 ? 0 : L * Di;
+  const float sc = (float)scale;
+  at::parallel_for(0, Q * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t qi = i / blocks, l0 = (i % blocks) * 64, l1 = std::min(L, l0 + 64), seen = lp[qi];
+      for (int64_t l = l0; l < l1; ++l) {
+        if (l >= seen) { op[qi * L + l] = -INFINITY; continue; }
+        const float* k = kp + qi * kstride + l * Di;
+        float s = 0.0f;
+        for (int64_t h0 = 0; h0 < Hi; h0 += 4) {
+          const int nh = (int)std::min<int64_t>(4, Hi - h0);
+          const float* qs[4]; float d[4];
+          for (int j = 0; j < nh; ++j) qs[j] = qp + (qi * Hi + h0 + j) * Di;
+          dots(k, qs, nh, Di, d);
+          for (int j = 0; j < nh; ++j) s += wp[qi * Hi + h0 + j] * std::max(0.0f, d[j] * sc);
+        }
+        op[qi * L + l] = s;
+      }
+    }
+  });
+  return out;
+}
 torch::Tensor absorb_q(const torch::Tensor& q, const torch::Tensor& kv_b3, int64_t D) {
   NO_GIL;
   return absorb_q_impl(q, kv_b3, D);
