@@ -255,6 +255,8 @@ def test_fused_index_scores_equal_the_torch_math():
     lens = torch.tensor([1, 64, 65, 150, 200])
     visible = torch.arange(L)[None, :] < lens[:, None]
     for keys in (torch.randn(L, Di, generator=g), torch.randn(Q, L, Di, generator=g)):
-        dots = torch.einsum("qhd,ld->qhl", q, keys) if keys.dim() == 2 else torch.einsum("qhd,qld->qhl", q, keys)
+        dots = (
+            torch.einsum("qhd,ld->qhl", q, keys) if keys.dim() == 2 else torch.einsum("qhd,qld->qhl", q, keys)
+        )
         want = torch.einsum("qh,qhl->ql", w, F.relu(dots * Di**-0.5)).masked_fill(~visible, float("-inf"))
         torch.testing.assert_close(cpu_kernels.index_scores(q, w, keys, lens), want, rtol=1e-5, atol=1e-5)

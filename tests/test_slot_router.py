@@ -74,3 +74,29 @@ def test_dead_workers_are_avoided_and_a_resend_without_a_live_replica_fails_clea
 def test_replica_rank_numbers_repeats_in_order():
     experts = torch.tensor([3, 5, 3, 3, 5, 0])
     assert replica_rank(experts, torch.bincount(experts, minlength=6)).tolist() == [0, 0, 1, 2, 1, 0]
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_packed_requests_equal_the_torch_ones(T):
+    """cpu_kernels.dispatch_rows / pack_share (the dispatch client's CPU path) give each worker the
+    rows, local slots (-1 elsewhere) and weights (0 elsewhere) the torch ops give."""
+    from services.attention.slot_router import Route
+    from services.model.kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU kernels")
+    g = torch.Generator().manual_seed(T)
+    S, W, K, H = 8, 3, 6, 16
+    slot = torch.randint(-1, S * W, (T, K), generator=g)
+    x, weight = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    route = Route(slot, S)
+    counts = cpu_kernels.dispatch_rows(slot, S, W)
+    assert counts == [int(route.pairs(w).any(1).sum()) for w in range(W)]
+    for w, n in enumerate(counts):
+        hidden, local, weights = torch.empty(n, H), torch.empty(n, K, dtype=torch.int32), torch.empty(n, K)
+        rows = cpu_kernels.pack_share(x, slot, weight, S, w, hidden, local, weights)
+        mine = route.pairs(w)
+        want_rows = mine.any(1).nonzero().view(-1)
+        assert torch.equal(rows, want_rows) and torch.equal(hidden, x[want_rows])
+        assert torch.equal(local, torch.where(mine, route.local_slot, -1)[want_rows])
+        assert torch.equal(weights, torch.where(mine, weight, 0.0)[want_rows])

@@ -37,6 +37,7 @@ import grpc
 import torch
 
 from services.model.config import ModelConfig
+from services.model.kernels import cpu_kernels
 from services.model.messages import ExpertCombine, ExpertDispatch
 from services.model.placement import Placement
 from services.rpc import shm, wire
@@ -87,8 +88,13 @@ class _Part:
 
     worker: int  # index into placement.workers
     rows: torch.Tensor | None  # [Tw] int64 rows of x this worker got; None: all of them
-    pairs: torch.Tensor  # [T, K] bool: the (token, choice) pairs it computes
+    route: Route  # the route it came from (`pairs`: what a resend must cover)
     call: Call  # its output, or TransportError
+
+    @property
+    def pairs(self) -> torch.Tensor:
+        """[T, K] bool: the (token, choice) pairs it computes."""
+        return self.route.pairs(self.worker)
 
 
 @dataclass
@@ -241,28 +247,52 @@ class RemoteExperts:
         return output
 
     def _send(self, pending: PendingDispatch, route: Route) -> list[_Part]:
-        """Start one RPC per worker of `route`."""
+        """Start one RPC per worker of `route`. On the CPU each worker's request is written into
+        its buffer in one kernel call (cpu_kernels.pack_share); elsewhere by torch ops."""
         weight = pending.msg.topk_weight.cpu().float()
-        return [self._start(pending, w, mine, route.local_slot, weight) for w, mine in route.shares]
+        x = pending.msg.x
+        if x.device.type == "cpu":
+            rows = cpu_kernels.dispatch_rows(
+                route.slot, route.slots_per_worker, len(pending.router.placement.workers)
+            )
+            if rows is not None:
+                return [self._start(pending, route, w, weight, n) for w, n in enumerate(rows) if n]
+        return [self._start(pending, route, w, weight) for w, _ in route.shares]
 
-    def _start(
-        self, pending: PendingDispatch, w: int, mine: torch.Tensor, local: torch.Tensor, weight: torch.Tensor
-    ) -> _Part:
-        """Start the RPC of worker `w`'s pairs `mine` [T, K] bool (local slots `local` [T, K] int32,
-        routing weights `weight` [T, K]): its request holds only the rows it computes something for.
-        The request is laid out first and its tensors are built in place: the gather of the rows is
-        the one copy of the hidden states."""
+    def _open(self, pending: PendingDispatch, w: int, T: int) -> Call:
         x, placement, layer = pending.msg.x, pending.router.placement, pending.msg.decoder_layer
-        hit = mine.any(1)  # [T]
-        rows = None if bool(hit.all()) else hit.nonzero().view(-1)
-        T = x.shape[0] if rows is None else rows.numel()
         address = pending.addresses[placement.workers[w]]
         try:
-            call = self.transports.open(
-                address, layer, placement.version, (T, x.shape[1]), x.dtype, mine.shape[1]
+            return self.transports.open(
+                address, layer, placement.version, (T, x.shape[1]), x.dtype, pending.msg.topk_idx.shape[1]
             )
         except TransportError as e:
             raise ExpertDispatchError(f"decoder layer {layer}: worker {address}: {e}") from None
+
+    def _start(
+        self,
+        pending: PendingDispatch,
+        route: Route,
+        w: int,
+        weight: torch.Tensor,
+        num_rows: int | None = None,
+    ) -> _Part:
+        """Start the RPC of worker `w`'s share of `route` (routing weights `weight` [T, K]): its
+        request holds only the rows it computes something for (`num_rows` of them, where known).
+        The request is laid out first and its tensors are built in place: the gather of the rows is
+        the one copy of the hidden states."""
+        x = pending.msg.x
+        if num_rows is not None:  # (CPU) one pass writes the request
+            call = self._open(pending, w, num_rows)
+            rows = cpu_kernels.pack_share(x, route.slot, weight, route.slots_per_worker, w, call.hidden, call.slot,
+                                          call.weight)  # fmt: skip
+            if rows is not None:
+                return self._started(pending, w, None if num_rows == x.shape[0] else rows, route, call)
+        mine, local = route.pairs(w), route.local_slot
+        hit = mine.any(1)  # [T]
+        rows = None if bool(hit.all()) else hit.nonzero().view(-1)
+        if num_rows is None:
+            call = self._open(pending, w, x.shape[0] if rows is None else rows.numel())
         if rows is None:
             wire.copy_into(call.hidden, x)
             torch.where(mine, local, _NO_SLOT, out=call.slot)
@@ -274,13 +304,16 @@ class RemoteExperts:
                 call.hidden.copy_(x.index_select(0, rows.to(x.device)))
             torch.index_select(torch.where(mine, local, _NO_SLOT), 0, rows, out=call.slot)
             torch.index_select(torch.where(mine, weight, _NO_WEIGHT), 0, rows, out=call.weight)
+        return self._started(pending, w, rows, route, call)
+
+    def _started(self, pending: PendingDispatch, w: int, rows, route: Route, call: Call) -> _Part:
         call.start()
         pending.calls.append(call)
         self.stats.rpcs += 1
         self.stats.shm_calls += call.transport == "shm"
         self.stats.bytes_sent += call.nbytes_sent
         self.stats.bytes_copied += call.hidden.nbytes + call.slot.nbytes + call.weight.nbytes
-        return _Part(w, rows, mine, call)
+        return _Part(w, rows, route, call)
 
     def close(self) -> None:
         self.transports.close()

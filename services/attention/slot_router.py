@@ -17,7 +17,7 @@ Slot p of the placement lives on worker p // S at local slot p % S.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import torch
 
@@ -32,14 +32,28 @@ class ExpertUnavailableError(ExpertDispatchError):
     """Some routed experts have no replica on a live worker."""
 
 
-@dataclass
 class Route:
-    """Where the pairs of one dispatch go: `local_slot` [T, K] int32 (the slot on its worker of
-    each routed pair; meaningless elsewhere) and `shares`: (worker index, pairs [T, K] bool it
-    computes) for each worker that gets any."""
+    """Where the pairs of one dispatch go: `slot` [T, K] int64, each pair's global slot (-1: not
+    routed), on workers of `slots_per_worker` slots each. Derived on first use: `local_slot` [T,
+    K] int32 (the slot on its worker; meaningless where not routed) and `shares`: (worker index,
+    pairs [T, K] bool it computes) for each worker that gets any."""
 
-    local_slot: torch.Tensor
-    shares: list[tuple[int, torch.Tensor]]
+    def __init__(self, slot: torch.Tensor, slots_per_worker: int):
+        self.slot, self.slots_per_worker = slot, slots_per_worker
+
+    @functools.cached_property
+    def local_slot(self) -> torch.Tensor:
+        return self.slot.remainder(self.slots_per_worker).to(torch.int32)
+
+    @functools.cached_property
+    def shares(self) -> list[tuple[int, torch.Tensor]]:
+        worker = self.slot.div(self.slots_per_worker, rounding_mode="floor")  # -1 (no slot) stays -1
+        named = torch.bincount(worker.view(-1) + 1).tolist()[1:]
+        return [(w, worker == w) for w, n in enumerate(named) if n]
+
+    def pairs(self, w: int) -> torch.Tensor:
+        """[T, K] bool: the pairs worker w computes."""
+        return self.slot.div(self.slots_per_worker, rounding_mode="floor") == w
 
 
 class SlotRouter:
@@ -119,12 +133,7 @@ class SlotRouter:
         return self._live[dead]
 
     def _split(self, slot: torch.Tensor) -> Route:
-        """Global slots [T, K] (-1: not routed) -> local slots and per-worker shares."""
-        S = self.placement.slots_per_worker
-        worker = slot.div(S, rounding_mode="floor")  # -1 (no slot) stays -1
-        named = torch.bincount(worker.view(-1) + 1).tolist()[1:]
-        shares = [(w, worker == w) for w, n in enumerate(named) if n]
-        return Route(slot.remainder(S).to(torch.int32), shares)
+        return Route(slot, self.placement.slots_per_worker)
 
 
 def replica_rank(experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

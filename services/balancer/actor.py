@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict
 
@@ -33,12 +34,25 @@ class Balancer:
         self._resuming: asyncio.Task | None = None
         if self._restarted:
             log.warning("balancer restarted: re-attaching to the running pool")
-            ray.get_runtime_context().current_actor.resume.remote()
+            threading.Thread(target=self._call_resume, name="balancer-resume", daemon=True).start()
+
+    @staticmethod
+    def _call_resume() -> None:
+        """Call this actor's `resume` until a call gets through: a call sent while Ray still counts
+        the actor as restarting can fail, and a restarted balancer that never resumes serves
+        nothing (seen on a loaded machine: version 0, no workers, for good)."""
+        handle = ray.get_runtime_context().current_actor
+        while True:
+            try:
+                ray.get(handle.resume.remote())
+                return
+            except Exception as e:  # noqa: BLE001 (not yet reachable: try again)
+                log.warning("resume call failed (%s); calling again", e)
+                time.sleep(1.0)
 
     def _kick(self) -> None:
-        """After a restart, make sure the resume runs, once: the call __init__ sends itself starts
-        it, and so does any call that comes first (a loaded machine has been seen to lose the
-        self-call, leaving a restarted balancer idle)."""
+        """After a restart, start the resume, once: on the `resume` call, or on whichever call
+        comes first."""
         if self._restarted and self._resuming is None:
             self._resuming = asyncio.get_running_loop().create_task(self._resume())
 

@@ -140,6 +140,8 @@ FUNCTIONS = [
     "expert_dispatch",
     "mla_decode_fp8",
     "index_scores",
+    "dispatch_rows",
+    "pack_share",
 ]
 
 
@@ -335,6 +337,34 @@ def expert_dispatch(
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     return module.expert_dispatch(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, out, counts,
                                   MAX_ROWS, limit)  # fmt: skip
+
+
+def dispatch_rows(slot: torch.Tensor, S: int, W: int) -> list[int] | None:
+    """The rows of a dispatch each of W workers gets (a row counts for a worker when any of its
+    pairs is there): slot [T, K] int64 global slots (-1: none), S per worker. None without kernels."""
+    module = _module()
+    if module is None or slot.dtype != torch.int64 or not slot.is_cpu:
+        return None
+    return module.dispatch_rows(slot.contiguous(), S, W).tolist()
+
+
+def pack_share(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, S: int, w: int, hidden: torch.Tensor,
+               local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+    """Worker w's request of a dispatch written straight into its buffers (one pass instead of
+    ~10 torch ops): hidden [Tw, H] the rows of x [T, H] with a pair on w, local [Tw, K] int32
+    their slots on w (-1 elsewhere), weights [Tw, K] fp32 (0 elsewhere); returns the rows [Tw]
+    int64. None where it does not apply (no kernels, not CPU, misaligned buffers)."""
+    aligned = all(t.data_ptr() % t.element_size() == 0 for t in (hidden, local, weights))
+    if not (
+        x.is_cpu and hidden.is_cpu and aligned and weight.dtype == torch.float32 and slot.dtype == torch.int64
+    ):
+        return None
+    module = _module()
+    if module is None:
+        return None
+    return module.pack_share(
+        x.contiguous(), slot.contiguous(), weight.contiguous(), S, w, hidden, local, weights
+    )
 
 
 def dense_ffn(

@@ -204,3 +204,65 @@ torch::Tensor dense_ffn(const torch::Tensor& x, const torch::Tensor& w13, const 
                          w13.unsqueeze(0), w2.unsqueeze(0), 0.0);
 }
 
+// The dispatch client's per-worker requests for one MoE layer, built in one pass each (instead of
+// ~10 torch ops per worker). slot [T, K] int64 global slots (-1: none); worker w holds slots
+// [w * S, (w + 1) * S). dispatch_rows: rows per worker [W] int64 (a row counts for a worker when
+// any of its pairs is there).
+torch::Tensor dispatch_rows(const torch::Tensor& slot, int64_t S, int64_t W) {
+  NO_GIL;
+  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.dim() == 2 && slot.is_contiguous() && S > 0 && W > 0,
+              "dispatch_rows: slot [T, K] int64");
+  const int64_t T = slot.size(0), K = slot.size(1);
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  auto counts = torch::zeros({W}, slot.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  std::vector<int64_t> seen(W, -1);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t s = sp[t * K + k];
+      if (s < 0) continue;
+      const int64_t w = s / S;
+      TORCH_CHECK(w < W, "dispatch_rows: slot ", s, " beyond ", W, " workers of ", S);
+      if (seen[w] != t) { seen[w] = t; ++cp[w]; }
+    }
+  return counts;
+}
+// pack_share: worker w's request, written into its views: hidden [Tw, H] (the rows of x [T, H]
+// with a pair on w, in order), local [Tw, K] int32 (slot - w * S there, else -1), weights [Tw, K]
+// fp32 (weight [T, K] there, else 0); returns their row indices [Tw] int64. Any dtype for x /
+// hidden (one, the same); rows are copied whole.
+torch::Tensor pack_share(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight, int64_t S,
+                         int64_t w, const torch::Tensor& hidden, const torch::Tensor& local, const torch::Tensor& weights) {
+  NO_GIL;
+  const int64_t T = x.size(0), H = x.size(1), K = slot.size(1), Tw = hidden.size(0);
+  TORCH_CHECK(x.is_contiguous() && hidden.is_contiguous() && x.scalar_type() == hidden.scalar_type() &&
+              hidden.size(1) == H && slot.scalar_type() == at::kLong && slot.is_contiguous() && slot.size(0) == T &&
+              weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.sizes() == slot.sizes() &&
+              local.scalar_type() == at::kInt && local.is_contiguous() && local.size(0) == Tw && local.size(1) == K &&
+              weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.sizes() == local.sizes(),
+              "pack_share: shapes / dtypes");
+  const int64_t* sp = slot.data_ptr<int64_t>(); const float* wp = weight.data_ptr<float>();
+  const char* xp = (const char*)x.data_ptr(); char* hp = (char*)hidden.data_ptr();
+  int32_t* lp = local.data_ptr<int32_t>(); float* op = weights.data_ptr<float>();
+  const int64_t row_bytes = H * x.element_size(), lo = w * S, hi = lo + S;
+  std::vector<int64_t> rows;
+  for (int64_t t = 0; t < T; ++t) {
+    bool mine = false;
+    for (int64_t k = 0; k < K; ++k) mine |= sp[t * K + k] >= lo && sp[t * K + k] < hi;
+    if (!mine) continue;
+    const int64_t r = (int64_t)rows.size();
+    TORCH_CHECK(r < Tw, "pack_share: more rows for worker ", w, " than its request holds (", Tw, ")");
+    std::memcpy(hp + r * row_bytes, xp + t * row_bytes, row_bytes);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t s = sp[t * K + k];
+      const bool here = s >= lo && s < hi;
+      lp[r * K + k] = here ? (int32_t)(s - lo) : -1;
+      op[r * K + k] = here ? wp[t * K + k] : 0.0f;
+    }
+    rows.push_back(t);
+  }
+  TORCH_CHECK((int64_t)rows.size() == Tw, "pack_share: ", rows.size(), " rows for worker ", w, ", the request holds ", Tw);
+  auto out = torch::empty({Tw}, slot.options());
+  std::memcpy(out.data_ptr<int64_t>(), rows.data(), Tw * sizeof(int64_t));
+  return out;
+}
