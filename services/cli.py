@@ -213,7 +213,8 @@ def cmd_bench(args) -> int:
              "dispatch": "benchmarks.bench_dispatch", "attention": "benchmarks.bench_attention",
              "balancer": "benchmarks.bench_balancer", "faults": "benchmarks.bench_faults",
              "prefix": "benchmarks.bench_prefix", "grammar": "benchmarks.bench_grammar",
-             "kernels": "benchmarks.bench_kernels"}  # fmt: skip
+             "long-context": "benchmarks.bench_long_context", "fp8-cache": "benchmarks.bench_fp8_cache",
+             "grpc-streams": "benchmarks.bench_grpc_streams", "kernels": "benchmarks.bench_kernels"}  # fmt: skip
     if args.which == "all":  # (the Triton kernels' benchmark needs a GPU)
         import torch
 
@@ -310,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="run benchmarks (JSON results under benchmarks/results/)")
     s.add_argument("which", choices=["all", "local-engine", "eplb", "dispatch", "attention", "balancer", "faults",
-                                     "prefix", "grammar", "kernels"])  # fmt: skip
+                                     "prefix", "grammar", "long-context", "fp8-cache", "grpc-streams", "kernels"])  # fmt: skip
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
     return p
