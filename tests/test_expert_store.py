@@ -250,3 +250,25 @@ def test_bf16_held_experts_compute_in_fp32(model):
         )
     with pytest.raises(InvalidRequest, match="computes in torch.float32"):
         store.forward(1, cfg.moe_layers[0], x.bfloat16(), slot, weight)
+
+
+def test_slot_counts_are_exact_under_concurrent_calls(model):
+    """Dispatches run at once on the gRPC pool and the shared-memory channels: every (token, choice)
+    pair is counted (the kernel counts into its own tensor, added under the store's lock)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, cfg, _ = model
+    store = SlotStore(cfg, path, torch.float32)
+    store.load(1, _layout(cfg, [4, 5, 6]))
+    layer = cfg.moe_layers[0]
+    x, slot, weight, _ = _request(cfg, [4, 5, 6], T=2, K=3, seed=9)
+
+    def run(_):
+        out = torch.empty_like(x)
+        for _ in range(500):
+            store.forward(1, layer, x, slot, weight, out)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(run, range(4)))
+    _, tokens = store.stats().slots[1][layer]
+    assert tokens == (2000 * torch.bincount(slot[slot >= 0].long(), minlength=3)).tolist()

@@ -102,3 +102,23 @@ def test_bad_values_are_refused():
     for bad in (-1, 21, 2.5, "3"):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad).validate()
+
+
+def test_prompt_rows_are_bounded_per_step_over_all_requests(checkpoint, monkeypatch):
+    """Several requests asking for prompt logprobs share one step's PROMPT_LOGPROBS_CHUNK rows."""
+    path, hf = checkpoint
+    monkeypatch.setattr(scheduler, "PROMPT_LOGPROBS_CHUNK", 40)
+    engine = LocalEngine(EngineConfig(model=str(path), max_num_batched_tokens=512))
+    rows, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        chunks = schedule()
+        rows.append(sum(len(c.prompt_rows) for c in chunks))
+        return chunks
+
+    engine.scheduler.schedule = recording
+    prompts = random_prompts(320, seed=11, lengths=[100, 90, 30])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert max(rows) == 40 and sum(rows) == 99 + 89 + 29
+    for c, p in zip(outs, prompts, strict=True):
+        _check(c, hf, p, 0)

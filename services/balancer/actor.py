@@ -57,6 +57,8 @@ class Balancer:
             self._resuming = asyncio.get_running_loop().create_task(self._resume())
 
     async def resume(self) -> None:
+        if not self._restarted:  # (a balancer that was never restarted has nothing to resume)
+            return
         self._kick()
         await asyncio.shield(self._resuming)
 

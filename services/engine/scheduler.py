@@ -170,6 +170,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._prompt_rows_left = PROMPT_LOGPROBS_CHUNK  # (set per step by `schedule`)
 
     # ---- admission ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -230,6 +231,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:
         budget = self.cfg.max_num_batched_tokens
+        self._prompt_rows_left = PROMPT_LOGPROBS_CHUNK  # (this step's rows of prompt-logprob logits)
         chunks: list[Chunk] = []
 
         # 1. decodes (one token each), allocating a block every 64 tokens; preempt if needed
@@ -244,19 +246,21 @@ class Scheduler:
         # 2. prefills already running (chunked)
         for seq in list(self.running):
             remaining = seq.num_tokens - seq.num_computed
-            if seq.status is SeqStatus.RUNNING and remaining > 1 and budget > 0:
+            if seq.status is SeqStatus.RUNNING and remaining > 1 and budget > 0 and self._logits_room(seq):
                 n = min(remaining, budget, self._state_room(seq), self._logits_room(seq))
                 if n < 1:  # no state block free (V4): wait, unless nothing else can run
                     if chunks or not self._ensure_blocks(seq, seq.num_computed + 1):
                         continue
                     n = 1
                 self._hold_state(seq, seq.num_computed + n)
-                chunks.append(Chunk(seq, seq.num_computed, n))
+                self._add_chunk(chunks, Chunk(seq, seq.num_computed, n))
                 budget -= n
 
         # 3. admit waiting requests, first come first served, reusing cached prefix blocks
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            if not self._logits_room(seq):  # (this step's prompt-logprob rows are spent: next step)
+                break
             hashes = self._prefix_hashes(seq)
             # prompt logprobs need every prompt position computed: no cache hit (vLLM does the same)
             hit = [] if seq.prompt_logprobs_to_go else self._usable(self.allocator.lookup(hashes))
@@ -280,14 +284,19 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._hold_state(seq, seq.num_computed + n)
-            chunks.append(Chunk(seq, seq.num_computed, n))
+            self._add_chunk(chunks, Chunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
 
+    def _add_chunk(self, chunks: list[Chunk], chunk: Chunk) -> None:
+        chunks.append(chunk)
+        self._prompt_rows_left -= len(chunk.prompt_rows)
+
     def _logits_room(self, seq: Sequence) -> int:
         """A prefill chunk scoring prompt logprobs computes logits for each of its rows: at most
-        PROMPT_LOGPROBS_CHUNK rows at a time, so [rows, vocab] stays bounded."""
-        return PROMPT_LOGPROBS_CHUNK if seq.prompt_logprobs_to_go else seq.num_tokens
+        PROMPT_LOGPROBS_CHUNK such rows in a step, over all its sequences, so [rows, vocab]
+        stays bounded (0: none left for this step)."""
+        return max(0, self._prompt_rows_left) if seq.prompt_logprobs_to_go else seq.num_tokens
 
     def _prefix_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of the full blocks a cached prefix of `seq` may cover: all but the

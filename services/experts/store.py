@@ -397,13 +397,15 @@ class SlotStore:
         packed = held.packed
         if self.device.type != "cpu" or layer in packed.w13_scale:
             return False
+        counts = torch.zeros(held.num_slots, dtype=torch.long)
         try:
             ran = cpu_kernels.expert_dispatch(hidden, slot, weight, packed.w13[layer], packed.w2[layer], out,
-                                              held.tokens[self.moe_index[layer]], packed.swiglu_limit)  # fmt: skip
+                                              counts, packed.swiglu_limit)  # fmt: skip
         except ValueError as e:
             raise InvalidRequest(f"{e} (placement version {held.version})") from None
         if ran:
-            with self._lock:
+            with self._lock:  # (calls run concurrently: the shared counters only under the lock)
+                held.tokens[self.moe_index[layer]] += counts
                 self.dispatch_calls += 1
         return ran
 

@@ -300,7 +300,9 @@ class Router:
         outs = (await self._collect(request, subs))[0]
         message, reason = parser.message("".join(o.text for o in outs), outs[-1].finish_reason)
         usage = self._usage(subs, proto.completion_tokens([outs]), [outs])
-        return responses.response_object(req, rid, created, responses.output_items(message), reason, usage)
+        return responses.response_object(
+            req, rid, created, responses.output_items(message, reason), reason, usage
+        )
 
     async def _stream_response(self, req: ResponsesRequest, rid: str, subs: list[Sub],
                                parser: ChatParser) -> StreamingResponse:  # fmt: skip

@@ -195,17 +195,18 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}  # fmt: skip
 
 
-def output_items(message: dict) -> list[dict]:
-    """A chat message (`ChatParser.message`) as Responses output items."""
+def output_items(message: dict, finish_reason: str | None = None) -> list[dict]:
+    """A chat message (`ChatParser.message`) as Responses output items (cut short by the token
+    limit: "incomplete" ones)."""
+    status = "incomplete" if finish_reason == "length" else "completed"
     items = []
     if message.get("reasoning_content"):
         items.append(_reasoning_item(new_id("rs"), message["reasoning_content"]))
     if message.get("content"):
-        items.append(_message_item(new_id("msg"), message["content"]))
+        items.append(_message_item(new_id("msg"), message["content"], status))
     for call in message.get("tool_calls") or []:
-        items.append(
-            _call_item(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"])
-        )
+        fn = call["function"]
+        items.append(_call_item(new_id("fc"), call["id"], fn["name"], fn["arguments"], status))
     return items
 
 
@@ -257,7 +258,10 @@ class ResponseEvents:
     def _add(self, key: str, item: dict) -> list[dict]:
         self._open[key] = len(self.output)
         self.output.append(item)
-        events = [self._event("response.output_item.added", output_index=self._open[key], item=dict(item))]
+        # (as OpenAI: a message or reasoning item is announced empty, its parts and text follow;
+        # the event gets its own copy, the item goes on filling)
+        shown = {**item, "content": []} if item["type"] in ("message", "reasoning") else dict(item)
+        events = [self._event("response.output_item.added", output_index=self._open[key], item=shown)]
         if item["type"] == "message":
             events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._open[key],
                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []}))  # fmt: skip
@@ -294,8 +298,8 @@ class ResponseEvents:
         return events
 
     def finish(self, finish_reason: str | None, usage: dict) -> list[dict]:
-        """Close every open item, then response.completed (or .incomplete)."""
-        events = []
+        """Close every open item, then response.completed (or .incomplete: items too)."""
+        events, done = [], "incomplete" if finish_reason == "length" else "completed"
         for at, item in enumerate(self.output):
             if item["type"] == "message":
                 part = item["content"][0]
@@ -310,7 +314,7 @@ class ResponseEvents:
                 events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=at,
                                           content_index=0, text=item["content"][0]["text"]))  # fmt: skip
             if "status" in item:
-                item["status"] = "completed"
+                item["status"] = done
             events.append(self._event("response.output_item.done", output_index=at, item=item))
         body = response_object(self.req, self.id, self.created, self.output, finish_reason, usage)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"

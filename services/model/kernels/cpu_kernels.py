@@ -320,10 +320,13 @@ def expert_dispatch(
     """An expert worker's Dispatch at decode sizes in one call, straight from the request: out
     [T, H] fp32 = expert_ffn(x, slot, weight, w13, w2) for slot [T, K] int32 local slots (-1 =
     none), checked (ValueError, nothing written: a slot outside [-1, S), a weight not finite), and
-    counts [S] int64 += the pairs each slot computed. False (nothing done) where the kernel does
-    not apply: not fp32 / bf16 on the CPU, no kernels, or too many rows per slot (grouped matmuls)."""
+    counts [S] int64 = the pairs each slot computed. False (nothing done) where the kernel does
+    not apply: not fp32 / bf16 on the CPU, no kernels, misaligned buffers (a gRPC payload's views
+    can be), or too many rows per slot (grouped matmuls)."""
     H, I = x.shape[1], w2.shape[2]
     if H % 8 or I % 8 or slot.dtype != torch.int32 or not _fp32_cpu(x, weight, out):
+        return False
+    if any(t.data_ptr() % t.element_size() for t in (x, slot, weight, out)):
         return False
     if (
         (swiglu_limit is not None and swiglu_limit <= 0)

@@ -165,7 +165,8 @@ torch::Tensor expert_ffn_fp8(const torch::Tensor& x, const torch::Tensor& slot, 
 }
 // An expert worker's Dispatch at decode sizes, checked and counted in one call: out [T, H] fp32 =
 // expert_ffn(x, slot, weight) for slot [T, K] int32 local slots (-1: none) straight from the request;
-// counts [S] int64 += the pairs each slot computed. ValueError (nothing written) for a slot outside
+// counts [S] int64 (the caller's own, zeroed: it adds them to shared counters under its lock) = the
+// pairs each slot computed. ValueError (nothing written) for a slot outside
 // [-1, S) or a weight that is not finite. False (nothing done) when the slots' rows are too many
 // for this kernel (more than `max_rows` tokens and more than `max_rows` rows per busy slot on
 // average): the caller's grouped matmuls take those.
@@ -192,7 +193,7 @@ bool expert_dispatch(const torch::Tensor& x, const torch::Tensor& slot, const to
   if (T > max_rows && pairs > max_rows * busy) return false;
   expert_ffn_slots(x, sp.data(), K, weight, w13, w2, limit, &out);
   int64_t* cp = counts.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) cp[s] += per_slot[s];
+  for (int64_t s = 0; s < S; ++s) cp[s] = per_slot[s];
   return true;
 }
 // A dense SwiGLU MLP (w13 [2I, H]: gate rows then up rows, w2 [H, I]) for a few rows x [T, H]:
