@@ -247,19 +247,25 @@ def test_cache_salts_isolate_prefixes(tiny_model):
     assert run(None)[0] == 192 and run("tenant-b")[0] == 192  # each its own
     aff = PrefixAffinity()
     aff.record(prompt, "w", cache_salt="tenant-a")
-    assert aff.choose(prompt, {"w": 0, "v": 0}, cache_salt="tenant-b") is None
     assert aff.choose(prompt, {"w": 0, "v": 0}, cache_salt="tenant-a") == "w"
+    # another salt is another prefix: not b's record, where its own first block hashes
+    assert aff.choose(prompt, {"w": 0, "v": 0}, cache_salt="tenant-b") == PrefixAffinity().choose(
+        prompt, {"w": 0, "v": 0}, cache_salt="tenant-b"
+    )
 
 
 def test_affinity_follows_the_prefix_unless_that_worker_is_too_busy():
     aff = PrefixAffinity(max_imbalance_tokens=100)
     shared = list(range(200))
-    assert aff.choose(shared + [1], {"a": 0, "b": 0}) is None  # nothing known yet
+    first = aff.choose(shared + [1], {"a": 0, "b": 0})  # nothing known yet: where its first block hashes
+    other_replica = PrefixAffinity(max_imbalance_tokens=100)
+    assert first in ("a", "b") and other_replica.choose(shared[:64] + [9] * 70, {"a": 0, "b": 0}) == first
     aff.record(shared + [1], "b")
     assert aff.choose(shared + [2, 3], {"a": 0, "b": 50}) == "b"  # shares 3 full blocks with b
-    assert aff.choose(shared + [2, 3], {"a": 0, "b": 500}) is None  # b is too busy
-    assert aff.choose(list(range(500, 700)), {"a": 0, "b": 0}) is None  # no shared prefix
-    assert aff.choose(shared[:63], {"a": 0, "b": 0}) is None  # no full block
+    assert aff.choose(shared + [2, 3], {"a": 0, "b": 500}) == "a"  # b is too busy
+    assert aff.choose(shared[:63], {"a": 0, "b": 0}) is None  # no full block: the least busy
+    spread = {PrefixAffinity().choose([7 + i] * 100, {"a": 0, "b": 0, "c": 0}) for i in range(30)}
+    assert spread == {"a", "b", "c"}  # (unseen prefixes spread over the workers)
     h = PrefixAffinity.hashes(shared, 8)
     assert len(h) == 3 and h[0] == block_hash(None, shared[:64])
 

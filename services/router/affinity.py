@@ -1,14 +1,21 @@
 """Prefix-affinity routing: send requests that share a prompt prefix to the attention worker
 that already holds it in its prefix cache, unless that worker is too much busier than the
-least busy one (like Ray Serve LLM's PrefixCacheAffinityRouter). Pure: no Ray, no HTTP."""
+least busy one (like Ray Serve LLM's PrefixCacheAffinityRouter). A prefix a router replica has
+not seen goes where its first block hashes to, so replicas agree without sharing state. Pure:
+no Ray, no HTTP."""
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from services.engine.block_allocator import block_hash, salt_root
 from services.model.kv_cache import BLOCK_SIZE
+
+
+def _rendezvous(prefix_hash: int, worker: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{prefix_hash}:{worker}".encode(), digest_size=8).digest(), "big")
 
 
 class PrefixAffinity:
@@ -35,11 +42,18 @@ class PrefixAffinity:
         -> outstanding tokens), unless it is busier than the least busy by more than
         `max_imbalance_tokens`; None: no preference (the caller takes the least busy)."""
         least = min(outstanding.values())
-        for h in reversed(self.hashes(prompt_ids, self.max_blocks, cache_salt)):
+        hashes = self.hashes(prompt_ids, self.max_blocks, cache_salt)
+        for h in reversed(hashes):
             owner = self._owner.get(h)
             if owner in outstanding and outstanding[owner] - least <= self.max_imbalance_tokens:
                 return owner
-        return None
+        if not hashes:
+            return None
+        # a prefix this router has not seen: the worker its first block hashes to (rendezvous
+        # hashing among those not too busy), so every router replica picks the same one without
+        # sharing state, and the prefix's later requests find it cached whichever replica serves them
+        eligible = sorted(w for w, v in outstanding.items() if v - least <= self.max_imbalance_tokens)
+        return max(eligible, key=lambda w: _rendezvous(hashes[0], w))
 
     def record(self, prompt_ids: Sequence[int], worker: str, cache_salt: str | None = None) -> None:
         """`worker` will hold this prompt's blocks."""
