@@ -54,6 +54,23 @@ def sparse_decode(q, cache, rows, count, C: int, scale: float) -> torch.Tensor:
     return o
 
 
+def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+    """The absorbed form's latent queries: q_nope [T, N, D] @ W_UK (kv_b [N, D+V, C]) -> [T, N, C]
+    (per-head dots on the CPU at decode sizes, cpu_kernels.absorb; a batched matmul otherwise)."""
+    D = q_nope.shape[-1]
+    q_lat = cpu_kernels.absorb(q_nope, kv_b, D, "q")
+    return q_lat if q_lat is not None else torch.bmm(q_nope.transpose(0, 1), kv_b[:, :D]).transpose(0, 1)
+
+
+def absorb_o(o_lat: torch.Tensor, kv_b: torch.Tensor, D: int) -> torch.Tensor:
+    """The absorbed form's outputs: o_lat [T, N, C] through W_UV (kv_b [N, D+V, C], its rows from
+    D on) -> [T, N, V] (per-head dots on the CPU at decode sizes, else a batched matmul)."""
+    o = cpu_kernels.absorb(o_lat, kv_b, D, "o")
+    return (
+        o if o is not None else torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)
+    )
+
+
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, dec: DecodeRows, C: int, scale: float) -> torch.Tensor:
     """Decode attention over each row's paged context: q [Bd, N, C+R] absorbed latent queries,
     cache [blocks, 64, 1, W] -> o_lat [Bd, N, C]. FlashMLA where it applies (Hopper, installed),
@@ -136,10 +153,7 @@ def mla_forward(
     if dec is not None:
         Bd = dec.rows.shape[0]
         q_nope_d, q_pe_d = (q_nope, q_pe) if only_decodes else (q_nope[dec.rows], q_pe[dec.rows])
-        q_lat = cpu_kernels.absorb(q_nope_d, kv_b, D, "q")  # fp32 CPU decode sizes: per-head dots
-        if q_lat is None:
-            q_lat = torch.bmm(q_nope_d.transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [Bd, N, C]
-        q_full = torch.cat((q_lat, q_pe_d), dim=-1)  # [Bd, N, C+R]
+        q_full = torch.cat((absorb_q(q_nope_d, kv_b), q_pe_d), dim=-1)  # [Bd, N, C+R]
         if index is not None:  # V3.2: score the context, attend to each query's top-k rows only
             flat = cache.view(-1, W)
             slots = (dec.table[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=x.device)).view(
@@ -149,9 +163,7 @@ def mla_forward(
             o_lat = sparse_decode(q_full, cache, slots.gather(1, pos), count, C, scale)
         else:
             o_lat = paged_decode(q_full, cache, dec, C, scale)
-        o = cpu_kernels.absorb(o_lat, kv_b, D, "o")  # W_UV: [Bd, N, V]
-        if o is None:
-            o = torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1)
+        o = absorb_o(o_lat, kv_b, D)  # [Bd, N, V]
         if only_decodes:
             return linear(o.reshape(T, N * V), w.o, w.o_bias)
         out[dec.rows] = o
@@ -195,9 +207,8 @@ def sparse_prefill(q_nope, q_pe, s0: int, index: IndexQueries, cache, blocks, L:
         positions = torch.arange(L - n + q0, L - n + q1, device=keys.device)
         visible = torch.arange(L, device=keys.device)[None, :] <= positions[:, None]  # [t, L] causal
         pos, count = index.select(torch.arange(s0 + q0, s0 + q1, device=keys.device), keys, visible)
-        q_lat = torch.bmm(q_nope[q0:q1].transpose(0, 1), kv_b[:, :D]).transpose(0, 1)  # W_UK: [t, N, C]
-        o_lat = sparse_decode(torch.cat((q_lat, q_pe[q0:q1]), dim=-1), cache, flat_rows[pos], count, C, scale)
-        out.append(torch.bmm(o_lat.transpose(0, 1), kv_b[:, D:].transpose(1, 2)).transpose(0, 1))  # W_UV
+        q_full = torch.cat((absorb_q(q_nope[q0:q1], kv_b), q_pe[q0:q1]), dim=-1)  # [t, N, C+R]
+        out.append(absorb_o(sparse_decode(q_full, cache, flat_rows[pos], count, C, scale), kv_b, D))
     return torch.cat(out)
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
@@ -50,6 +51,14 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     log.exception("unhandled error")
     return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
+
+async def _chained(first, rest: AsyncIterator):
+    """`first`, then the items of `rest`. (Defined above the deployment: Ray Serve captures the
+    class, and what it uses, where the decorator runs.)"""
+    yield first
+    async for item in rest:
+        yield item
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
@@ -310,13 +319,7 @@ class Router:
         deltas; refused before the first output with the HTTP status, after it a response.failed."""
         core = self.core
         started = time.monotonic()
-        outputs = core.merged(subs)
-        try:
-            first = await anext(outputs)
-        except APIError as e:
-            await outputs.aclose()
-            core.metrics.request_finished(e.status)
-            raise
+        outputs, first = await self._first_output(subs)
         events = responses.ResponseEvents(req, rid)
 
         async def stream():
@@ -325,13 +328,8 @@ class Router:
                 yield responses.sse(event)
             core.metrics.observe_ttft(time.monotonic() - started)
 
-            async def all_outputs():
-                yield first
-                async for item in outputs:
-                    yield item
-
             try:
-                async for _, out in all_outputs():
+                async for _, out in _chained(first, outputs):
                     outs.append(out)
                     deltas = [parser.feed(out.text)]
                     if out.finished:
@@ -354,6 +352,17 @@ class Router:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     # ---- shared plumbing ----------------------------------------------------------------
+    async def _first_output(self, subs: list[Sub]) -> tuple[AsyncIterator, tuple[int, RequestOutput]]:
+        """A stream's sub-requests started: their merged outputs and the first of them. A refusal
+        before it (a bad request, a full queue) raises here, to be answered with its HTTP status."""
+        outputs = self.core.merged(subs)
+        try:
+            return outputs, await anext(outputs)
+        except APIError as e:
+            await outputs.aclose()
+            self.core.metrics.request_finished(e.status)
+            raise
+
     def _token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
         return req.return_token_ids or self.core.tokenizer is None  # token-id mode always returns ids
 
@@ -418,13 +427,7 @@ class Router:
         the sub-requests."""
         core, chat = self.core, parsers is not None
         started = time.monotonic()
-        outputs = core.merged(subs)
-        try:
-            first = await anext(outputs)
-        except APIError as e:
-            await outputs.aclose()
-            core.metrics.request_finished(e.status)
-            raise
+        outputs, first = await self._first_output(subs)
 
         async def events():
             completion_tokens = 0
@@ -436,13 +439,8 @@ class Router:
             status = 200
             core.metrics.observe_ttft(time.monotonic() - started)
 
-            async def all_outputs():
-                yield first
-                async for item in outputs:
-                    yield item
-
             try:
-                async for index, out in all_outputs():
+                async for index, out in _chained(first, outputs):
                     if echo_only:
                         out = proto.without_output(out)
                     completion_tokens += len(out.token_ids)

@@ -221,13 +221,10 @@ class ChatParser:
     def _with_calls(self, delta: dict) -> dict:
         """`delta` with the tool-call deltas the calls' text so far allows."""
         calls = tool_stream.progress(self.tools.mode, self._pending, self.tools.name)
-        calls = self._deltas(calls if self.tools.parallel else calls[:1])
+        calls = self._stream.deltas(calls if self.tools.parallel else calls[:1])
         if calls:
             delta["tool_calls"] = calls
         return delta
-
-    def _deltas(self, calls: list[CallProgress]) -> list[dict]:
-        return self._stream.deltas(calls)
 
     def finish(self, finish_reason: str | None) -> tuple[dict, str | None]:
         """The last delta (held-back text, or what is left of the tool calls) and the choice's
@@ -242,7 +239,7 @@ class ChatParser:
         if not calls:  # truncated after some of it was streamed: the client has what there was
             return {}, finish_reason
         reason = finish_reason if self.tools.mode == "named" or finish_reason != "stop" else "tool_calls"
-        last = self._deltas(
+        last = self._stream.deltas(
             [CallProgress(c["function"]["name"], c["function"]["arguments"], True) for c in calls]
         )
         after = rest.split(CALLS_END, 1)[1] if self._in_calls and CALLS_END in rest else ""

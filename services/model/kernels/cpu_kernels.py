@@ -162,10 +162,12 @@ def _weights_cpu(*tensors: torch.Tensor | None) -> bool:
     )
 
 
-def _paged_cache_ok(cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> bool:
-    """An fp32 CPU cache the kernels can address directly, with int64 block tables / lengths."""
+def _paged_cache_ok(cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, fp8: bool = False) -> bool:
+    """A CPU cache the kernels can address directly, fp32 rows (or with `fp8`, FP8 latent rows:
+    uint8), with int64 block tables / lengths."""
     return (
-        _fp32_cpu(cache)
+        cache.is_cpu
+        and cache.dtype is (torch.uint8 if fp8 else torch.float32)
         and cache.is_contiguous()
         and table.dtype == torch.int64
         and lens.dtype == torch.int64
@@ -411,10 +413,9 @@ def mla_decode(
     row[:C+R])-weighted sum of the rows' first C = latent_dim values. None where the kernel does
     not apply."""
     fp8 = cache.dtype == torch.uint8  # FP8 latent rows (kv_cache.fp8_row_bytes), dequantized as read
-    ok = _paged_cache_ok(cache, table, lens) if not fp8 else (
-        cache.is_cpu and cache.is_contiguous() and table.dtype == lens.dtype == torch.int64
-        and latent_dim % 128 == 0 and (q.shape[-1] - latent_dim) % 8 == 0)  # fmt: skip
-    if q.shape[-1] % 8 or latent_dim % 8 or not _fp32_cpu(q) or not ok:
+    if q.shape[-1] % 8 or latent_dim % 8 or not _fp32_cpu(q) or not _paged_cache_ok(cache, table, lens, fp8):
+        return None
+    if fp8 and latent_dim % 128:  # (one scale per 128 values)
         return None
     module = _module()
     if module is None:
