@@ -103,11 +103,13 @@ def measure(engine: Engine, batch: int, vocab: int, timers: Timers) -> dict:
     return {"batch": batch, "step_s": step, "tok_s": batch / step, "breakdown_s": parts}
 
 
-def start_expert_workers(model_dir: str, n: int, no_ray: bool):
-    """n expert workers (Ray actors, or plain processes with --no-ray); (addresses, stop)."""
+def start_expert_workers(model_dir: str, n: int, no_ray: bool, device: str, dtype: str):
+    """n expert workers (Ray actors, or plain processes with --no-ray) computing on `device` in
+    `dtype`, as the attention side does; (addresses, stop)."""
     if no_ray:
-        procs = [subprocess.Popen([sys.executable, "-m", "services.experts.server", "--model", model_dir],
-                                  stdout=subprocess.PIPE, text=True) for _ in range(n)]  # fmt: skip
+        cmd = [sys.executable, "-m", "services.experts.server", "--model", model_dir]
+        cmd += ["--device", device, "--dtype", dtype]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(n)]
         addresses = {f"expert-{i}": p.stdout.readline().strip() for i, p in enumerate(procs)}
         return addresses, lambda: [p.kill() for p in procs]
     import ray
@@ -116,7 +118,8 @@ def start_expert_workers(model_dir: str, n: int, no_ray: bool):
     from services.experts.worker import ExpertWorker
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    workers = [ExpertWorker.options(num_cpus=0).remote(ExpertWorkerConfig(model=model_dir, num_threads=1))
+    gpus = 1 / n if device.startswith("cuda") else 0  # (Ray sets each actor's CUDA_VISIBLE_DEVICES)
+    workers = [ExpertWorker.options(num_cpus=0, num_gpus=gpus).remote(ExpertWorkerConfig(model=model_dir, num_threads=1, device=device, dtype=dtype))
                for _ in range(n)]  # fmt: skip
     addresses = {f"expert-{i}": a for i, a in enumerate(ray.get([w.start.remote() for w in workers]))}
 
@@ -154,7 +157,9 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     timers = Timers()
 
-    addresses, stop_workers = start_expert_workers(model_dir, args.expert_workers, args.no_ray)
+    addresses, stop_workers = start_expert_workers(
+        model_dir, args.expert_workers, args.no_ray, args.device, args.dtype
+    )
     transports = args.transports.split(",")
     rows = {"local": []}
     engines = {}

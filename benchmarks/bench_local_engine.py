@@ -119,12 +119,15 @@ def active_bytes_per_token(
     return total
 
 
-def memcpy_bandwidth() -> float:
-    a = torch.empty(64 * 2**20, dtype=torch.float32)
+def memcpy_bandwidth(device: str = "cpu") -> float:
+    """Bytes read + written per second by one 256 MB copy on `device` (a GPU's HBM on cuda)."""
+    a = torch.empty(64 * 2**20, dtype=torch.float32, device=device)
     b = torch.empty_like(a)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     b.copy_(a)
-    best = min(_timed(lambda: b.copy_(a)) for _ in range(10))
-    return 2 * a.numel() * 4 / best  # bytes read + written per second
+    sync()
+    best = min(_timed(lambda: (b.copy_(a), sync())) for _ in range(10))
+    return 2 * a.numel() * 4 / best
 
 
 def _timed(fn) -> float:
@@ -199,7 +202,7 @@ def main() -> None:
         bn, bk = cfg.fp8_block_size
         routed_bytes = 1 + 4 / (bn * bk)  # FP8 plus one fp32 scale per block
     active = active_bytes_per_token(cfg, dtype.itemsize, weight_bytes, routed_bytes)
-    bw = memcpy_bandwidth()
+    bw = memcpy_bandwidth(args.device)
     result = {
         "benchmark": "local_engine_vs_transformers",
         "model": "small preset" if not args.model else str(model_dir),
