@@ -103,12 +103,12 @@ def measure(engine: Engine, batch: int, vocab: int, timers: Timers) -> dict:
     return {"batch": batch, "step_s": step, "tok_s": batch / step, "breakdown_s": parts}
 
 
-def start_expert_workers(model_dir: str, n: int, no_ray: bool, device: str, dtype: str):
+def start_expert_workers(model_dir: str, n: int, no_ray: bool, device: str, dtype: str, threads: int = 1):
     """n expert workers (Ray actors, or plain processes with --no-ray) computing on `device` in
-    `dtype`, as the attention side does; (addresses, stop)."""
+    `dtype`, as the attention side does, with `threads` torch threads each; (addresses, stop)."""
     if no_ray:
         cmd = [sys.executable, "-m", "services.experts.server", "--model", model_dir]
-        cmd += ["--device", device, "--dtype", dtype]
+        cmd += ["--device", device, "--dtype", dtype, "--threads", str(threads)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(n)]
         addresses = {f"expert-{i}": p.stdout.readline().strip() for i, p in enumerate(procs)}
         return addresses, lambda: [p.kill() for p in procs]
@@ -119,7 +119,7 @@ def start_expert_workers(model_dir: str, n: int, no_ray: bool, device: str, dtyp
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     gpus = 1 / n if device.startswith("cuda") else 0  # (Ray sets each actor's CUDA_VISIBLE_DEVICES)
-    workers = [ExpertWorker.options(num_cpus=0, num_gpus=gpus).remote(ExpertWorkerConfig(model=model_dir, num_threads=1, device=device, dtype=dtype))
+    workers = [ExpertWorker.options(num_cpus=0, num_gpus=gpus).remote(ExpertWorkerConfig(model=model_dir, num_threads=threads, device=device, dtype=dtype))
                for _ in range(n)]  # fmt: skip
     addresses = {f"expert-{i}": a for i, a in enumerate(ray.get([w.start.remote() for w in workers]))}
 
@@ -136,6 +136,12 @@ def main() -> None:
     ap.add_argument("--model", help="checkpoint dir (default: generate the small preset)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--expert-workers", type=int, default=2)
+    ap.add_argument(
+        "--expert-threads",
+        type=int,
+        default=1,
+        help="torch threads per expert worker (a bigger host: local/2)",
+    )
     ap.add_argument("--attention-threads", type=int, default=1)
     ap.add_argument("--local-threads", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true", help="expert workers as plain processes")
@@ -158,7 +164,7 @@ def main() -> None:
     timers = Timers()
 
     addresses, stop_workers = start_expert_workers(
-        model_dir, args.expert_workers, args.no_ray, args.device, args.dtype
+        model_dir, args.expert_workers, args.no_ray, args.device, args.dtype, args.expert_threads
     )
     transports = args.transports.split(",")
     rows = {"local": []}
@@ -262,6 +268,7 @@ def main() -> None:
         "benchmark": "attention_worker_decode",
         "model": "small preset" if not args.model else model_dir,
         "expert_workers": args.expert_workers,
+        "expert_threads": args.expert_threads,
         "attention_threads": args.attention_threads,
         "local_threads": args.local_threads,
         "decode_steps": DECODE_STEPS,

@@ -80,7 +80,7 @@ for s in $steps; do
             --tp 1 --no-ray --batches 1,32 --rounds 2 --out "$OUT/attention_gpu.json" ;;
     attention_cpu) # Must show (16 cores): ping-pong on vs off >= 1.2x (first builds the C++ kernels)
         step attention_cpu 180 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 8,32 \
-            --rounds 2 --attention-threads 4 --local-threads 4 --out "$OUT/attention_cpu.json" ;;
+            --rounds 2 --attention-threads 4 --local-threads 4 --expert-threads 2 --out "$OUT/attention_cpu.json" ;;
     dispatch) # Must show (16 cores): dispatch overhead over a plain echo <= 25 %
         step dispatch 90 python3 -m benchmarks.bench_dispatch --quick --label gpu-host-16core \
             --out "$OUT/dispatch.json" ;;

@@ -32,11 +32,24 @@ def test_a_change_waits_for_its_delay_and_moves_one_step():
     assert scaler.decide([0.5, 0.5, 0.5], current=3, now=91.0) is None  # 1.5 / 0.5 = 3: steady
 
 
+def test_every_decision_says_why():
+    scaler = ExpertAutoscaler(AutoscaleConfig(1, 4, target_utilization=0.5, upscale_delay_s=10), floor=1)
+    assert scaler.last_reason == "no tick yet"
+    scaler.decide([0.9, 0.6], current=2, now=0.0)
+    assert scaler.last_reason == (
+        "busy 1.50 over 2 workers at target 0.5 wants 3 (bounds 1..4): grow after 0 of 10 s"
+    )
+    scaler.decide([0.9, 0.6], current=2, now=10.0)
+    assert scaler.last_reason.endswith("wants 3 (bounds 1..4): 2 -> 3 workers")
+    scaler.decide([0.5, 0.5, 0.4], current=3, now=11.0)
+    assert scaler.last_reason.endswith(": holding at 3")
+
+
 def test_busy_fractions_from_two_readings():
     before = {"a": (10.0, 100.0), "b": (5.0, 100.0), "gone": (1.0, 100.0)}
     after = {"a": (11.0, 102.0), "b": (0.5, 102.0), "new": (3.0, 102.0)}
-    assert busy_fractions(before, after) == [0.5, 0.25]  # b restarted: its counter counts from zero
-    assert busy_fractions({}, after) == []
+    assert busy_fractions(before, after) == {"a": 0.5, "b": 0.25}  # b restarted: counts from zero
+    assert busy_fractions({}, after) == {}
 
 
 @pytest.mark.parametrize("bad", [dict(min_workers=0, max_workers=2), dict(min_workers=3, max_workers=2),

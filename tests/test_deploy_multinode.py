@@ -10,6 +10,7 @@ by `scale-experts`, and that greedy outputs over HTTP equal the single-process L
 throughout."""
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,17 +193,37 @@ def test_hierarchical_placement_keeps_groups_on_a_node(cluster, tiny_model, expe
         assert _complete(cluster.url, prompt) == expected[p]
 
 
-def test_added_expert_node_is_used_by_scale_experts(nodes, cluster, tiny_model, expected):
+def _requested_bundles() -> list[dict]:
+    """What Ray's autoscaler was asked to make room for (request_resources), read back from Ray."""
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL) or b"[]")
+
+
+def test_a_worker_without_room_asks_for_a_node_and_uses_it(nodes, cluster, tiny_model, expected):
+    """scale-experts beyond the expert nodes' room: the fifth worker waits (pending in status), Ray's
+    autoscaler is asked for room for five workers; a node with room joins (what `ray up` / KubeRay
+    would add) and the worker starts there, nobody else moves. Shrinking asks for four again."""
     from services.model.config import ModelConfig
 
     rn, roles = nodes
+    before = _expert_nodes(_status(cluster))
+    grow = 2 * NODE_WORKERS + 1
+    up_ref = cluster.balancer.scale_experts.remote(grow)  # (returns once the worker started)
+    deadline = time.monotonic() + 60
+    while not (st := _status(cluster))["pending_workers"]:
+        assert time.monotonic() < deadline, f"no pending worker in 60 s: {st['requested']}"
+        time.sleep(0.2)
+    assert st["requested"] == {"workers": grow, "bundle": {"expert_node": 1.0}}
+    assert _requested_bundles() == [{"expert_node": 1.0}] * grow
+    assert len(_expert_nodes(st)) == 2 * NODE_WORKERS  # (serving on as before)
+    assert _complete(cluster.url, PROMPTS[0]) == expected[0]
+
     new_node = rn.add_node(num_cpus=1, resources={"expert_node": 1}).node_id  # room for one worker
     roles[new_node] = "expert"
-    rn.wait_for_nodes()
-    before = _expert_nodes(_status(cluster))
-
-    up = ray.get(cluster.balancer.scale_experts.remote(2 * NODE_WORKERS + 1))
-    assert up["ok"] and up["workers"] == 2 * NODE_WORKERS + 1, up
+    up = ray.get(up_ref, timeout=180)
+    assert up["ok"] and up["workers"] == grow, up
     st = _status(cluster)
     workers = _expert_nodes(st)
     added = {w: n for w, n in workers.items() if w not in before}
@@ -219,6 +240,7 @@ def test_added_expert_node_is_used_by_scale_experts(nodes, cluster, tiny_model, 
     down = ray.get(cluster.balancer.scale_experts.remote(2 * NODE_WORKERS))
     assert down["ok"] and down["workers"] == 2 * NODE_WORKERS, down
     st = _status(cluster)
+    assert st["pending_workers"] == {} and _requested_bundles() == [{"expert_node": 1.0}] * 2 * NODE_WORKERS
     assert _expert_nodes(st) == before
     assert _groups_on_one_node(st, mcfg.n_routed_experts // mcfg.n_group)
     for p, prompt in enumerate(PROMPTS):

@@ -30,6 +30,7 @@ class Balancer:
         self.autoscaler = ExpertAutoscaler(cfg.autoscale) if cfg.autoscale and cfg.autoscale.enabled else None
         self.pinned = False  # `scale-experts N` pins the pool until `scale-experts auto`
         self._busy_readings: dict[str, tuple[float, float]] = {}  # worker -> (compute s, monotonic)
+        self._busy: dict[str, float] = {}  # worker -> busy fraction over the last tick
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._resuming: asyncio.Task | None = None
         if self._restarted:
@@ -141,11 +142,12 @@ class Balancer:
                 continue
             readings[wid] = (stats.compute_seconds, now)
         busy, self._busy_readings = busy_fractions(self._busy_readings, readings), readings
-        target = self.autoscaler.decide(busy, len(self.core.pool.members), now)
+        self._busy = {w: round(b, 3) for w, b in busy.items()}
+        target = self.autoscaler.decide(list(busy.values()), len(self.core.pool.members), now)
+        if self.pinned:
+            self.autoscaler.last_reason += " (pinned by scale-experts: not acting)"
         if target is not None and not self.pinned:
-            log.info(
-                "autoscaling the expert pool to %d workers (busy %s)", target, [round(b, 2) for b in busy]
-            )
+            log.info("autoscaling the expert pool to %d workers: %s", target, self.autoscaler.last_reason)
             await self.core.scale(target, reason="autoscale")
             self._busy_readings = {}  # (a new pool: measure afresh)
 
@@ -156,7 +158,8 @@ class Balancer:
             cfg = self.autoscaler.cfg
             status["autoscale"] = {"min": cfg.min_workers, "max": cfg.max_workers, "pinned": self.pinned,
                                    "target_utilization": cfg.target_utilization,
-                                   "desired": self.autoscaler.last_desired}  # fmt: skip
+                                   "desired": self.autoscaler.last_desired, "busy_by_worker": self._busy,
+                                   "reason": self.autoscaler.last_reason}  # fmt: skip
         return status
 
     async def worker_stats(self) -> dict:

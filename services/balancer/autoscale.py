@@ -52,6 +52,7 @@ class ExpertAutoscaler:
         self.cfg, self.floor = cfg, floor  # floor: the fewest workers the placement can use
         self._wanted_since: tuple[int, float] | None = None  # (direction, since)
         self.last_desired: int | None = None
+        self.last_reason = "no tick yet"  # the last decision, in words
 
     def desired(self, busy: list[float], current: int) -> int:
         """The pool size the measured busy fractions ask for (clamped)."""
@@ -62,29 +63,38 @@ class ExpertAutoscaler:
     def decide(self, busy: list[float], current: int, now: float) -> int | None:
         """One step (current +- 1) once the same direction has been wanted for its delay."""
         want = self.last_desired = self.desired(busy, current)
+        asks = (
+            f"busy {sum(busy):.2f} over {len(busy)} workers at target {self.cfg.target_utilization:g} "
+            f"wants {want} (bounds {max(self.cfg.min_workers, self.floor)}..{self.cfg.max_workers})"
+        )
         direction = (want > current) - (want < current)
         if direction == 0:
             self._wanted_since = None
+            self.last_reason = f"{asks}: holding at {current}"
             return None
         if self._wanted_since is None or self._wanted_since[0] != direction:
             self._wanted_since = (direction, now)
         delay = self.cfg.upscale_delay_s if direction > 0 else self.cfg.downscale_delay_s
-        if now - self._wanted_since[1] < delay:
+        waited = now - self._wanted_since[1]
+        if waited < delay:
+            verb = "grow" if direction > 0 else "shrink"
+            self.last_reason = f"{asks}: {verb} after {waited:.0f} of {delay:g} s"
             return None
         self._wanted_since = None
+        self.last_reason = f"{asks}: {current} -> {current + direction} workers"
         return current + direction
 
 
 def busy_fractions(
     before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-) -> list[float]:
+) -> dict[str, float]:
     """Per worker present in both: (compute seconds, wall time) readings -> busy fraction over the
     interval (0..1; a worker that restarted, with a smaller counter, counts from zero)."""
-    out = []
+    out = {}
     for w, (busy1, t1) in after.items():
         if w not in before or t1 <= before[w][1]:
             continue
         busy0, t0 = before[w]
         spent = busy1 - busy0 if busy1 >= busy0 else busy1
-        out.append(min(1.0, max(0.0, spent / (t1 - t0))))
+        out[w] = min(1.0, max(0.0, spent / (t1 - t0)))
     return out

@@ -10,6 +10,11 @@ knows of).
 Health: a grpc.health.v1 check per worker every watch tick. A worker whose gRPC server is
 unreachable and whose actor Ray reports dead is dead at once; `max_missed` failed checks in a
 row (unreachable or too slow, with the actor alive) make it dead too.
+
+Machines: the pool asks Ray's autoscaler for room for its target size (`request_capacity`: one
+bundle of the worker's resources per worker, a request that replaces the last, so a smaller pool
+stops asking), and `ray up` / KubeRay add or remove expert nodes to match. A worker that no node
+has room for waits `start_timeout_s` for one (shown as pending in status), then gives up.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import grpc
 import ray
+from ray.autoscaler.sdk import request_resources
 
 from services.experts.client import ExpertClient
 from services.experts.server import ExpertWorkerConfig
@@ -67,6 +73,36 @@ class ExpertPool:
     dead: list[DeadWorker] = field(default_factory=list)  # history, oldest first
     next_index: int = 0
     slow: dict[str, int] = field(default_factory=dict)  # worker id -> resume attempts it did not answer
+    start_timeout_s: float = 900.0  # a worker no node has room for waits this long (a node's boot)
+    pending: dict[str, float] = field(default_factory=dict)  # worker id -> wall clock it was asked for
+    requested_workers: int = 0  # workers' worth of room asked of Ray's autoscaler
+
+    # ---- machines -----------------------------------------------------------------------
+    @property
+    def bundle(self) -> dict[str, float]:
+        """What one expert worker takes from a node, in Ray's resource names ({} when nothing)."""
+        bundle = {name: float(n) for name, n in self.resources.items() if n}
+        return bundle | ({"GPU": float(self.num_gpus)} if self.num_gpus else {})
+
+    def request_capacity(self, num_workers: int) -> None:
+        """Ask Ray's autoscaler for room for `num_workers` expert workers in all (it counts the
+        running ones: `request_resources` asks for a cluster that fits these bundles); the request
+        replaces the last one, so a smaller pool stops asking for the rest. Workers that take no
+        resources fit anywhere and ask for nothing."""
+        if not self.bundle or num_workers == self.requested_workers:
+            return
+        request_resources(bundles=[self.bundle] * num_workers)
+        self.requested_workers = num_workers
+        log.info("asked Ray's autoscaler for room for %d expert workers of %s", num_workers, self.bundle)
+
+    async def ensure(self, num_workers: int) -> str | None:
+        """Ask for room for `num_workers` workers and start the missing ones (concurrently);
+        None, or why some did not start (those that did stay in the pool)."""
+        await asyncio.to_thread(self.request_capacity, num_workers)
+        missing = max(0, num_workers - len(self.members))
+        results = await asyncio.gather(*[self.start_worker() for _ in range(missing)], return_exceptions=True)
+        errors = [r for r in results if isinstance(r, Exception)]
+        return str(errors[0]) if errors else None
 
     # ---- membership ---------------------------------------------------------------------
     @property
@@ -82,7 +118,8 @@ class ExpertPool:
         return {w: m.node for w, m in self.members.items()}
 
     async def start_worker(self) -> str:
-        """Start a fresh expert worker (detached, never restarted in place); its id."""
+        """Start a fresh expert worker (detached, never restarted in place); its id. TimeoutError
+        when no node had room for it within `start_timeout_s` (the actor is removed)."""
         wid = f"expert-{self.next_index}"
         self.next_index += 1
         actor = ExpertWorker.options(
@@ -93,7 +130,17 @@ class ExpertPool:
             lifetime="detached",
             max_restarts=0,
         ).remote(self.worker_cfg)
-        await self._join(wid, actor)
+        self.pending[wid] = time.time()
+        try:
+            await asyncio.wait_for(self._join(wid, actor), self.start_timeout_s)
+        except TimeoutError:
+            self._kill(expert_worker_name(wid))
+            raise TimeoutError(
+                f"expert worker {wid} did not start in {self.start_timeout_s:.0f}s: no node had room "
+                f"for {self.bundle or 'it'}"
+            ) from None
+        finally:
+            self.pending.pop(wid, None)
         return wid
 
     async def _join(self, wid: str, actor) -> None:
@@ -163,9 +210,12 @@ class ExpertPool:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(ray.get_actor(name, namespace=self.shared.namespace), no_restart=True)
 
-    async def stop_all(self) -> None:
+    async def stop_all(self, release_capacity: bool = False) -> None:
+        """Stop every worker; `release_capacity`: the app is going, stop asking for machines."""
         for wid in list(self.members):
             await self.stop_worker(wid)
+        if release_capacity:
+            await asyncio.to_thread(self.request_capacity, 0)
 
     # ---- health -------------------------------------------------------------------------
     async def check(self) -> dict[str, str]:

@@ -146,7 +146,9 @@ class BalancerCore:
 
     async def _fresh_start(self) -> None:
         await self.pool.stop_all()
-        await asyncio.gather(*[self.pool.start_worker() for _ in range(self.target_workers)])
+        error = await self.pool.ensure(self.target_workers)
+        if not self.pool.members:
+            raise RuntimeError(f"no expert worker started: {error}")
         pool = self.eplb_pool()
         self.slots = slots_per_worker(self.model_cfg, pool.num_workers, self.cfg.redundant_experts)
         persisted = self._persisted()
@@ -301,7 +303,9 @@ class BalancerCore:
                 decision.reason = f"heal: {', '.join(dead)} died"
             else:
                 if not self.pool.members:
-                    await asyncio.gather(*[self.pool.start_worker() for _ in range(self.target_workers)])
+                    await self.pool.ensure(self.target_workers)
+                if not self.pool.members:
+                    return None  # (no node has room yet: the next watch tick tries again)
                 pool = self.eplb_pool()
                 slots = slots_per_worker(self.model_cfg, pool.num_workers, self.cfg.redundant_experts)
                 fresh = initial_placement(self.model_cfg, pool, slots, self._loads())
@@ -439,9 +443,13 @@ class BalancerCore:
         if num_workers < 1:
             raise ValueError("the expert pool needs at least one worker")
         async with self._scale_lock:
-            self.target_workers = num_workers
-            grow = num_workers - len(self.pool.members)
-            await asyncio.gather(*[self.pool.start_worker() for _ in range(max(0, grow))])
+            self.target_workers, before = num_workers, len(self.pool.members)
+            error = await self.pool.ensure(num_workers)  # (asks Ray's autoscaler for the machines)
+            if error is not None:  # some did not start: resize to those that did, if any
+                log.warning("the expert pool cannot grow to %d workers: %s", num_workers, error)
+                if len(self.pool.members) <= before:
+                    return {"ok": False, "workers": before, "error": error}
+                num_workers = len(self.pool.members)
             async with self._lock:
                 members = self.pool.workers
                 leaving, staying = members[num_workers:], members[:num_workers]
@@ -540,6 +548,8 @@ class BalancerCore:
                 if w not in serving
             ],  # fmt: skip
             "target_workers": self.target_workers,
+            "pending_workers": {w: round(time.time() - t, 1) for w, t in self.pool.pending.items()},
+            "requested": {"workers": self.pool.requested_workers, "bundle": self.pool.bundle},
             "dead_workers": [asdict(d) for d in self.pool.dead],
             "heals": self.heals,
             "resumed": self.resumed,
@@ -574,7 +584,7 @@ class BalancerCore:
     async def shutdown(self) -> None:
         if self._replacing is not None:
             self._replacing.cancel()
-        await self.pool.stop_all()
+        await self.pool.stop_all(release_capacity=True)
 
 
 def _decision_info(d: Decision | None) -> dict | None:

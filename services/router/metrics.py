@@ -65,6 +65,16 @@ class RouterMetrics:
         )
         self.migrations = Gauge("moe_migrations", "Expert re-placements completed", registry=r)
         self.expert_workers = Gauge("moe_expert_workers", "Expert workers in the pool", registry=r)
+        self.expert_workers_desired = Gauge(
+            "moe_expert_workers_desired", "Expert workers the autoscaler's last tick asked for", registry=r
+        )
+        self.expert_workers_pending = Gauge(
+            "moe_expert_workers_pending", "Expert workers waiting for a node with room", registry=r
+        )
+        self.expert_busy = Gauge(
+            "moe_expert_busy_fraction", "Busy fraction (compute time / wall time) per expert worker, last tick",
+            ["worker"], registry=r,
+        )  # fmt: skip
         self.failovers = Counter(
             "moe_router_failovers",
             "Requests moved to another attention worker after theirs died, by kind (resubmitted: no "
@@ -176,6 +186,12 @@ class RouterMetrics:
             self.migrations.set(balancer.get("migrations", 0))
             self.expert_workers.set(sum(w.get("state") == "serving" for w in balancer.get("workers", [])))
             self.heals.set(balancer.get("heals", 0))
+            self.expert_workers_pending.set(len(balancer.get("pending_workers") or {}))
+            autoscale = balancer.get("autoscale") or {}
+            if autoscale.get("desired") is not None:
+                self.expert_workers_desired.set(autoscale["desired"])
+            for w, busy in (autoscale.get("busy_by_worker") or {}).items():
+                self.expert_busy.labels(w).set(busy)
             dead = balancer.get("dead_workers") or []
             self.dead_workers.set(len(dead))
             healed = [d["healed_s"] for d in dead if d.get("healed_s") is not None]
