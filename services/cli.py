@@ -83,7 +83,7 @@ def cmd_generate(args) -> int:
 
 def cmd_up(args) -> int:
     import signal
-    import threading
+    import time
 
     from tqdm import tqdm
 
@@ -124,12 +124,15 @@ def cmd_up(args) -> int:
         f'    -d \'{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}\''
     )
     print("Ctrl-C stops everything.", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # Ray replaces the default SIGINT handling
-        signal.signal(sig, lambda *_: stop.set())
+    # Ray replaces the default SIGINT handling. The handler only appends to a list: a handler that
+    # took a lock (Event.set) could interrupt the main thread holding it and hang there for good
+    # (seen: two Ctrl-Cs left `up` hanging in Event.set)
+    signals: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _: signals.append(signum))
     try:
-        while not stop.wait(1.0):
-            pass
+        while not signals:
+            time.sleep(0.2)  # (a signal ends the sleep; its handler runs in between)
     except KeyboardInterrupt:
         pass
     print("shutting down ...", file=sys.stderr)

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -431,14 +432,13 @@ class Cluster:
         return cluster
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        import httpx
-
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
+            try:  # (the standard library: a user's install has no httpx)
+                with urllib.request.urlopen(f"{self.url}/ready", timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:  # (refused, not yet listening, or an HTTP error status)
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.url}/ready did not answer 200 within {timeout}s")
