@@ -63,7 +63,9 @@ def test_every_runtime_import_is_a_runtime_dependency():
             continue
         dists = {canonicalize_name(d) for d in providers.get(module, [])}
         if not dists & closure:
-            missing.append(f"{module} (from {sorted(dists) or 'no installed distribution'}, imported by {where})")
+            missing.append(
+                f"{module} (from {sorted(dists) or 'no installed distribution'}, imported by {where})"
+            )
     assert missing == [], "runtime imports the runtime dependencies do not install: " + "; ".join(missing)
 
 
