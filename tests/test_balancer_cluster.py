@@ -205,3 +205,26 @@ def test_redis_restart_stops_rebalancing_not_serving(cluster, workload):
     _wait_counts_in_redis(cluster)  # counts kept while Redis was down are flushed now
     result = ray.get(cluster.balancer.rebalance.remote())
     assert "Redis" not in result.get("reason", ""), result
+
+
+def test_load_slots_copies_only_from_the_clusters_expert_workers(cluster):
+    """A LoadSlots naming a peer that is not one of the cluster's live expert workers is refused
+    before anything loads (the worker would send that host the secret and take its weights); the
+    cluster's own workers pass the check (the bad layout is what refuses that call)."""
+    import grpc
+
+    from services.experts.client import ExpertClient
+
+    secret = ray.get(cluster.balancer.data_plane_secret.remote())
+    addresses = [w["address"] for w in _status(cluster)["workers"]]
+    client = ExpertClient(addresses[0], secret=secret)
+    try:
+        with pytest.raises(grpc.RpcError) as stranger:
+            client.load_slots(99, {}, timeout=60, peers=["203.0.113.9:50051", addresses[1]])
+        assert stranger.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "203.0.113.9:50051" in stranger.value.details()
+        with pytest.raises(grpc.RpcError) as own:
+            client.load_slots(99, {}, timeout=60, peers=addresses)
+        assert own.value.code() == grpc.StatusCode.INVALID_ARGUMENT, own.value.details()
+    finally:
+        client.close()

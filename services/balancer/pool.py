@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +33,9 @@ from ray.autoscaler.sdk import request_resources
 from services.experts.client import ExpertClient
 from services.experts.server import ExpertWorkerConfig
 from services.experts.worker import ExpertWorker
-from services.settings import SharedSettings, expert_worker_name
+from services.settings import EXPERT_WORKER_NAME, SharedSettings, expert_worker_name
 
 log = logging.getLogger(__name__)
-
-_WORKER_NAME = re.compile(r"^moe-(expert-(\d+))$")
 
 
 @dataclass
@@ -156,7 +153,7 @@ class ExpertPool:
         attempts in a row: killing a slow but healthy worker would turn a resume into a restart."""
         found, slow = [], []
         for info in ray.util.list_named_actors(all_namespaces=True):
-            match = _WORKER_NAME.match(info["name"])
+            match = EXPERT_WORKER_NAME.match(info["name"])
             if info["namespace"] != self.shared.namespace or match is None:
                 continue
             wid, index = match.group(1), int(match.group(2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,14 @@ def format_address(host: str, port: int) -> str:
 class ExpertServer:
     """gRPC server (Expert + grpc.health.v1) for one expert worker."""
 
-    def __init__(self, cfg: ExpertWorkerConfig, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        cfg: ExpertWorkerConfig,
+        host: str = "127.0.0.1",
+        known_peers: Callable[[], set[str]] | None = None,
+    ):
+        """`known_peers`: the addresses LoadSlots may name as peers (asked at each LoadSlots that
+        names any; the Ray actor passes the cluster's live expert workers); None: any peer."""
         self.cfg = cfg
         self.host = cfg.host or host
         hf = cfg.model_config if cfg.model_config is not None else read_model_config(cfg.model)
@@ -83,6 +91,7 @@ class ExpertServer:
             peer_timeout_s=cfg.peer_timeout_s,
             max_message_bytes=cfg.max_message_bytes,
             secret=cfg.secret,
+            known_peers=known_peers,
         )
         self.secret_check = auth.SecretCheck(cfg.secret) if cfg.secret is not None else None
         self.health = HealthServicer()

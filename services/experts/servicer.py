@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -67,8 +68,10 @@ class ExpertServicer:
         peer_timeout_s: float = 600.0,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         secret: str | None = None,
+        known_peers: Callable[[], set[str]] | None = None,
     ):
         self.store = store
+        self.known_peers = known_peers  # () -> the addresses LoadSlots may copy from (None: any)
         self.secret = secret  # the cluster's (services/rpc/auth.py): what this worker sends to its peers
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
         self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes
@@ -117,6 +120,13 @@ class ExpertServicer:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layer {entry.layer} listed twice")
             experts[entry.layer] = list(entry.logical_expert)
         peers = [p for p in request.peers if p and p != self.address]
+        if peers and self.known_peers is not None:  # (a stranger's host would be sent the secret
+            # and could send poisoned weights: only the cluster's own expert workers are peers)
+            unknown = sorted(set(peers) - self.known_peers())
+            if unknown:
+                log.warning("LoadSlots refused: peers %s are not expert workers of this cluster", unknown)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"LoadSlots peers {unknown} are not expert workers of this cluster")  # fmt: skip
         try:
             report = self.loader.submit(self._load, request.version, experts, peers).result()
         except SlotStoreError as e:

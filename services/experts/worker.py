@@ -16,6 +16,8 @@ import os
 import ray
 import torch
 
+from services.settings import EXPERT_WORKER_NAME
+
 from .server import ExpertServer, ExpertWorkerConfig
 
 
@@ -25,7 +27,8 @@ class ExpertWorker:
         logging.basicConfig(level=logging.INFO)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.server = ExpertServer(cfg, host=cfg.host or ray.util.get_node_ip_address())
+        self.server = ExpertServer(cfg, host=cfg.host or ray.util.get_node_ip_address(),
+                                   known_peers=cluster_expert_addresses)  # fmt: skip
 
     def start(self) -> str:
         """Start the gRPC server (idempotent); returns its "host:port"."""
@@ -44,3 +47,25 @@ class ExpertWorker:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def cluster_expert_addresses(timeout_s: float = 10.0) -> set[str]:
+    """The gRPC addresses of the live expert workers of this actor's Ray namespace (the named
+    actors the balancer started): the only peers LoadSlots may copy experts from."""
+    namespace = ray.get_runtime_context().namespace
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == namespace and EXPERT_WORKER_NAME.match(a["name"])]  # fmt: skip
+    refs = []
+    for name in names:
+        try:
+            refs.append(ray.get_actor(name, namespace=namespace).address.remote())
+        except ValueError:  # (gone meanwhile)
+            continue
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    addresses = set()
+    for ref in ready:
+        try:
+            addresses.add(ray.get(ref))
+        except ray.exceptions.RayError:  # (died meanwhile)
+            continue
+    return addresses - {None}
