@@ -115,6 +115,9 @@ class ClusterConfig:
     expert_gpus: float = _setting(0.0, "GPUs per expert worker (> 0: computes on CUDA; 0.5: two per GPU)")
     attention_resources: dict[str, float] = _setting({}, "Ray resources each attention worker needs")
     expert_resources: dict[str, float] = _setting({}, "Ray resources each expert worker needs")
+    control_resources: dict[str, float] = _setting(
+        {}, "Ray resources each router replica and the balancer need ({head_node: 1}: on a head offering it)"
+    )
     namespace: str = _setting(NAMESPACE, "Ray namespace of the cluster's actors")
 
     @classmethod
@@ -282,7 +285,9 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
     from services.engine.engine import EngineConfig
 
     step(f"starting {cfg.expert_workers} expert workers and loading the placement")
-    balancer = Balancer.options(name=BALANCER_NAME, namespace=shared.namespace, **lifetime).remote(
+    balancer = Balancer.options(
+        name=BALANCER_NAME, namespace=shared.namespace, resources=cfg.control_resources or None, **lifetime
+    ).remote(
         BalancerConfig(
             model=model_dir,
             expert_workers=cfg.expert_workers,
@@ -344,6 +349,17 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
     return Backend(model_dir, balancer, attention, ready[0]["max_model_len"], info["placement"]["version"])
 
 
+def router_app(cfg: ClusterConfig, backend: Backend):
+    """The Serve application of the OpenAI router: `router_replicas` replicas, each needing
+    `control_resources` (none: anywhere, as the Router deployment's own 0 CPUs)."""
+    from services.router.app import Router
+
+    options = {"num_cpus": 0} | ({"resources": cfg.control_resources} if cfg.control_resources else {})
+    return Router.options(num_replicas=cfg.router_replicas, ray_actor_options=options).bind(
+        router_config(cfg, backend)
+    )
+
+
 def router_config(cfg: ClusterConfig, backend: Backend):
     from services.router.core import RouterConfig
 
@@ -381,7 +397,6 @@ class Cluster:
         from ray import serve
 
         from services.redis_store import EmbeddedRedis
-        from services.router.app import Router
 
         step = progress or (lambda msg: log.info(msg))
         model_dir = resolve_model(cfg)
@@ -412,7 +427,7 @@ class Cluster:
             step(f"starting the OpenAI API on http://{cfg.host}:{cfg.port}")
             serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
             serve.run(
-                Router.options(num_replicas=cfg.router_replicas).bind(router_config(cfg, backend)),
+                router_app(cfg, backend),
                 name=APP_NAME,
                 route_prefix="/",
                 blocking=False,

@@ -17,8 +17,7 @@ variables MOE_REDIS_URL / MOE_API_KEY of the node that builds the app (e.g. from
 import os
 from collections.abc import Mapping
 
-from services.cluster import ClusterConfig, resolve_model, router_config, start_backend
-from services.router.app import Router
+from services.cluster import ClusterConfig, resolve_model, router_app, start_backend
 
 SECRET_ENV = {"redis_url": "MOE_REDIS_URL", "api_key": "MOE_API_KEY", "expert_secret": "MOE_EXPERT_SECRET"}
 
@@ -41,4 +40,4 @@ def app_config(args: Mapping, environ: Mapping[str, str] = os.environ) -> Cluste
 def app(args: dict):
     cfg = app_config(args)
     backend = start_backend(cfg, resolve_model(cfg), cfg.redis_url, reuse=True)
-    return Router.options(num_replicas=cfg.router_replicas).bind(router_config(cfg, backend))
+    return router_app(cfg, backend)

@@ -54,6 +54,10 @@ class _WorkerDied(Exception):
     """The attention worker serving a stream died."""
 
 
+class _StreamCut(Exception):
+    """A worker's output stream ended before its request finished."""
+
+
 class _QueueFull(Exception):
     """The attention worker refused the request: its waiting queue is full."""
 
@@ -221,12 +225,17 @@ class RouterCore:
                 yield out
                 if finished:
                     return
-        except ray.exceptions.RayActorError as e:
+            # the stream ended without the request's last output: its node went away with the
+            # stream (seen when a whole attention node dies), which is a death like any other
+            raise _StreamCut(f"the stream of attention worker {name} ended before its request finished")
+        except ray.exceptions.RayTaskError:  # generate itself raised: not a death
+            raise
+        except (ray.exceptions.RayError, _StreamCut) as e:  # the actor, its node or its objects gone
             finished = True
             self.mark_down(name)
-            if isinstance(e, ray.exceptions.ActorUnavailableError):  # maybe alive: don't compute it twice
+            if not isinstance(e, ray.exceptions.ActorDiedError):  # maybe alive: don't compute it twice
                 actor.abort.remote(request_id)
-            raise _WorkerDied(f"attention worker {name} died ({type(e).__name__})") from e
+            raise _WorkerDied(f"attention worker {name} died ({type(e).__name__}: {e})") from e
         finally:
             self.outstanding[name] -= cost
             if not finished:

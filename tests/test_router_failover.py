@@ -1,0 +1,90 @@
+"""The router's failover, driven directly (no Ray cluster): a stream that ends before its request
+finished, or whose objects went with a dead node, moves the request to another worker and resumes
+it there; it never ends silently. The workers are fakes of the actor-handle calls RouterCore makes
+(`generate` streaming, `abort`, `ready`), so the failure modes of a whole node can be staged."""
+
+import asyncio
+import itertools
+
+import pytest
+import ray
+
+from services.engine.outputs import RequestOutput
+from services.router.core import RouterConfig, RouterCore, Sub
+from services.router.metrics import RouterMetrics
+
+
+class _Call:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+def _done(value):
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+class FakeWorker:
+    """Produces token 100 + i for the i-th token of a request; `cut_after` tokens then the stream
+    ends (`None`) or raises `error` (node loss), as a dying node's stream does."""
+
+    def __init__(self, cut_after: int | None = None, error: Exception | None = None):
+        self.cut_after, self.error = cut_after, error
+        self.calls, self.aborted = [], []
+        self.generate = _Call(self._generate)
+        self.abort = _Call(self.aborted.append)
+        self.ready = _Call(lambda: _done(True))
+
+    async def _generate(self, prompt, params, request_id, resumed, owner):
+        self.calls.append((list(prompt), dict(params), request_id))
+        start = resumed[0]
+        for i in range(params["max_tokens"]):
+            if self.cut_after is not None and i == self.cut_after:
+                if self.error is not None:
+                    raise self.error
+                return  # (the stream just ends)
+            last = i == params["max_tokens"] - 1
+            yield _done(RequestOutput(request_id, [100 + start + i], finished=last,
+                                      finish_reason="length" if last else None))  # fmt: skip
+
+
+def _core(workers: dict[str, FakeWorker]) -> RouterCore:
+    core = RouterCore.__new__(RouterCore)  # (no Ray, no tokenizer: only what run() uses)
+    core.cfg = RouterConfig("-", "m", list(workers), prefix_caching=False)
+    core.workers, core.outstanding, core.down = workers, dict.fromkeys(workers, 0), {}
+    core._probes, core._rr, core.metrics, core.owner = set(), itertools.count(), RouterMetrics(), "me"
+    core._keepalive = object()  # (no lease thread)
+    return core
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        None,
+        ray.exceptions.ObjectLostError("00" * 28, "owner", "call site"),
+        ray.exceptions.NodeDiedError("n"),
+    ],
+)
+def test_a_stream_cut_with_its_node_resumes_elsewhere(error):
+    cut = FakeWorker(cut_after=3, error=error)
+    healthy = FakeWorker()
+    core = _core({"a": cut, "b": healthy})
+    core.outstanding["b"] = 1  # (the first pick is "a")
+
+    async def collect():
+        sub = Sub(0, 0, [0, 5, 6], {"max_tokens": 8}, "req")
+        return [out async for out in core.run(sub)]
+
+    outs = asyncio.run(collect())
+    assert [t for o in outs for t in o.token_ids] == [100 + i for i in range(8)]  # whole, in order
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    prompt, params, request_id = healthy.calls[0]
+    assert prompt == [0, 5, 6, 100, 101, 102] and params["max_tokens"] == 5  # resumed after 3
+    assert request_id == "req-resumed-1" and cut.aborted == ["req"]
