@@ -29,15 +29,16 @@ def alive(p: int) -> bool:
         return False
 
 
-misses = 0
+misses, known = 0, {}
 while misses < 3:
+    known.update({name: p for name in ("redis.pid", "app.pid") if (p := pid(name)) is not None})
     time.sleep(2)
     try:
         socket.create_connection((host, port), timeout=2).close()
         misses = 0
     except OSError:
         misses += 1
-pids = [p for p in (pid("redis.pid"), pid("app.pid")) if p is not None and alive(p)]
+pids = [p for p in known.values() if alive(p)]  # (as last read: STATE_DIR may be gone by now)
 for p in pids:
     os.kill(p, signal.SIGTERM)
 deadline = time.monotonic() + 20  # (the app's own stop talks to a Ray that is gone: bounded)

@@ -1,5 +1,5 @@
-#!/usr/bin/env bash
-# Usage: deploy/ray-up-this-machine.sh [WORKDIR]
+#!/bin/sh
+# Usage: sh deploy/ray-up-this-machine.sh [WORKDIR]
 #
 # Runs deploy/ray-up-onprem.yaml for real on this one machine, the way docs/deploy.md tells a
 # newcomer to (section 2), over SSH to 127.0.0.1: `ray up`, the API answering a completion,
@@ -16,7 +16,7 @@
 # pip finds torch). MOE_RAY_UP_VENV=DIR uses a virtualenv that already holds the project instead of
 # installing one (the test does; the install itself is what a fresh `ray up` spends minutes on).
 # Everything goes to WORKDIR/log.txt; the exit status is the first failed step's.
-set -euo pipefail
+set -eu
 repo=$(cd "$(dirname "$0")/.." && pwd)
 work=${1:-$(mktemp -d)}
 mkdir -p "$work"
@@ -33,8 +33,7 @@ run() { "$@" >>"$log" 2>&1; }
 cleanup() {
     set +e
     say "cleanup"
-    [ -f "$work/yaml" ] && grep -q "^ray up done" "$log" && ! grep -q "^ray down done" "$log" &&
-        run "$venv/bin/ray" down -y "$work/ray-up.yaml"
+    [ -f "$work/up-started" ] && ! grep -q "^ray down done" "$log" && run "$venv/bin/ray" down -y "$work/ray-up.yaml"
     [ -f "$work/id.pub" ] && sed -i "\#$(cut -d' ' -f2 "$work/id.pub")#d" ~/.ssh/authorized_keys
     sed -i "\#export PATH=$venv/bin#d" ~/.bashrc 2>/dev/null
     [ -f "$work/sshd.pid" ] && kill "$(cat "$work/sshd.pid")"
@@ -105,9 +104,9 @@ else:  # this machine's pip finds torch without the download.pytorch.org index
 cfg["setup_commands"] = setup
 (work / "ray-up.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 EOF
-touch "$work/yaml"
 
 say "ray up"
+touch "$work/up-started"
 start=$(date +%s)
 run "$venv/bin/ray" up -y --no-config-cache "$work/ray-up.yaml"
 echo "ray up done in $(($(date +%s) - start)) s" | tee -a "$log"
@@ -118,10 +117,9 @@ for _ in $(seq 180); do
     curl -sf -m 5 -o /dev/null -H "Authorization: Bearer $key" http://127.0.0.1:8000/v1/models && break
     sleep 2
 done
-curl -sf -m 120 http://127.0.0.1:8000/v1/completions -H "Authorization: Bearer $key" \
-    -H 'Content-Type: application/json' -d '{"model": "tiny", "prompt": [0, 5, 6, 7], "max_tokens": 8}' |
-    tee -a "$log"
-echo | tee -a "$log"
+curl -sf -m 120 -o "$work/answer.json" http://127.0.0.1:8000/v1/completions -H "Authorization: Bearer $key" \
+    -H 'Content-Type: application/json' -d '{"model": "tiny", "prompt": [0, 5, 6, 7], "max_tokens": 8}'
+{ cat "$work/answer.json"; echo; } | tee -a "$log"
 echo "API answered $(($(date +%s) - start)) s after ray up started" | tee -a "$log"
 
 say "scale-experts and status through ray exec"

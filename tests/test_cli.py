@@ -7,7 +7,7 @@ from services.cluster import ClusterConfig
 
 
 def test_up_flags_are_the_scalar_cluster_settings():
-    dict_fields = {"attention_resources", "expert_resources"}  # YAML-only
+    dict_fields = {"attention_resources", "expert_resources", "control_resources"}  # YAML-only
     assert set(up_flags()) == {f.name for f in fields(ClusterConfig)} - dict_fields
     args = build_parser().parse_args(
         ["up", "--max-num-seqs", "8", "--balancer-min-gain", "0.5", "--redis-url", "r"]

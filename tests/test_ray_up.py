@@ -54,7 +54,7 @@ def test_ray_up_onprem_on_this_machine(tmp_path):
         pytest.skip(why)
     had_state = Path("~/.moe-cluster").expanduser().exists()
     env = dict(os.environ, MOE_RAY_UP_VENV=sys.prefix)  # (this venv holds the project already)
-    run = subprocess.run(["bash", str(ROOT / "deploy/ray-up-this-machine.sh"), str(tmp_path)], env=env,
+    run = subprocess.run(["sh", str(ROOT / "deploy/ray-up-this-machine.sh"), str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=900)  # fmt: skip
     log = (tmp_path / "log.txt").read_text()
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-2000:]}\n{log[-4000:]}"
