@@ -16,6 +16,9 @@ cluster was whole again (a replacement expert worker loaded, restarted actors an
 after the run) and the run's seconds. Writes benchmarks/results/faults.json.
 
     python -m benchmarks.bench_faults [--requests 16] [--max-tokens 96] [--out ...]
+
+`--node-loss ROUNDS` instead loses whole nodes of a multi-raylet cluster, ROUNDS times per role
+(attention, expert), and writes benchmarks/results/faults_node_loss.json.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/faults.json")
+    ap.add_argument("--node-loss", type=int, default=0, metavar="ROUNDS",
+                    help="instead: whole nodes lost on a multi-raylet cluster, ROUNDS per role")  # fmt: skip
+    ap.add_argument("--node-loss-out", default="benchmarks/results/faults_node_loss.json")
     args = ap.parse_args()
 
     model = init_model(Path(tempfile.mkdtemp(prefix="bench-faults-")) / "tiny", "tiny", seed=0)
@@ -53,6 +59,8 @@ def main() -> None:
     expected = [o.token_ids for o in local.generate(scenario.prompts(args.requests), params)]
     del local
 
+    if args.node_loss:
+        return node_loss(model, expected, args)
     cfg = ClusterConfig(model=str(model), served_model_name="tiny", port=free_port(), attention_workers=2,
                         expert_workers=3, balancer_period_s=0, max_num_seqs=32)  # fmt: skip
     cluster = Cluster.start(cfg)
@@ -109,6 +117,51 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def node_loss(model: Path, expected: list[list[int]], args) -> None:
+    """Whole nodes lost (raylet and every process on it) on a multi-raylet cluster on this machine:
+    a head with the router and balancer, 2 attention nodes, 2 expert nodes of 2 workers. Each round
+    adds a fresh node of the role (room for what the lost one held), then removes the oldest one
+    while the streams run."""
+    from ray.cluster_utils import Cluster as RayNodes
+
+    rn = RayNodes(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head_node": 4},
+                                                          "include_dashboard": False})  # fmt: skip
+    room = {"attention": {"attention_node": 1}, "expert": {"expert_node": 2}}
+    nodes = {role: [rn.add_node(num_cpus=1, resources=r) for _ in range(2)] for role, r in room.items()}
+    rn.wait_for_nodes()
+    cfg = ClusterConfig(model=str(model), served_model_name="tiny", port=free_port(), address=rn.address,
+                        attention_workers=2, expert_workers=4, redundant_experts=0, balancer_period_s=0,
+                        max_num_seqs=32, attention_resources={"attention_node": 1},
+                        expert_resources={"expert_node": 1}, control_resources={"head_node": 1})  # fmt: skip
+    cluster, rows = Cluster.start(cfg), []
+    try:
+        for r in range(args.node_loss):
+            for role in ("attention", "expert"):
+                nodes[role].append(rn.add_node(num_cpus=1, resources=room[role]))
+                rn.wait_for_nodes()
+                victim = nodes[role].pop(0)
+                outcome = scenario.run(cluster.url, f"{role} node", lambda v=victim: rn.remove_node(v, False),
+                                       requests=args.requests, max_tokens=args.max_tokens)  # fmt: skip
+                scenario.wait_healed(cfg.namespace, expert_workers=4, timeout_s=180)
+                rows.append({"round": r, "node": role, "requests": args.requests, "lost": outcome.lost,
+                             "identical": sum(t == e for t, e in zip(outcome.tokens, expected, strict=True)),
+                             "finished": sum(f == "length" for f in outcome.finish_reasons),
+                             "longest_pause_s": round(outcome.stall_s(), 3),
+                             "cluster_whole_again_s": round(time.time() - outcome.killed_at, 2),
+                             "errors": sorted({e for e in outcome.errors if e})[:3]})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        cluster.stop()
+        ray.shutdown()
+        rn.shutdown()
+    result = {"benchmark": "faults_node_loss", "setup": {"preset": "tiny", "nodes": "head (router, balancer) + "
+              "2 attention nodes + 2 expert nodes of 2 workers, raylets on one machine", "requests": args.requests,
+              "max_tokens": args.max_tokens, "fault": "ray.cluster_utils remove_node (no grace) once every "
+              "stream has 8 tokens"}, "target": {"longest_pause_s": 5.0, "lost": 0}, "rounds": rows}  # fmt: skip
+    Path(args.node_loss_out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.node_loss_out}")
 
 
 if __name__ == "__main__":
