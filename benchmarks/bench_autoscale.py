@@ -4,7 +4,8 @@ One local cluster (real Ray, Redis, gRPC) on a generated checkpoint, expert pool
 `--min` and `--max` workers on busy time. Offered load in phases of concurrent streaming-free
 clients (`--phases`, "clients:seconds,..."); every second the run samples the balancer's status
 (pool size, the size wanted, per-worker busy fractions, the decision's reason) and what the clients
-finished in that second (tokens/s, mean time per output token). Writes JSON and a plot:
+finished in that second (tokens/s, mean end-to-end milliseconds per output token, queueing and
+prefill included). Writes JSON and a plot:
 
     python -m benchmarks.bench_autoscale --out benchmarks/results/autoscale.json
 """
@@ -87,7 +88,7 @@ def main() -> None:
                     "workers": sum(w["state"] == "serving" for w in st["workers"]),
                     "desired": auto.get("desired"), "busy": auto.get("busy_by_worker"), "reason": auto.get("reason"),
                     "tok_s": sum(d[1] for d in recent),
-                    "tpot_ms": 1e3 * sum(d[2] / max(1, d[1]) for d in recent) / len(recent) if recent else None,
+                    "ms_per_token_e2e": 1e3 * sum(d[2] / max(1, d[1]) for d in recent) / len(recent) if recent else None,
                 })  # fmt: skip
                 print(json.dumps(timeline[-1]), flush=True)
     finally:
@@ -119,7 +120,13 @@ def plot(timeline: list[dict], path: Path) -> None:
     bottom.plot(t, [p["tok_s"] for p in timeline], label="tokens/s")
     bottom.set_ylabel("tokens/s")
     tpot = bottom.twinx()
-    tpot.plot(t, [p["tpot_ms"] for p in timeline], color="gray", alpha=0.6, label="ms per output token")
+    tpot.plot(
+        t,
+        [p["ms_per_token_e2e"] for p in timeline],
+        color="gray",
+        alpha=0.6,
+        label="ms per output token, end to end",
+    )
     tpot.set_ylabel("ms / token")
     bottom.set_xlabel("seconds")
     top.set_title("Expert pool autoscaling on busy time")

@@ -1,8 +1,10 @@
 """Usage: head-watchdog.py STATE_DIR HOST GCS_PORT  (started by deploy/start-head.sh)
 
 Redis and the app live as long as this machine's Ray head: once its GCS stops answering three
-times in a row (`ray stop`, `ray down`), stop Redis and the app (SIGTERM, SIGKILL after 20 s;
-their pid files in STATE_DIR). Standard library only: it runs on whatever python3 the head has.
+times in a row (`ray stop`, `ray down`), stop Redis and the app (their pid files in STATE_DIR, as
+last read; SIGTERM, SIGKILL after 20 s). If the GCS comes back within a minute (`ray up` again:
+`ray stop; ray start`, then start-head.sh starts Redis and the app anew), watch again; else exit.
+Standard library only: it runs on whatever python3 the head has.
 """
 
 import contextlib
@@ -13,6 +15,7 @@ import sys
 import time
 
 state, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+OURS = {"redis.pid": b"redis-server", "app.pid": b"moe-cluster"}  # pid file -> its command line has
 
 
 def pid(name: str) -> int | None:
@@ -21,29 +24,44 @@ def pid(name: str) -> int | None:
     return None
 
 
-def alive(p: int) -> bool:
+def ours(p: int, name: str) -> bool:
+    """`p` is alive and still the process of pid file `name` (not a reused pid)."""
     try:
-        os.kill(p, 0)
+        with open(f"/proc/{p}/cmdline", "rb") as f:
+            return OURS[name] in f.read()
+    except OSError:
+        return False
+
+
+def gcs_answers() -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
         return True
     except OSError:
         return False
 
 
-misses, known = 0, {}
-while misses < 3:
-    known.update({name: p for name in ("redis.pid", "app.pid") if (p := pid(name)) is not None})
-    time.sleep(2)
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-        misses = 0
-    except OSError:
-        misses += 1
-pids = [p for p in known.values() if alive(p)]  # (as last read: STATE_DIR may be gone by now)
-for p in pids:
-    os.kill(p, signal.SIGTERM)
-deadline = time.monotonic() + 20  # (the app's own stop talks to a Ray that is gone: bounded)
-while any(alive(p) for p in pids) and time.monotonic() < deadline:
-    time.sleep(0.5)
-for p in pids:
-    if alive(p):
-        os.kill(p, signal.SIGKILL)
+def stop(known: dict[str, int]) -> None:
+    mine = {name: p for name, p in known.items() if ours(p, name)}
+    for p in mine.values():
+        os.kill(p, signal.SIGTERM)
+    deadline = time.monotonic() + 20  # (the app's own stop talks to a Ray that is gone: bounded)
+    while any(ours(p, name) for name, p in mine.items()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for name, p in mine.items():
+        if ours(p, name):
+            os.kill(p, signal.SIGKILL)
+
+
+while True:
+    misses, known = 0, {}
+    while misses < 3:
+        known.update({name: p for name in OURS if (p := pid(name)) is not None})
+        time.sleep(2)
+        misses = 0 if gcs_answers() else misses + 1
+    stop(known)
+    deadline = time.monotonic() + 60
+    while not gcs_answers():
+        if time.monotonic() > deadline:
+            sys.exit(0)
+        time.sleep(2)

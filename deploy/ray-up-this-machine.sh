@@ -45,6 +45,7 @@ cleanup() {
     [ -e "$work/had-state" ] || rm -rf ~/.moe-cluster
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM HUP  # (dash runs the EXIT trap only on exit: make a signal one)
 [ -e ~/moe-cluster ] && touch "$work/had-moe-cluster"
 [ -e ~/.moe-cluster ] && touch "$work/had-state"
 
@@ -132,7 +133,7 @@ say "ray down"
 run "$venv/bin/ray" down -y "$work/ray-up.yaml"
 echo "ray down done" | tee -a "$log"
 left=""
-for _ in $(seq 30); do  # the watchdog of start-head.sh stops the app and Redis within seconds
+for _ in $(seq 60); do  # the watchdog of start-head.sh stops the app and Redis within seconds
     left=$(pgrep -af 'redis-server|moe-cluster up|raylet|gcs_server' | grep -v pgrep || true)
     [ -z "$left" ] && break
     sleep 2

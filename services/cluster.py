@@ -9,6 +9,7 @@ workers, and the Ray Serve router. Used by `moe-cluster up` and by the cluster t
 from __future__ import annotations
 
 import contextlib
+import http.client
 import logging
 import os
 import threading
@@ -453,7 +454,7 @@ class Cluster:
                 with urllib.request.urlopen(f"{self.url}/ready", timeout=5) as reply:
                     if reply.status == 200:
                         return
-            except OSError:  # (refused, not yet listening, or an HTTP error status)
+            except (OSError, http.client.HTTPException):  # (not yet listening, an HTTP error, cut off)
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.url}/ready did not answer 200 within {timeout}s")

@@ -9,9 +9,10 @@ import itertools
 import pytest
 import ray
 
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import Refusal, RequestOutput
 from services.router.core import RouterConfig, RouterCore, Sub
 from services.router.metrics import RouterMetrics
+from services.router.protocol import APIError
 
 
 class _Call:
@@ -88,3 +89,49 @@ def test_a_stream_cut_with_its_node_resumes_elsewhere(error):
     prompt, params, request_id = healthy.calls[0]
     assert prompt == [0, 5, 6, 100, 101, 102] and params["max_tokens"] == 5  # resumed after 3
     assert request_id == "req-resumed-1" and cut.aborted == ["req"]
+
+
+class RefusingWorker(FakeWorker):
+    """Refuses the request (queue full: 429) or raises inside generate (a RayTaskError)."""
+
+    def __init__(self, item):
+        super().__init__()
+        self.item = item
+
+    async def _generate(self, prompt, params, request_id, resumed, owner):
+        self.calls.append((list(prompt), dict(params), request_id))
+        if isinstance(self.item, Exception):
+            raise self.item
+        yield _done(self.item)
+
+
+@pytest.mark.parametrize("item", [Refusal(400, "bad", "prompt"), Refusal(429, "queue full"),
+                                  ray.exceptions.RayTaskError("generate", "Traceback ...", ValueError("bug"))])  # fmt: skip
+def test_refusals_and_generate_errors_are_no_deaths(item):
+    """A refusal or an error raised by generate itself is the request's answer: no other worker
+    is tried, nobody is marked down."""
+    refusing, other = RefusingWorker(item), FakeWorker()
+    core = _core({"a": refusing, "b": other})
+    core.outstanding["b"] = 1
+
+    async def collect():
+        return [out async for out in core.run(Sub(0, 0, [0, 5], {"max_tokens": 4}, "req"))]
+
+    with pytest.raises((APIError, ray.exceptions.RayTaskError)):
+        asyncio.run(collect())
+    assert other.calls == [] and core.down == {}
+
+
+def test_a_consumer_that_leaves_aborts_once_and_fails_nothing_over():
+    worker, other = FakeWorker(), FakeWorker()
+    core = _core({"a": worker, "b": other})
+    core.outstanding["b"] = 1
+
+    async def first_then_leave():
+        stream = core.run(Sub(0, 0, [0, 5], {"max_tokens": 8}, "req"))
+        out = await anext(stream)
+        await stream.aclose()
+        return out
+
+    assert asyncio.run(first_then_leave()).token_ids == [100]
+    assert worker.aborted == ["req"] and other.calls == [] and core.down == {}

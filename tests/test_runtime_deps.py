@@ -37,8 +37,8 @@ def runtime_closure(dist: str) -> set[str]:
     return {name for name, _ in seen}
 
 
-def imported_modules(package: Path) -> dict[str, str]:
-    """Top-level module -> the first file importing it (absolute imports only)."""
+def imported_modules(package: Path, root: Path = ROOT) -> dict[str, str]:
+    """Top-level module -> the first file importing it, relative to `root` (absolute imports only)."""
     found: dict[str, str] = {}
     for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -49,7 +49,7 @@ def imported_modules(package: Path) -> dict[str, str]:
             else:
                 continue
             for name in names:
-                found.setdefault(name.split(".")[0], str(path.relative_to(ROOT)))
+                found.setdefault(name.split(".")[0], str(path.relative_to(root)))
     return found
 
 
@@ -69,6 +69,14 @@ def test_every_runtime_import_is_a_runtime_dependency():
     assert missing == [], "runtime imports the runtime dependencies do not install: " + "; ".join(missing)
 
 
-def test_the_check_sees_a_dev_only_import():
+def test_the_check_sees_a_dev_only_import(tmp_path):
+    """Positive control: a module importing httpx (what cluster.py once did) is caught."""
     closure = runtime_closure("moe-cluster")
     assert "httpx" not in closure and "pytest" not in closure and "transformers" not in closure
+    (tmp_path / "wait.py").write_text("import json\nimport httpx\nfrom ray import serve\n")
+    found = imported_modules(tmp_path, root=tmp_path)
+    assert found == {"json": "wait.py", "httpx": "wait.py", "ray": "wait.py"}
+    providers = md.packages_distributions()
+    unprovided = [m for m in found if m not in sys.stdlib_module_names
+                  and not {canonicalize_name(d) for d in providers.get(m, [])} & closure]  # fmt: skip
+    assert unprovided == ["httpx"]

@@ -72,7 +72,7 @@ class ExpertPool:
     slow: dict[str, int] = field(default_factory=dict)  # worker id -> resume attempts it did not answer
     start_timeout_s: float = 900.0  # a worker no node has room for waits this long (a node's boot)
     pending: dict[str, float] = field(default_factory=dict)  # worker id -> wall clock it was asked for
-    requested_workers: int = 0  # workers' worth of room asked of Ray's autoscaler
+    requested_workers: int | None = None  # workers' worth of room asked of Ray's autoscaler (None: not yet)
 
     # ---- machines -----------------------------------------------------------------------
     @property
@@ -136,6 +136,9 @@ class ExpertPool:
                 f"expert worker {wid} did not start in {self.start_timeout_s:.0f}s: no node had room "
                 f"for {self.bundle or 'it'}"
             ) from None
+        except BaseException:  # (its start failed, or the wait was cancelled: no stray named actor)
+            self._kill(expert_worker_name(wid))
+            raise
         finally:
             self.pending.pop(wid, None)
         return wid

@@ -96,6 +96,7 @@ class BalancerCore:
             num_threads=cfg.expert_threads, host=cfg.expert_host,
             model_config=read_model_config(cfg.model),  # their nodes need no checkpoint (peer copy)
             device="cuda" if cfg.expert_gpus > 0 else "cpu", shm=cfg.expert_shm, secret=cfg.shared.secret,
+            namespace=cfg.shared.namespace,
         )  # fmt: skip
         self.pool = ExpertPool(cfg.shared, worker_cfg, cfg.expert_resources, num_gpus=cfg.expert_gpus)
         self.target_workers = cfg.expert_workers
@@ -445,11 +446,13 @@ class BalancerCore:
         async with self._scale_lock:
             self.target_workers, before = num_workers, len(self.pool.members)
             error = await self.pool.ensure(num_workers)  # (asks Ray's autoscaler for the machines)
-            if error is not None:  # some did not start: resize to those that did, if any
+            if error is not None:  # some did not start: resize to those that did, if any, and
+                # stop asking for more (a later scale or autoscaling tick asks again)
                 log.warning("the expert pool cannot grow to %d workers: %s", num_workers, error)
-                if len(self.pool.members) <= before:
+                self.target_workers = num_workers = max(before, len(self.pool.members))
+                await asyncio.to_thread(self.pool.request_capacity, num_workers)
+                if num_workers <= before:
                     return {"ok": False, "workers": before, "error": error}
-                num_workers = len(self.pool.members)
             async with self._lock:
                 members = self.pool.workers
                 leaving, staying = members[num_workers:], members[:num_workers]

@@ -54,6 +54,9 @@ class ExpertWorkerConfig:
     shm: bool = True
     # the cluster's data-plane secret (services/rpc/auth.py): calls without it are refused; None: open
     secret: str | None = field(default=None, repr=False)
+    # the Ray namespace the cluster's expert workers are named in: LoadSlots copies only from them
+    # (None: any peer; a worker outside Ray)
+    namespace: str | None = None
 
 
 def read_model_config(model_dir: str | Path) -> dict:

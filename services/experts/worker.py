@@ -10,6 +10,7 @@ loading.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -27,8 +28,8 @@ class ExpertWorker:
         logging.basicConfig(level=logging.INFO)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.server = ExpertServer(cfg, host=cfg.host or ray.util.get_node_ip_address(),
-                                   known_peers=cluster_expert_addresses)  # fmt: skip
+        peers = None if cfg.namespace is None else functools.partial(cluster_expert_addresses, cfg.namespace)
+        self.server = ExpertServer(cfg, host=cfg.host or ray.util.get_node_ip_address(), known_peers=peers)
 
     def start(self) -> str:
         """Start the gRPC server (idempotent); returns its "host:port"."""
@@ -49,12 +50,13 @@ class ExpertWorker:
         self.server.stop()
 
 
-def cluster_expert_addresses(timeout_s: float = 10.0) -> set[str]:
-    """The gRPC addresses of the live expert workers of this actor's Ray namespace (the named
-    actors the balancer started): the only peers LoadSlots may copy experts from."""
-    namespace = ray.get_runtime_context().namespace
+def cluster_expert_addresses(namespace: str, timeout_s: float = 5.0) -> set[str]:
+    """The gRPC addresses of the live expert workers named in `namespace` (the named actors the
+    balancer started), this worker's own aside: the only peers LoadSlots may copy experts from.
+    A worker that does not answer within `timeout_s` (still starting, or pending) is left out."""
+    me = ray.get_runtime_context().get_actor_name()
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == namespace and EXPERT_WORKER_NAME.match(a["name"])]  # fmt: skip
+             if a["namespace"] == namespace and EXPERT_WORKER_NAME.match(a["name"]) and a["name"] != me]  # fmt: skip
     refs = []
     for name in names:
         try:

@@ -190,6 +190,7 @@ class RouterMetrics:
             autoscale = balancer.get("autoscale") or {}
             if autoscale.get("desired") is not None:
                 self.expert_workers_desired.set(autoscale["desired"])
+            self.expert_busy.clear()  # (workers that left the pool drop out)
             for w, busy in (autoscale.get("busy_by_worker") or {}).items():
                 self.expert_busy.labels(w).set(busy)
             dead = balancer.get("dead_workers") or []
