@@ -134,7 +134,8 @@ run "$venv/bin/ray" down -y "$work/ray-up.yaml"
 echo "ray down done" | tee -a "$log"
 left=""
 for _ in $(seq 60); do  # the watchdog of start-head.sh stops the app and Redis within seconds
-    left=$(pgrep -af 'redis-server|moe-cluster up|raylet|gcs_server' | grep -v pgrep || true)
+    left=$(pgrep -af "redis-server .*:6380|moe-cluster up --config $HOME/.moe-cluster|raylet|gcs_server" |
+        grep -v pgrep || true)  # (start-head.sh's Redis and app, Ray's daemons: not other Redis servers)
     [ -z "$left" ] && break
     sleep 2
 done
