@@ -4,6 +4,7 @@ Redis and the app live as long as this machine's Ray head: once its GCS stops an
 times in a row (`ray stop`, `ray down`), stop Redis and the app (their pid files in STATE_DIR, as
 last read; SIGTERM, SIGKILL after 20 s). If the GCS comes back within a minute (`ray up` again:
 `ray stop; ray start`, then start-head.sh starts Redis and the app anew), watch again; else exit.
+A GCS not answering within a minute of the start is never watched (nothing is stopped).
 Standard library only: it runs on whatever python3 the head has.
 """
 
@@ -53,15 +54,19 @@ def stop(known: dict[str, int]) -> None:
             os.kill(p, signal.SIGKILL)
 
 
-while True:
+def gcs_within(seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not gcs_answers():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(2)
+    return True
+
+
+while gcs_within(60):  # (a GCS never seen, or gone for good: nothing to watch)
     misses, known = 0, {}
     while misses < 3:
         known.update({name: p for name in OURS if (p := pid(name)) is not None})
         time.sleep(2)
         misses = 0 if gcs_answers() else misses + 1
     stop(known)
-    deadline = time.monotonic() + 60
-    while not gcs_answers():
-        if time.monotonic() > deadline:
-            sys.exit(0)
-        time.sleep(2)

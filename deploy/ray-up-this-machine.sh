@@ -38,9 +38,11 @@ cleanup() {
     sed -i "\#export PATH=$venv/bin#d" ~/.bashrc 2>/dev/null
     [ -f "$work/sshd.pid" ] && kill "$(cat "$work/sshd.pid")"
     for _ in $(seq 40); do  # (the watchdog reads its pid files there until Redis and the app are gone)
-        [ -f ~/.moe-cluster/watchdog.pid ] && kill -0 "$(cat ~/.moe-cluster/watchdog.pid)" 2>/dev/null || break
+        pgrep -f "redis-server .*:6380|moe-cluster up --config $HOME/.moe-cluster" >/dev/null || break
         sleep 1
     done
+    # its work done, the watchdog would wait a minute for a Ray to come back: this run is over
+    [ -e "$work/had-state" ] || pkill -f "head-watchdog.py $HOME/.moe-cluster"
     [ -e "$work/had-moe-cluster" ] || rm -rf ~/moe-cluster
     [ -e "$work/had-state" ] || rm -rf ~/.moe-cluster
 }

@@ -347,10 +347,11 @@ def test_start_head_script_runs_redis_with_a_password_and_writes_the_app_config(
             redis.Redis(host="127.0.0.1", port=port).ping()
         assert _ping(redis.Redis.from_url(cfg.redis_url))  # the URL the app gets, on the head's IP
     finally:
-        pidfile = state / "redis.pid"  # only the Redis the script started
-        if pidfile.exists():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pidfile.read_text()), signal.SIGTERM)
+        for name in ("redis.pid", "watchdog.pid"):  # only what the script started
+            pidfile = state / name
+            if pidfile.exists():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pidfile.read_text()), signal.SIGTERM)
 
 
 def _ping(client: redis.Redis, timeout: float = 5.0) -> bool:
