@@ -34,8 +34,6 @@ import ray
 import torch
 
 from services.cluster import Cluster, ClusterConfig
-from services.engine.engine import EngineConfig, LocalEngine
-from services.engine.sampling import SamplingParams
 from services.net import free_port
 from services.presets import init_model
 from services.redis_store import EmbeddedRedis
@@ -54,10 +52,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = init_model(Path(tempfile.mkdtemp(prefix="bench-faults-")) / "tiny", "tiny", seed=0)
-    local = LocalEngine(EngineConfig(model=str(model)))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    expected = [o.token_ids for o in local.generate(scenario.prompts(args.requests), params)]
-    del local
+    expected = scenario.local_tokens(model, scenario.prompts(args.requests), args.max_tokens)
 
     if args.node_loss:
         return node_loss(model, expected, args)

@@ -53,6 +53,15 @@ def prompts(n: int, length: int = 12) -> list[list[int]]:
     return [[0] + [4 + (17 * i + 7 * j) % 300 for j in range(length - 1)] for i in range(n)]
 
 
+def local_tokens(model_dir, prompts_: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """LocalEngine's greedy tokens for `prompts_` (ignoring EOS): what every faulted run must give."""
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in LocalEngine(EngineConfig(model=str(model_dir))).generate(prompts_, params)]
+
+
 def sigkill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 

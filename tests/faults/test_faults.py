@@ -11,8 +11,6 @@ import openai
 import pytest
 import ray
 
-from services.engine.engine import EngineConfig, LocalEngine
-from services.engine.sampling import SamplingParams
 from services.redis_store import EmbeddedRedis, connect
 from services.settings import BALANCER_NAME
 
@@ -26,9 +24,7 @@ REQUESTS, MAX_TOKENS = 16, 96
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    engine = LocalEngine(EngineConfig(model=str(tiny_model)))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in engine.generate(scenario.prompts(REQUESTS), params)]
+    return scenario.local_tokens(tiny_model, scenario.prompts(REQUESTS), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["auto", "grpc"])  # auto, on one node: shared memory

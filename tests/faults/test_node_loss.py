@@ -9,8 +9,6 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster as RayNodes
 
-from services.engine.engine import EngineConfig, LocalEngine
-from services.engine.sampling import SamplingParams
 from services.settings import BALANCER_NAME
 
 from ..clusters import tiny_cluster
@@ -23,9 +21,7 @@ REQUESTS, MAX_TOKENS = 16, 64
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    engine = LocalEngine(EngineConfig(model=str(tiny_model)))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in engine.generate(scenario.prompts(REQUESTS), params)]
+    return scenario.local_tokens(tiny_model, scenario.prompts(REQUESTS), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

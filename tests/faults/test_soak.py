@@ -13,8 +13,6 @@ import pytest
 from ray import serve
 
 from services.cluster import APP_NAME
-from services.engine.engine import EngineConfig, LocalEngine
-from services.engine.sampling import SamplingParams
 from services.redis_store import EmbeddedRedis
 from services.settings import BALANCER_NAME
 
@@ -27,11 +25,8 @@ PROMPTS, MAX_TOKENS, CLIENTS, EXPERT_WORKERS = 6, 32, 6, 3
 
 
 def test_soak_with_a_kill_of_every_kind(tiny_model):
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = scenario.prompts(PROMPTS)
-    expected = [
-        o.token_ids for o in LocalEngine(EngineConfig(model=str(tiny_model))).generate(prompts, params)
-    ]
+    expected = scenario.local_tokens(tiny_model, prompts, MAX_TOKENS)
     with tiny_cluster(tiny_model, attention_workers=2, expert_workers=EXPERT_WORKERS, balancer_period_s=0,
                       max_num_seqs=32) as cluster:  # fmt: skip
         ns = cluster.cfg.namespace
