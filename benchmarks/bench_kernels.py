@@ -140,7 +140,8 @@ def bench_mla(
         return triton_mla.mla_decode(qs[i], cache, tables[i], lens, C, scale)
 
     ref = torch_path(0).float()
-    row["splits"] = triton_mla._splits(batch, heads // 16, width, torch.device("cuda"))
+    groups = -(-heads // triton_mla.decode_tiles(batch, heads, torch.bfloat16, torch.device("cuda")).block_h)
+    row["splits"] = triton_mla._splits(batch, groups, width, torch.device("cuda"))
     row["max_abs_diff_vs_torch"] = (triton_path(0).float() - ref).abs().max().item()
     for name, fn in (("triton", triton_path), ("torch", torch_path)):
         ms = graphed_ms([lambda i=i, fn=fn: fn(i) for i in range(n)])
@@ -161,6 +162,52 @@ def bench_mla(
     except Exception as e:  # another FlashMLA version's API
         row["flashmla"] = f"{type(e).__name__}: {e}"
     return row
+
+
+SWEEP_TILES = [  # (block_h, block_n, num_warps, num_stages)
+    (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
+    (32, 32, 4, 3), (64, 16, 4, 2), (64, 32, 4, 2), (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1),
+    (64, 64, 8, 2), (64, 16, 8, 3), (128, 16, 8, 2), (128, 32, 8, 1),
+]  # fmt: skip
+
+
+def bench_mla_sweep(batch: int, context: int, width: int | None = None, heads: int = 128, C: int = 512,
+                    R: int = 64) -> list[dict]:  # fmt: skip
+    """triton_mla.mla_decode's stage-1 tile shapes (SWEEP_TILES) at one V3 decode shape: each
+    one's graphed milliseconds and bytes per second (as bench_mla) and its largest difference from
+    the default tiles' output; a shape that does not compile or launch is recorded with its error."""
+    from services.model.kernels import triton_mla
+
+    blocks = context // 64
+    width = width or blocks
+    n = copies(batch * blocks * 64 * (C + R) * 2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.randn(n * batch * blocks, 64, 1, C + R, device="cuda", generator=g).bfloat16()
+    tables = torch.zeros(n, batch, width, dtype=torch.int32, device="cuda")
+    tables[..., :blocks] = torch.randperm(n * batch * blocks, device="cuda", generator=g).view(
+        n, batch, blocks
+    )
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    qs = torch.randn(n, batch, heads, C + R, device="cuda", generator=g).bfloat16()
+    moved = batch * blocks * 64 * (C + R) * 2 + batch * heads * (2 * C + R) * 2
+    ref = triton_mla.mla_decode(qs[0], cache, tables[0], lens, C, 0.1352338).float()
+    rows = []
+    for h, bn, warps, stages in SWEEP_TILES:
+        tiles = triton_mla.DecodeTiles(h, bn, warps, stages)
+        row = {"batch": batch, "context": context, "table_blocks": width, "block_h": h, "block_n": bn,
+               "num_warps": warps, "num_stages": stages}  # fmt: skip
+        try:
+            got = triton_mla.mla_decode(qs[0], cache, tables[0], lens, C, 0.1352338, tiles=tiles)
+            row["max_abs_diff_vs_default"] = (got.float() - ref).abs().max().item()
+            calls = [lambda i=i, t=tiles: triton_mla.mla_decode(qs[i], cache, tables[i], lens, C, 0.1352338, tiles=t)
+                     for i in range(n)]  # fmt: skip
+            ms = graphed_ms(calls)
+            row["ms"], row["tbps"] = ms, moved / ms / 1e9
+        except Exception as e:  # out of shared memory or registers: the next shape still runs
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def bench_latent(tokens: int, heads: int = 128, C: int = 512, R: int = 64, D: int = 128) -> dict:
@@ -319,6 +366,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--slots", type=int, default=32, help="experts held by one expert worker")
+    ap.add_argument("--sections", default=None, help="comma-separated: only these sections "
+                    "(mla_decode, mla_sweep, fused_moe, rms_norm, mla_latent, fp8_linear)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA device (and triton: pip install -e '.[gpu]')")
@@ -339,6 +388,11 @@ def main() -> None:
             [bench_mla(b, args.context) for b in (1, 8, 64)]
             + [bench_mla(b, args.context // 4, width=512) for b in (1, 64)]
         ),  # a graphed step's wide table
+        "mla_sweep": lambda: [
+            row
+            for b, ctx, w in ((64, 4096, None), (8, 4096, None), (64, 1024, 512), (1, 4096, None))
+            for row in bench_mla_sweep(b, ctx, w)
+        ],  # fmt: skip
         "fused_moe": moe,
         "rms_norm": lambda: [bench_norm(t) for t in (1, 64, 4096)],
         "mla_latent": lambda: [bench_latent(t) for t in (1, 64)],
@@ -346,7 +400,10 @@ def main() -> None:
             bench_fp8_linear(t, lin) for lin in map(linear_weights, V3_LINEARS) for t in (1, 64, 512)
         ],  # fmt: skip
     }
+    chosen = args.sections.split(",") if args.sections else [k for k in sections if k != "mla_sweep"]
     for section, run in sections.items():
+        if section not in chosen:
+            continue
         try:
             result[section] = run()
         except Exception as e:  # the next section still runs

@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_session.sh [STEP ...]    # there (device `run`, carry [".whl"], timeout_s 600)
 #
 # Steps, in order (default: all): tests, local, kernels, attention_gpu, attention_cpu, dispatch,
-# kernel_tests. Each has its own time limit, cut to what is left of BUDGET seconds (default 540),
-# and writes its results under $OUT as it goes, so a step that overruns costs only itself and the
+# kernel_tests; also sweep, prefill and mla_tests when named. Each has its own time limit, cut to
+# what is left of BUDGET seconds (default 540), and writes its results under $OUT as it goes, so a
+# step that overruns costs only itself and the
 # steps after it still run while time is left. Files back ($OUT, at most 8): log.txt (everything,
 # each step's rc and seconds), env.txt, local_engine.json, kernels.json, attention_gpu.json,
 # attention_cpu.json, dispatch.json.
@@ -84,6 +85,13 @@ for s in $steps; do
     dispatch) # Must show (16 cores): dispatch overhead over a plain echo <= 25 %
         step dispatch 90 python3 -m benchmarks.bench_dispatch --quick --label gpu-host-16core \
             --out "$OUT/dispatch.json" ;;
+    sweep) # the MLA decode kernel's tile shapes at V3 shapes (which one to make the default)
+        step sweep 240 $GPU python3 -m benchmarks.bench_kernels --sections mla_sweep,mla_decode \
+            --out "$OUT/kernels_sweep.json" ;;
+    prefill) # #40: MLA prefill at V3 heads, tiled (the engine's) vs absorbed (Triton) vs dense SDPA
+        step prefill 150 $GPU python3 -m benchmarks.bench_mla_prefill --out "$OUT/mla_prefill.json" ;;
+    mla_tests) # the Triton MLA tests only (tile shapes, the rope's tolerance on a GPU)
+        step mla_tests 120 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "mla or latent" ;;
     kernel_tests) # the kernels' own tests, compiled for this GPU
         step kernel_tests 150 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
             tests/test_triton_moe.py tests/test_decode_graphs.py tests/test_flashmla.py ;;

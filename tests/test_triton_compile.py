@@ -61,8 +61,11 @@ def test_every_kernel_is_compiled(compiled):
 def test_half_precision_kernels_do_not_spill_on_hopper(compiled):
     """The serving path (bf16/fp16 activations) keeps its registers on sm_90. (fp32 tiles are
     twice the registers: the fp32 FP8 linear and, on sm_80, fp32 and FP8 prefill MoE tiles spill
-    a few bytes; listed in docs/kernels.md.)"""
-    spilled = [
-        r for r in compiled if r["arch"] == 90 and "float32" not in r["case"] and r["stack"] + r["local"]
-    ]
+    a few bytes; listed in docs/kernels.md.) The MLA decode's wide tiles spill ~250 bytes a thread
+    and were still measured 1.4-1.9x the 16-head tiles on an H200 (kernels_h200_mla_sweep.json):
+    held under 512 bytes here."""
+    half = [r for r in compiled if r["arch"] == 90 and "float32" not in r["case"]]
+    spilled = [r for r in half if r["stack"] + r["local"] and "wide tiles" not in r["case"]]
     assert not spilled, spilled
+    wide = [r for r in half if "wide tiles" in r["case"]]
+    assert wide and all(r["stack"] + r["local"] <= 512 for r in wide), wide

@@ -74,6 +74,54 @@ def test_mla_decode_matches_torch(kernels, lens, heads, C, R, extra, splits):
     )
 
 
+@pytest.mark.parametrize("tiles", [(32, 16, 4, 2), (64, 64, 8, 1), (128, 32, 8, 2)])
+def test_mla_decode_tile_shapes_agree(kernels, tiles):
+    """bench_kernels' sweep shapes: more heads per program than the model has (masked), row tiles
+    wider and narrower than a split's rows, several splits."""
+    load, device = kernels
+    mla = load("mla")
+    cache, table, lens = paged_context([70, 300, 1], 32 + 16, torch.float32, device)
+    q = torch.randn(3, 20, 48, generator=torch.Generator().manual_seed(2)).to(device)
+    for splits in (None, 4):
+        o = mla.mla_decode(q, cache, table, lens, 32, 0.2, splits=splits, tiles=mla.DecodeTiles(*tiles))
+        torch.testing.assert_close(
+            o, mla_decode_reference(q, cache, table, lens, 32, 0.2), rtol=1e-4, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("L, n", [(200, 64), (70, 70), (130, 1)])
+def test_absorbed_prefill_matches_the_tiled_path(kernels, L, n):
+    """model.absorbed_prefill (the GPU's prefill: each query a decode row of its own causal length)
+    against model.prefill_attention on the same chunk: a chunk after a cached prefix, a whole prompt,
+    one query."""
+    from services.model.model import absorbed_prefill, prefill_attention
+
+    load, device = kernels
+    N, C, R, D, V = 4, 32, 16, 24, 20
+    g = torch.Generator().manual_seed(3)
+    nb = -(-L // BLOCK_SIZE)
+    cache = torch.randn(nb + 5, BLOCK_SIZE, 1, C + R, generator=g).to(device)
+    blocks = torch.randperm(nb + 5, generator=g)[:nb].to(device)
+    kv_b = (torch.randn(N, D + V, C, generator=g) / C**0.5).to(device)
+    q = torch.randn(n, N, D + R, generator=g).to(device)
+    got = absorbed_prefill(q[..., :D], q[..., D:], cache, blocks, L, kv_b, C, 0.3)
+    torch.testing.assert_close(
+        got, prefill_attention(q, cache, blocks, L, kv_b, C, R, 0.3), rtol=1e-4, atol=1e-5
+    )
+    assert absorbed_prefill(q[..., :D], q[..., D:], cache.to(torch.uint8), blocks, L, kv_b, C, 0.3) is None
+
+
+def test_decode_tiles_are_wide_only_where_they_were_measured_to_win(monkeypatch):
+    """64-head tiles for >= 64 heads, 16-bit rows, batches >= 8, Hopper-class GPUs (the H200 sweep)."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(hardware, "hopper_or_newer", lambda device: True)
+    assert triton_mla.decode_tiles(8, 128, torch.bfloat16, cuda) == triton_mla.WIDE_TILES
+    for batch, heads, dtype in ((1, 128, torch.bfloat16), (8, 16, torch.bfloat16), (64, 128, torch.float32)):
+        assert triton_mla.decode_tiles(batch, heads, dtype, cuda) == triton_mla.DECODE_TILES
+    monkeypatch.setattr(hardware, "hopper_or_newer", lambda device: False)
+    assert triton_mla.decode_tiles(64, 128, torch.bfloat16, cuda) == triton_mla.DECODE_TILES
+
+
 def test_mla_decode_over_wide_tables_and_small_dims(kernels, monkeypatch):
     """A block table much wider than the contexts (a CUDA graph's static one: each row splits its
     own blocks; the splits past a row's end write no partial and the merge reads none: the

@@ -40,7 +40,7 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     heads, latent, rope = 128, 512, 64  # DeepSeek-V3's absorbed MLA decode
 
-    def mla(dtype, splits, width=latent + rope, sparse=False):
+    def mla(dtype, splits, width=latent + rope, sparse=False, tiles=None):
         q = torch.empty(2, heads, latent + rope, dtype=dtype)
         cache = torch.empty(8, 64, 1, width, dtype=dtype)
         lens = torch.tensor([100, 300])
@@ -48,12 +48,14 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
             rows = torch.zeros(2, 2048, dtype=torch.int64)
             return lambda: triton_mla.mla_decode(q, cache, None, lens, latent, 0.1, splits, rows=rows)
         table = torch.zeros(2, 64, dtype=torch.int64)
-        return lambda: triton_mla.mla_decode(q, cache, table, lens, latent, 0.1, splits)
+        return lambda: triton_mla.mla_decode(q, cache, table, lens, latent, 0.1, splits, tiles=tiles)
 
     for dtype in (bf16, torch.float16, torch.float32):
         for splits in (1, 64):  # long batches / one sequence of 4k tokens on 132 SMs
             yield f"mla {str(dtype)[6:]} splits={splits}", mla(dtype, splits)
     yield "mla bfloat16 sparse (V3.2)", mla(bf16, 8, width=latent + rope + 128, sparse=True)
+    for splits in (1, 4):  # Hopper's tiles at batches of 8 and more, and prefill (decode_tiles)
+        yield f"mla bfloat16 wide tiles splits={splits}", mla(bf16, splits, tiles=triton_mla.WIDE_TILES)
 
     def latent_to_cache(dtype, interleave=True):  # the per-token work: latent norm, ropes, cache write
         kv, q = torch.empty(2, latent + rope, dtype=dtype), torch.empty(2, heads, 128 + rope, dtype=dtype)

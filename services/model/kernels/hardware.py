@@ -23,3 +23,8 @@ def fp8_native(t: torch.Tensor) -> bool:
     and the interpreter on CPU. Below that (A100's sm_80) the FP8 kernels take the weights' bytes
     as uint8 and convert them with integer ops (`triton_linear.e4m3_bits_to_fp16`)."""
     return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or above (227 KB of shared memory per block)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)

@@ -11,13 +11,19 @@ number of splits comes from the block table's width, not from the lengths, so la
 device-to-host copy (a CUDA graph can capture it); a split past the end of a row's context writes
 only its log-sum-exp (-inf).
 
-Every group of 16 heads reads each cache row once for all of them (DeepSeek-V3 has 128 heads
-sharing one latent KV head: 8 groups per row and split), in tiles of 32 rows (sizes as SGLang's
-Triton MLA decode: a [16, 512] fp32 accumulator and two [32, 576] bf16 tiles in flight fit an
-SM). Softmax and sums in fp32 whatever the cache dtype.
+Every group of heads reads each cache row once for all of them (DeepSeek-V3 has 128 heads sharing
+one latent KV head): 16 heads per program and tiles of 32 rows by default (SGLang's Triton MLA
+decode sizes), 64 heads and tiles of 64 rows on Hopper-class GPUs at batches of 8 and more
+(`decode_tiles`, chosen from bench_kernels' sweep). Softmax and sums in fp32 whatever the cache
+dtype.
+
+The same kernel runs prefill on the GPU (model.absorbed_prefill): a chunk's queries are rows of
+their own causal lengths over one block table.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -121,6 +127,33 @@ def _mla_decode_merge(
     tl.store(o_ptr + bn * C + c, (acc / total).to(o_ptr.dtype.element_ty), mask=c < C)
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Stage 1's tile shape: heads per program (block_h: its [block_h, C] fp32 accumulator), cache
+    rows per step (block_n; halved for fp32), and the launch's warps and pipeline stages."""
+
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DECODE_TILES = DecodeTiles()  # SGLang's Triton MLA decode sizes: 16 heads x C = 512 fp32 is 32 KB
+# of registers per program, two [32, 576] bf16 row tiles in flight
+WIDE_TILES = DecodeTiles(block_h=64, block_n=64, num_warps=8, num_stages=2)  # a quarter of the
+# programs each reading a row once for 64 heads; measured on an H200 (bench_kernels' mla_sweep,
+# V3 shapes, bf16): 1.9x the default at batch 64 / 4K context, 1.4x at batch 8, 0.8x at batch 1
+
+
+def decode_tiles(batch: int, heads: int, dtype: torch.dtype, device: torch.device) -> DecodeTiles:
+    """WIDE_TILES for 64 heads or more (V3's 128; fewer would leave a program's heads masked),
+    16-bit rows and batches of 8 or more on Hopper-class GPUs (their 227 KB of shared memory per
+    block hold its tiles); DECODE_TILES otherwise (at small batches more programs win)."""
+    if batch >= 8 and heads >= 64 and dtype != torch.float32 and hardware.hopper_or_newer(device):
+        return WIDE_TILES
+    return DECODE_TILES
+
+
 MIN_SPLIT_BLOCKS = 4  # cache blocks per split at least: a split's partials (heads x C fp32, 256 KB
 # on V3) are written and read back once, its rows (64 x 576 bf16 per block, 74 KB) read once
 
@@ -145,6 +178,7 @@ def mla_decode(
     scale: float,
     splits: int | None = None,
     rows: torch.Tensor | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> torch.Tensor | None:
     """q [B, N, C+R] (the absorbed latent query: q_nope @ W_UK, then q_pe), cache [blocks, 64, 1,
     W] (rows [c_kv | k_pe | ...]), table [B, max_blocks] int32/int64, lens [B] context lengths
@@ -153,6 +187,7 @@ def mla_decode(
     each row's blocks are cut in exactly `splits` ranges, without the minimum per split).
     rows [B, k] int64 (then `table` is not used): each sequence's chosen flat cache rows (block *
     64 + offset; V3.2's top-k), of which the first lens[b] are attended to.
+    `tiles` overrides decode_tiles' choice (bench_kernels' sweep).
     None where the kernel does not apply (a cache of another dtype or layout).
     """
     B, N, D = q.shape
@@ -162,24 +197,25 @@ def mla_decode(
     q = q if q.stride(-1) == 1 else q.contiguous()
     table = (table if rows is None else rows).contiguous()
     lens = lens.contiguous()
-    BLOCK_H = 16  # heads per program: the [16, C] fp32 accumulator stays in registers (C = 512: 32 KB)
-    groups = triton.cdiv(N, BLOCK_H)
+    fp32 = q.dtype == torch.float32
+    tiles = tiles or decode_tiles(B, N, q.dtype, q.device)
+    block_n = max(16, tiles.block_n // 2) if fp32 else tiles.block_n  # (fp32 tiles are twice the
+    # registers; tl.dot's K is at least 16)
+    groups = triton.cdiv(N, tiles.block_h)
     width = table.shape[1] if rows is None else triton.cdiv(rows.shape[1], BLOCK_SIZE)  # in blocks
     min_blocks = 1 if splits else MIN_SPLIT_BLOCKS  # (splits given: exactly cdiv(blocks, splits) each)
     splits = splits or _splits(B, groups, width, q.device)
     o = torch.empty(B, N, C, dtype=q.dtype, device=q.device)
     mid_o = torch.empty(B, N, splits, C, dtype=torch.float32, device=q.device) if splits > 1 else o
     mid_lse = torch.empty(B, N, splits, dtype=torch.float32, device=q.device) if splits > 1 else o
-    fp32 = q.dtype == torch.float32
     BLOCK_C = max(16, triton.next_power_of_2(C))
     _mla_decode_split[(groups, B, splits)](
         q, cache, table, lens, mid_o, mid_lse,
         N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale, rows is not None,
-        BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)),
-        BLOCK_N=16 if fp32 else 32,  # (fp32 tiles are twice the registers)
+        BLOCK_H=tiles.block_h, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=block_n,
         PAGE=BLOCK_SIZE, SPLITS=splits, MIN_BLOCKS=min_blocks,
         PRECISION="ieee" if fp32 else None,  # fp32: no TF32 rounding
-        UPCAST=INTERPRETED, num_warps=4, num_stages=2,
+        UPCAST=INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if splits > 1:
         _mla_decode_merge[(B * N,)](mid_o, mid_lse, o, N, C, BLOCK_C=BLOCK_C, SPLITS=splits)
