@@ -17,7 +17,8 @@ fp32, top-6 of 64, intermediate 128). For T = 1, 8, 32, 64, 256 tokens it measur
                    DispatchRequestBuffer, the tensors copied in)
   compute_ms       the expert FFN time the worker reports in DispatchResponse.compute_seconds
   remote_experts_ms  the full client path: RemoteExperts.dispatch + combine (replica choice,
-                   grouping, scatter-add)
+                   grouping, scatter-add) over the gRPC transport (a DispatchStream);
+                   remote_experts_unary_ms the same with a unary call per dispatch (grpc-unary)
   overhead         (dispatch - compute - echo) / echo, medians of per-call values (the issue's
                    definition)
   overhead_vs_matched  (dispatch - compute - matched_transport) / matched_transport: what our
@@ -126,8 +127,9 @@ def serve(model_dir: str, dtype: str, port_queue) -> None:
     cfg = ModelConfig.from_dir(model_dir)
     store = SlotStore(cfg, model_dir, parse_dtype(dtype))
     store.load(1, {layer: list(range(cfg.n_routed_experts)) for layer in cfg.moe_layers})
+    worker = ExpertWorkerConfig(model=model_dir)
     server = grpc.server(
-        ThreadPoolExecutor(ExpertWorkerConfig(model=model_dir).rpc_threads), options=wire.grpc_options()
+        ThreadPoolExecutor(worker.rpc_threads + worker.dispatch_streams), options=wire.grpc_options()
     )
     servicer = ExpertServicer(store)
     add_expert_service(server, servicer)
@@ -181,7 +183,7 @@ def encode_request(req: wire.DispatchRequest) -> bytes:
 class Client:
     """The ways of sending T tokens to the server process, timed."""
 
-    def __init__(self, address: str, cfg, remote, remote_shm):
+    def __init__(self, address: str, cfg, remote, remote_shm, remote_unary):
         from services.rpc import shm
 
         self.shm = shm.ShmChannel.connect(address)
@@ -191,7 +193,7 @@ class Client:
         self.matched = self.channel.unary_unary(MATCHED_METHOD)
         self.matched_times = self.channel.unary_unary(MATCHED_TIMES_METHOD)
         self.dispatch = self.channel.unary_unary(wire.DISPATCH_METHOD)
-        self.cfg, self.remote = cfg, remote
+        self.cfg, self.remote, self.remote_unary = cfg, remote, remote_unary
 
     def run_dispatch(self, req: wire.DispatchRequest) -> float:
         """encode + RPC + decode; returns the worker's compute_seconds."""
@@ -233,9 +235,19 @@ class Client:
         for _ in range(5):  # warm up connections, allocator, kernels
             self.echo(echo_payload), self.matched(encoded_request), self.run_dispatch(req)
             self.run_dispatch(idle_req), self.run_remote(msg), self.run_shm(req), self.run_shm(idle_req)
-            self.run_remote(msg, self.remote_shm)
+            self.run_remote(msg, self.remote_shm), self.run_remote(msg, self.remote_unary)
         self.matched_times(b"")
-        kinds = ("echo", "matched", "dispatch", "idle", "remote", "shm", "shm_idle", "remote_shm")
+        kinds = (
+            "echo",
+            "matched",
+            "dispatch",
+            "idle",
+            "remote",
+            "shm",
+            "shm_idle",
+            "remote_shm",
+            "remote_unary",
+        )
         times: dict[str, list[float]] = {k: [] for k in kinds}
         returned: dict[str, list] = {k: [] for k in kinds}  # dispatch / idle: the worker's compute_seconds
         calls = [
@@ -247,6 +259,7 @@ class Client:
             ("shm", lambda: self.run_shm(req)),
             ("shm_idle", lambda: self.run_shm(idle_req)),
             ("remote_shm", lambda: self.run_remote(msg, self.remote_shm)),
+            ("remote_unary", lambda: self.run_remote(msg, self.remote_unary)),
         ]
         rng = random.Random(T)
         for _ in range(iterations):  # interleaved, shuffled: all kinds see the same conditions
@@ -291,6 +304,7 @@ class Client:
             "compute_ms": round(med(compute_s), 4),
             "dispatch_minus_compute_ms": round(net_ms, 4),
             "remote_experts_ms": round(med(remote_s), 4),
+            "remote_experts_unary_ms": round(med(times["remote_unary"]), 4),
             "matched_echo_ms": round(med(times["matched"]), 4),
             "matched_compute_ms": round(med(matched_compute_s), 4),
             "matched_transport_ms": round(matched_ms, 4),
@@ -333,7 +347,8 @@ def bench_case(
     )
     remote = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="grpc"))
     remote_shm = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="shm"))
-    client = Client(address, cfg, remote, remote_shm)
+    remote_unary = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="grpc-unary"))
+    client = Client(address, cfg, remote, remote_shm, remote_unary)
     rows = []
     try:
         for T in TOKENS:
@@ -341,7 +356,7 @@ def bench_case(
             rows.append(row)
             print(
                 f"{name:24s} T={T:4d}  echo {row['echo_ms']:7.3f} ms  dispatch {row['dispatch_ms']:7.3f} ms "
-                f"(compute {row['compute_ms']:6.3f})  remote {row['remote_experts_ms']:7.3f} ms  "
+                f"(compute {row['compute_ms']:6.3f})  remote {row['remote_experts_ms']:7.3f} ms (unary {row['remote_experts_unary_ms']:.3f})  "
                 f"overhead {row['overhead']:+.1%} (no compute {row['no_compute_overhead']:+.1%}, "
                 f"vs matched transport {row['matched_transport_ms']:.3f} ms {row['overhead_vs_matched']:+.1%})  "
                 f"shm {row['shm_ms']:7.3f} ms (beyond compute {row['shm_minus_compute_ms']:.3f})  "
@@ -351,6 +366,7 @@ def bench_case(
     finally:
         remote.close()
         remote_shm.close()
+        remote_unary.close()
         client.shm.close()
         client.channel.close()
         proc.terminate()

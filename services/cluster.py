@@ -22,6 +22,7 @@ from typing import Any
 import ray
 import yaml
 
+from services.attention.transport import TRANSPORTS
 from services.balancer.autoscale import AutoscaleConfig
 from services.settings import BALANCER_NAME, NAMESPACE, SharedSettings, attention_worker_name
 
@@ -103,7 +104,9 @@ class ClusterConfig:
         "the data plane's shared secret: expert calls without it are refused (default: a new random one per up)",
     )
     expert_transport: str = _setting(
-        "auto", "attention <-> expert data plane: auto (shared memory on one node, gRPC across), shm, grpc"
+        "auto",
+        "attention <-> expert data plane: auto (shared memory on one node, gRPC streams across), shm, grpc, "
+        "grpc-unary (a unary call per MoE layer)",
     )
     expert_threads: int = _setting(1, "torch threads per expert worker")
     balancer_period_s: float = _setting(30.0, "seconds between rebalancing checks (0: on demand only)")
@@ -156,8 +159,8 @@ class ClusterConfig:
         self.autoscale()  # checks the autoscaling bounds
         if self.router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
-        if self.expert_transport not in ("auto", "shm", "grpc"):
-            raise ValueError(f"expert_transport {self.expert_transport!r}: auto, shm or grpc")
+        if self.expert_transport not in TRANSPORTS:
+            raise ValueError(f"expert_transport {self.expert_transport!r}: one of {', '.join(TRANSPORTS)}")
         if self.keep_fp8_linears and self.attention_tp > 1:
             raise ValueError(
                 "keep_fp8_linears with attention_tp > 1 (attention tensor parallelism): not supported yet"
@@ -303,7 +306,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             expert_threads=cfg.expert_threads,
             expert_resources=cfg.expert_resources,
             expert_gpus=cfg.expert_gpus,
-            expert_shm=cfg.expert_transport != "grpc",  # (grpc: no shared-memory listener at all)
+            expert_shm=cfg.expert_transport in ("auto", "shm"),  # (grpc: no shared-memory listener at all)
             autoscale=cfg.autoscale(),
             # a local run (this process started Ray: one machine): expert ports on loopback only
             expert_host="127.0.0.1" if loopback else None,

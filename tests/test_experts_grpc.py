@@ -287,7 +287,9 @@ def test_load_slots_errors(server, wide_model):
 DEAD = "127.0.0.1:1"  # nothing listens there: connection refused, UNAVAILABLE
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])  # (auto: shared memory to the live worker here)
+@pytest.mark.parametrize(
+    "transport", ["auto", "grpc", "grpc-unary"]
+)  # (auto: shared memory to the live worker)
 def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_model, transport):
     srv, client = server
     _, cfg, everything = wide_model
@@ -302,7 +304,11 @@ def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_
     got = experts.combine(ExpertCombine(experts.dispatch(msg)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert experts.stats.resent_pairs > 0
-    assert experts.transport_of() == {srv.address: "shm" if transport == "auto" else "grpc", DEAD: "grpc"}
+    live = {"auto": "shm", "grpc": "grpc", "grpc-unary": "grpc-unary"}[transport]
+    assert experts.transport_of() == {
+        srv.address: live,
+        DEAD: "grpc-unary" if transport == "grpc-unary" else "grpc",
+    }
     resent = experts.stats.resent_pairs  # the dead worker is now skipped while it cools down
     torch.testing.assert_close(
         experts.combine(ExpertCombine(experts.dispatch(msg))), want, rtol=1e-5, atol=1e-6

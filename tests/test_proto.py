@@ -28,9 +28,16 @@ def test_generated_modules_are_fresh(tmp_path):
 def test_contract_shape():
     service = expert_pb2.DESCRIPTOR.services_by_name["Expert"]
     assert service.full_name == "moecluster.expert.v1.Expert"
-    assert set(service.methods_by_name) == {"Dispatch", "LoadSlots", "ReleaseSlots", "Stats", "FetchExperts"}
+    methods = {"Dispatch", "DispatchStream", "LoadSlots", "ReleaseSlots", "Stats", "FetchExperts"}
+    assert set(service.methods_by_name) == methods
     fetch = service.methods_by_name["FetchExperts"]
     assert fetch.server_streaming and not fetch.client_streaming
+    stream = service.methods_by_name["DispatchStream"]
+    assert stream.server_streaming and stream.client_streaming
+    # a successful stream answer is a DispatchResponse's bytes: the same field numbers
+    answer = expert_pb2.DispatchStreamResponse.DESCRIPTOR.fields_by_name
+    for name, f in expert_pb2.DispatchResponse.DESCRIPTOR.fields_by_name.items():
+        assert (answer[name].number, answer[name].type) == (f.number, f.type)
     assert "peers" in expert_pb2.LoadSlotsRequest.DESCRIPTOR.fields_by_name
     assert "bytes_from_peers" in expert_pb2.LoadSlotsResponse.DESCRIPTOR.fields_by_name
     fields = expert_pb2.DispatchRequest.DESCRIPTOR.fields_by_name

@@ -9,14 +9,17 @@ resends and fault handling stay above, unchanged. Two transports:
 - **shm** (services/rpc/shm.py), when the expert worker is on this node: the rows are written
   into a shared-memory buffer of the pair and a doorbell wakes the worker's channel thread; the
   driver thread waits for the answer itself (no thread pool hop, no serialisation).
-- **grpc**: a unary Dispatch call of protobuf bytes (services/rpc/wire.py), started on a thread
-  of the client's pool (a blocking call there overlaps the other work of the step); the portable
-  path between nodes.
+- **grpc**: the portable path between nodes, protobuf bytes (services/rpc/wire.py) over one
+  long-lived DispatchStream per worker (grpc_stream.py): the driver queues a request and later
+  reads its answer off the stream itself, with no call set-up and no thread-pool hop per call.
+  A worker that refuses a stream (all its streams in use) gets unary calls for a while.
+- **grpc-unary**: a unary Dispatch call per request, started on a thread of the client's pool (a
+  blocking call there overlaps the other work of the step): what the gRPC path was before streams.
 
 `DispatchConfig.transport`: "auto" (shm where the worker has a shared-memory listener on this
-node, gRPC otherwise), "grpc", or "shm" (a worker without a listener on this node is an error:
-for one-node deployments, tests and benchmarks that must not fall back). In shm, a request
-larger than a channel's buffer (a long prefill chunk) still goes by gRPC.
+node, gRPC streams otherwise), "grpc", "grpc-unary", or "shm" (a worker without a listener on
+this node is an error: for one-node deployments, tests and benchmarks that must not fall back).
+In shm, a request larger than a channel's buffer (a long prefill chunk) still goes by gRPC.
 Either way a failure is a `TransportError` with the gRPC status code that means it.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -32,10 +36,12 @@ import torch
 from services.rpc import auth, shm, wire
 from services.rpc.shm import TransportError
 
+from .grpc_stream import DeadlineWatch, GrpcStream, StreamCall, decode_answer
+
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "grpc", "shm")
-NO_SHM_RETRY_S = 30.0
+TRANSPORTS = ("auto", "grpc", "grpc-unary", "shm")
+NO_SHM_RETRY_S = 30.0  # (also: how long a worker that refused a stream gets unary calls)
 
 
 class Call:
@@ -63,7 +69,7 @@ class Call:
 
 
 class GrpcCall(Call):
-    transport = "grpc"
+    transport = "grpc-unary"
 
     def __init__(self, stub: grpc.UnaryUnaryMultiCallable, pool: ThreadPoolExecutor, timeout_s: float,
                  placement_version: int, layer: int, shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
@@ -87,6 +93,35 @@ class GrpcCall(Call):
     def cancel(self) -> None:
         if self._future is not None:
             self._future.cancel()
+
+
+class GrpcStreamCall(Call):
+    transport = "grpc"
+
+    def __init__(self, stream: GrpcStream, unary: Callable[[bytes], bytes], placement_version: int, layer: int,
+                 shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
+        self._stream, self._unary = stream, unary
+        self._request = wire.DispatchRequestBuffer(layer, placement_version, shape, dtype, top_k)
+        self.hidden, self.slot, self.weight = self._request.hidden, self._request.slot, self._request.weight
+        self.nbytes_sent = len(self._request.data)
+        self._call: StreamCall | None = None
+
+    def start(self) -> None:
+        self._call = self._stream.send(self._request.data)
+
+    def result(self) -> torch.Tensor:
+        try:
+            data = self._stream.wait(self._call)
+        except TransportError as e:
+            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or self._stream.answered:
+                raise
+            data = self._unary(self._request.data)  # (the worker refused the stream itself)
+        self.nbytes_received = len(data)
+        return decode_answer(data)
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.abandoned = True  # (its answer, if it comes, is read past; no deadline)
 
 
 class ShmCall(Call):
@@ -142,6 +177,9 @@ class Transports:
             secret,
         )  # (the cluster's: services/rpc/auth.py)
         self._grpc: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
+        self._streams: dict[str, GrpcStream] = {}
+        self._no_stream: dict[str, float] = {}  # address -> when it refused a stream
+        self._watch = DeadlineWatch()
         self._idle: dict[str, list[shm.ShmChannel]] = {}  # address -> idle channels
         self._no_shm: dict[str, float] = {}  # address -> when it had no shared-memory listener here
         self._pool = ThreadPoolExecutor(rpc_threads, thread_name_prefix="dispatch-rpc")
@@ -150,7 +188,7 @@ class Transports:
     def open(self, address: str, layer: int, placement_version: int, shape: tuple[int, int],
              dtype: torch.dtype, top_k: int) -> Call:  # fmt: skip
         """A call to the worker at `address` for a [Tw, H] request: shared memory where it can."""
-        if self.transport != "grpc" and self._may_try_shm(address):
+        if self.transport in ("auto", "shm") and self._may_try_shm(address):
             channel = self._shm_channel(address)
             if channel is not None and channel.fits(*shape, top_k, dtype):
                 self.used[address] = "shm"
@@ -161,9 +199,50 @@ class Transports:
         if self.transport == "shm" and address in self._no_shm:
             raise TransportError(grpc.StatusCode.FAILED_PRECONDITION,
                                  f"transport shm: expert worker {address} has no shared-memory listener on this node")  # fmt: skip
+        stream = self._stream(address)
+        if stream is None:
+            self.used[address] = "grpc-unary"
+            return GrpcCall(self._stub(address), self._pool, self.timeout_s, placement_version, layer, shape,
+                            dtype, top_k)  # fmt: skip
         self.used[address] = "grpc"
-        return GrpcCall(self._stub(address), self._pool, self.timeout_s, placement_version, layer, shape,
-                        dtype, top_k)  # fmt: skip
+        return GrpcStreamCall(stream, lambda data: self._unary(address, data), placement_version, layer, shape,
+                              dtype, top_k)  # fmt: skip
+
+    def _stream(self, address: str) -> GrpcStream | None:
+        """The open DispatchStream to `address` (a new one where the last broke); None for unary calls."""
+        if self.transport == "grpc-unary":
+            return None
+        refused = self._no_stream.get(address)
+        if refused is not None and time.monotonic() - refused < NO_SHM_RETRY_S:
+            return None
+        stream = self._streams.get(address)
+        if stream is not None and stream.error is not None:
+            if stream.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not stream.answered:
+                self._no_stream[address] = time.monotonic()
+                del self._streams[address]
+                log.info(
+                    "expert worker %s refused a dispatch stream: unary calls for %.0f s",
+                    address,
+                    NO_SHM_RETRY_S,
+                )
+                return None
+            stream = None
+        if stream is None:
+            self._stub(address)  # (opens the channel)
+            call = self._grpc[address][0].stream_stream(
+                wire.DISPATCH_STREAM_METHOD, request_serializer=None, response_deserializer=None
+            )
+            stream = self._streams[address] = GrpcStream(
+                call, self._watch, self.timeout_s, auth.metadata(self.secret)
+            )
+        return stream
+
+    def _unary(self, address: str, data: bytes) -> bytes:
+        """One blocking Dispatch (a call whose stream was refused)."""
+        try:
+            return self._stub(address)(data, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise TransportError(e.code(), e.details()) from None
 
     def _may_try_shm(self, address: str) -> bool:
         """No listener found for `address` is remembered for NO_SHM_RETRY_S (a full backlog or a
@@ -199,6 +278,10 @@ class Transports:
     def forget(self, address: str) -> None:
         """Close what is open to `address` (it left the placement, or died: a restarted worker gets
         fresh buffers)."""
+        stream = self._streams.pop(address, None)
+        if stream is not None:
+            stream.close()
+        self._no_stream.pop(address, None)
         entry = self._grpc.pop(address, None)
         if entry is not None:
             entry[0].close()
@@ -209,5 +292,6 @@ class Transports:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for address in list({*self._grpc, *self._idle}):
+        self._watch.close()
+        for address in list({*self._grpc, *self._idle, *self._streams}):
             self.forget(address)

@@ -47,7 +47,9 @@ class AttentionWorkerConfig:
     gpus: float = 0.0  # Ray num_gpus of each follower rank (rank 0's is the actor's own)
     shared: SharedSettings = field(default_factory=SharedSettings)  # no redis_url: loads not reported
     dispatch_timeout_s: float = 10.0
-    expert_transport: str = "auto"  # DispatchConfig.transport: auto (shm on this node, else gRPC), shm, grpc
+    expert_transport: str = (
+        "auto"  # DispatchConfig.transport: auto (shm on this node, else gRPC streams), shm, grpc, grpc-unary
+    )
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
     step_retry_wait_s: float = 0.05  # pause between retries of a failing step
     idle_wait_s: float = 0.05

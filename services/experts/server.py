@@ -46,6 +46,9 @@ class ExpertWorkerConfig:
     max_versions: int = 3  # placement versions held at once (serving + loading)
     max_concurrent_rpcs: int = 1024  # beyond this the server answers RESOURCE_EXHAUSTED
     rpc_threads: int = 16  # server threads: calls handled at once (queued beyond, up to the limit above)
+    dispatch_streams: int = (
+        64  # DispatchStream calls open at once (each holds a thread of its own, beyond rpc_threads)
+    )
     # the parsed config.json (a dict, as `read_model_config` returns), for a node without the
     # checkpoint directory at all; None: read `model`/config.json on the worker's node
     model_config: dict | None = None
@@ -95,6 +98,7 @@ class ExpertServer:
             max_message_bytes=cfg.max_message_bytes,
             secret=cfg.secret,
             known_peers=known_peers,
+            dispatch_streams=cfg.dispatch_streams,
         )
         self.secret_check = auth.SecretCheck(cfg.secret) if cfg.secret is not None else None
         self.health = HealthServicer()
@@ -107,7 +111,9 @@ class ExpertServer:
         if self.server is not None:
             return self.address
         server = grpc.server(
-            ThreadPoolExecutor(self.cfg.rpc_threads, thread_name_prefix="expert-rpc"),
+            ThreadPoolExecutor(
+                self.cfg.rpc_threads + self.cfg.dispatch_streams, thread_name_prefix="expert-rpc"
+            ),
             options=wire.grpc_options(self.cfg.max_message_bytes),
             maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs,
             interceptors=[self.secret_check] if self.secret_check is not None else None,

@@ -2,7 +2,8 @@
 
 The server runs each call on a thread of its pool, so a handler simply does its work: Dispatch
 decodes (zero-copy), computes the experts into the response's bytes (`services.rpc.wire`) and
-returns them, with no further thread hand-off (concurrent calls decode in parallel and compute
+returns them, with no further thread hand-off; DispatchStream does the same for each request of a
+client's long-lived stream, on the thread the stream holds (concurrent calls decode in parallel and compute
 one at a time, so each finishes as early as it can). `LoadSlots` reads weights on a loader
 thread of lower CPU priority while `Dispatch` keeps serving the loaded versions, and copies
 experts this node's checkpoint lacks from the request's `peers` (a `PeerFetcher` calling their
@@ -69,8 +70,12 @@ class ExpertServicer:
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         secret: str | None = None,
         known_peers: Callable[[], set[str]] | None = None,
+        dispatch_streams: int = 64,
     ):
         self.store = store
+        # DispatchStream holds a server thread for its lifetime: at most this many at once
+        self.max_dispatch_streams = dispatch_streams
+        self._stream_slots = threading.BoundedSemaphore(dispatch_streams)
         self.known_peers = known_peers  # () -> the addresses LoadSlots may copy from (None: any)
         self.secret = secret  # the cluster's (services/rpc/auth.py): what this worker sends to its peers
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
@@ -111,6 +116,21 @@ class ExpertServicer:
             return self.compute(wire.decode_dispatch_request(request))
         except (SlotStoreError, wire.WireError) as e:
             context.abort(status_of(e), str(e))
+
+    def DispatchStream(self, requests, context):
+        """Answer each request of a client's stream in order, on this handler's thread; a refused
+        request is answered with its status and the stream goes on."""
+        if not self._stream_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"all {self.max_dispatch_streams} dispatch streams of this worker are in use: use Dispatch")  # fmt: skip
+        try:
+            for request in requests:
+                try:
+                    yield self.compute(wire.decode_dispatch_request(request))
+                except (SlotStoreError, wire.WireError) as e:
+                    yield wire.encode_dispatch_error(status_of(e).value[0], str(e))
+        finally:
+            self._stream_slots.release()
 
     # ---- control ------------------------------------------------------------------------
     def LoadSlots(self, request: expert_pb2.LoadSlotsRequest, context) -> expert_pb2.LoadSlotsResponse:
@@ -216,6 +236,9 @@ def add_expert_service(server: grpc.Server, servicer: ExpertServicer) -> None:
     unary = grpc.unary_unary_rpc_method_handler
     handlers = {
         "Dispatch": unary(servicer.Dispatch, request_deserializer=raw, response_serializer=raw),
+        "DispatchStream": grpc.stream_stream_rpc_method_handler(
+            servicer.DispatchStream, request_deserializer=raw, response_serializer=raw
+        ),
         "LoadSlots": unary(
             servicer.LoadSlots,
             request_deserializer=expert_pb2.LoadSlotsRequest.FromString,

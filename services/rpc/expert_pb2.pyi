@@ -38,6 +38,18 @@ class DispatchResponse(_message.Message):
     compute_seconds: float
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
+class DispatchStreamResponse(_message.Message):
+    __slots__ = ("output", "compute_seconds", "error_code", "error_message")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    compute_seconds: float
+    error_code: int
+    error_message: str
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_seconds: _Optional[float] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class LayerSlots(_message.Message):
     __slots__ = ("layer", "logical_expert")
     LAYER_FIELD_NUMBER: _ClassVar[int]

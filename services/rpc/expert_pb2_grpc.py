@@ -39,6 +39,11 @@ class ExpertStub:
                 request_serializer=services_dot_rpc_dot_expert__pb2.DispatchRequest.SerializeToString,
                 response_deserializer=services_dot_rpc_dot_expert__pb2.DispatchResponse.FromString,
                 _registered_method=True)
+        self.DispatchStream = channel.stream_stream(
+                '/moecluster.expert.v1.Expert/DispatchStream',
+                request_serializer=services_dot_rpc_dot_expert__pb2.DispatchRequest.SerializeToString,
+                response_deserializer=services_dot_rpc_dot_expert__pb2.DispatchStreamResponse.FromString,
+                _registered_method=True)
         self.LoadSlots = channel.unary_unary(
                 '/moecluster.expert.v1.Expert/LoadSlots',
                 request_serializer=services_dot_rpc_dot_expert__pb2.LoadSlotsRequest.SerializeToString,
@@ -68,6 +73,16 @@ class ExpertServicer:
         """Weighted sum of expert outputs for each token of one MoE layer.
         INVALID_ARGUMENT: malformed tensors, unknown layer, slot out of range, bad weights.
         FAILED_PRECONDITION: the placement version is not (or not yet, or no longer) loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DispatchStream(self, request_iterator, context):
+        """Dispatch over one long-lived stream per (attention worker, expert worker) pair: each request
+        is answered, in order, by one DispatchStreamResponse. A request the worker refuses is
+        answered with error_code / error_message (the statuses of Dispatch) and the stream goes on.
+        RESOURCE_EXHAUSTED (the whole stream): the worker serves its maximum of streams; use Dispatch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +128,11 @@ def add_ExpertServicer_to_server(servicer, server):
                     servicer.Dispatch,
                     request_deserializer=services_dot_rpc_dot_expert__pb2.DispatchRequest.FromString,
                     response_serializer=services_dot_rpc_dot_expert__pb2.DispatchResponse.SerializeToString,
+            ),
+            'DispatchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DispatchStream,
+                    request_deserializer=services_dot_rpc_dot_expert__pb2.DispatchRequest.FromString,
+                    response_serializer=services_dot_rpc_dot_expert__pb2.DispatchStreamResponse.SerializeToString,
             ),
             'LoadSlots': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadSlots,
@@ -162,6 +182,33 @@ class Expert:
             '/moecluster.expert.v1.Expert/Dispatch',
             services_dot_rpc_dot_expert__pb2.DispatchRequest.SerializeToString,
             services_dot_rpc_dot_expert__pb2.DispatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DispatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/moecluster.expert.v1.Expert/DispatchStream',
+            services_dot_rpc_dot_expert__pb2.DispatchRequest.SerializeToString,
+            services_dot_rpc_dot_expert__pb2.DispatchStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

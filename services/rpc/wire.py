@@ -39,6 +39,7 @@ from services.rpc.wire_format import (
     _I64,
     _LEN,
     _NOT_AS_WRITTEN,
+    _VARINT,
     DTYPE_NAMES,
     DTYPES,
     WireError,
@@ -53,6 +54,7 @@ from services.rpc.wire_format import (
     _key,
     _read_varint,
     _tensor_head,
+    _varint,
     _write,
     copy_into,
     dtype_name,
@@ -62,6 +64,7 @@ from services.rpc.wire_format import (
 
 __all__ = [
     "DISPATCH_METHOD",
+    "DISPATCH_STREAM_METHOD",
     "DTYPES",
     "DTYPE_NAMES",
     "EXPERT_SERVICE",
@@ -78,6 +81,7 @@ __all__ = [
     "decode_dispatch_response",
     "decode_expert_weights",
     "dtype_name",
+    "encode_dispatch_error",
     "encode_expert_weights",
     "grpc_options",
     "tensor_bytes",
@@ -107,10 +111,13 @@ class DispatchRequest:
 
 @dataclass
 class DispatchResponse:
-    """`moecluster.expert.v1.DispatchResponse`."""
+    """`moecluster.expert.v1.DispatchResponse`, or a DispatchStreamResponse (the same fields, and
+    for a refused request only error_code, a gRPC status code, and error_message)."""
 
     output: torch.Tensor | None  # [T, H]
     compute_seconds: float = 0.0
+    error_code: int = 0
+    error_message: str = ""
 
 
 class DispatchRequestBuffer:
@@ -175,7 +182,7 @@ def _parse_dispatch_request(buf: bytes) -> DispatchRequest:
 
 
 def _parse_dispatch_response(buf: bytes) -> DispatchResponse:
-    spans, seconds = [], 0.0
+    spans, seconds, code, message = [], 0.0, 0, ""
     for field, wire_type, value in _fields(buf, 0, len(buf)):
         if field == 1:
             _expect(field, wire_type, _LEN, "DispatchResponse")
@@ -183,7 +190,20 @@ def _parse_dispatch_response(buf: bytes) -> DispatchResponse:
         elif field == 2:
             _expect(field, wire_type, _I64, "DispatchResponse")
             seconds = struct.unpack("<d", value)[0]
-    return DispatchResponse(_decode_tensor(buf, spans, "output") if spans else None, seconds)
+        elif field == 3:  # (DispatchStreamResponse's error)
+            _expect(field, wire_type, _VARINT, "DispatchStreamResponse")
+            code = value & 0x7FFFFFFF
+        elif field == 4:
+            _expect(field, wire_type, _LEN, "DispatchStreamResponse")
+            message = bytes(buf[value[0] : value[1]]).decode("utf-8", "replace")
+    output = _decode_tensor(buf, spans, "output") if spans else None
+    return DispatchResponse(output, seconds, code, message)
+
+
+def encode_dispatch_error(code: int, message: str) -> bytes:
+    """A DispatchStreamResponse refusing one request: `code` a gRPC status code (> 0)."""
+    text = message.encode()
+    return _key(3, _VARINT) + _varint(code) + _key(4, _LEN) + _varint(len(text)) + text
 
 
 def _request_as_written(buf: bytes) -> DispatchRequest | None:
@@ -252,6 +272,7 @@ def decode_expert_weights(buf: bytes) -> ExpertWeights:
 # ---------------------------------------------------------------------------------------------
 EXPERT_SERVICE = "moecluster.expert.v1.Expert"
 DISPATCH_METHOD = f"/{EXPERT_SERVICE}/Dispatch"
+DISPATCH_STREAM_METHOD = f"/{EXPERT_SERVICE}/DispatchStream"
 FETCH_EXPERTS_METHOD = f"/{EXPERT_SERVICE}/FetchExperts"
 MAX_MESSAGE_BYTES = 256 << 20
 

@@ -1,0 +1,158 @@
+"""The gRPC transport's stream: one long-lived DispatchStream per (attention worker, expert worker).
+
+A unary call per MoE layer pays gRPC's call set-up every time and, since the driver thread must
+not block on it, a hop through a thread pool. A stream pays the set-up once: the driver puts each
+request's bytes on the stream's queue (a gRPC thread sends them) and, when it wants the answer,
+reads the stream's next response itself. The worker answers a stream's requests in order, so the
+i-th response belongs to the i-th request still unanswered (`pending`); a call whose answer is
+read by a later call's wait keeps it until its own `result()`.
+
+Deadlines: a stream has none per message, so one thread per client (`DeadlineWatch`) holds every
+call's deadline, in the order they were sent (their deadlines are too), and cancels the stream of
+a call still unanswered at its deadline. It sleeps until the oldest deadline, so in steady
+serving it wakes about once per timeout, not once per call. Every call pending on a stream that
+breaks (a dead worker, a cancelled stream) fails with the status that says why
+(DEADLINE_EXCEEDED after a cancel for a deadline); the next call opens a new stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+
+import grpc
+import torch
+
+from services.rpc import wire
+from services.rpc.shm import TransportError
+
+
+class StreamCall:
+    """One request on a stream: its bytes, deadline and, once read, its answer (or error)."""
+
+    __slots__ = ("abandoned", "answer", "deadline", "error", "stream")
+
+    def __init__(self, stream: GrpcStream, deadline: float):
+        self.stream, self.deadline = stream, deadline
+        self.answer: bytes | None = None
+        self.error: TransportError | None = None
+        self.abandoned = False  # its step failed elsewhere: nobody waits for it (no deadline)
+
+    @property
+    def done(self) -> bool:
+        return self.answer is not None or self.error is not None or self.abandoned
+
+
+class GrpcStream:
+    """A DispatchStream to one worker. Driver-thread only, but for `expire` (the watch's thread)."""
+
+    def __init__(self, call: grpc.StreamStreamMultiCallable, watch: DeadlineWatch, timeout_s: float,
+                 metadata: tuple[tuple[str, str], ...] | None = None):  # fmt: skip
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses = call(iter(self._requests.get, None), metadata=metadata)
+        self._watch, self._timeout_s = watch, timeout_s
+        self._pending: collections.deque[StreamCall] = collections.deque()
+        self._expired = False
+        self.error: TransportError | None = None  # set once the stream broke: open a new one
+        self.answered = 0
+
+    def send(self, data: bytes) -> StreamCall:
+        call = StreamCall(self, time.monotonic() + self._timeout_s)
+        if self.error is not None:
+            call.error = self.error
+            return call
+        self._pending.append(call)
+        self._watch.add(call)
+        self._requests.put(data)
+        return call
+
+    def wait(self, call: StreamCall) -> bytes:
+        """The answer's bytes (a DispatchStreamResponse); TransportError if the stream broke first."""
+        while call.answer is None and call.error is None:
+            try:
+                data = next(self._responses)
+            except grpc.RpcError as e:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if self._expired else e.code()
+                self._fail(TransportError(code, e.details() or str(code)))
+                break
+            except StopIteration:
+                self._fail(TransportError(grpc.StatusCode.UNAVAILABLE, "the expert worker ended the stream"))
+                break
+            self._pending.popleft().answer = data
+            self.answered += 1
+        if call.error is not None:
+            raise call.error
+        return call.answer
+
+    def _fail(self, error: TransportError) -> None:
+        self.error = error
+        while self._pending:
+            self._pending.popleft().error = error
+        self.close()
+
+    def expire(self, call: StreamCall) -> None:
+        """(watch thread) `call` is unanswered at its deadline: end the stream; its waiter raises."""
+        if not call.done:
+            self._expired = True
+            self.error = TransportError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the dispatch deadline"
+            )
+            self._responses.cancel()
+
+    def close(self) -> None:
+        self._requests.put(None)  # (the request iterator ends: the stream half-closes)
+        self._responses.cancel()
+
+
+class DeadlineWatch:
+    """One thread per client: cancels the stream of a call unanswered at its deadline."""
+
+    def __init__(self):
+        self._calls: collections.deque[StreamCall] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, call: StreamCall) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dispatch-deadlines", daemon=True)
+                self._thread.start()
+            self._calls.append(call)
+            if len(self._calls) == 1:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                while self._calls and self._calls[0].done:
+                    self._calls.popleft()
+                if not self._calls:
+                    self._cond.wait()
+                    continue
+                delay = self._calls[0].deadline - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(delay)
+                    continue
+                call = self._calls.popleft()
+                call.stream.expire(call)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+def decode_answer(data: bytes) -> torch.Tensor:
+    """A DispatchStreamResponse's output [Tw, H]; TransportError with its status if refused."""
+    resp = wire.decode_dispatch_response(data)
+    if resp.error_code:
+        raise TransportError(_STATUS.get(resp.error_code, grpc.StatusCode.UNKNOWN), resp.error_message)
+    if resp.output is None:
+        raise TransportError(grpc.StatusCode.INTERNAL, "a DispatchStream answer without an output")
+    return resp.output
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
