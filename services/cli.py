@@ -217,11 +217,12 @@ def cmd_bench(args) -> int:
              "balancer": "benchmarks.bench_balancer", "faults": "benchmarks.bench_faults",
              "prefix": "benchmarks.bench_prefix", "grammar": "benchmarks.bench_grammar",
              "long-context": "benchmarks.bench_long_context", "fp8-cache": "benchmarks.bench_fp8_cache",
-             "grpc-streams": "benchmarks.bench_grpc_streams", "kernels": "benchmarks.bench_kernels"}  # fmt: skip
-    if args.which == "all":  # (the Triton kernels' benchmark needs a GPU)
+             "grpc-streams": "benchmarks.bench_grpc_streams", "kernels": "benchmarks.bench_kernels",
+             "replan-memory": "benchmarks.bench_replan_memory", "mla-prefill": "benchmarks.bench_mla_prefill"}  # fmt: skip
+    if args.which == "all":  # (the Triton kernels' and the MLA prefill benchmarks need a GPU)
         import torch
 
-        chosen = [n for n in names if n != "kernels" or torch.cuda.is_available()]
+        chosen = [n for n in names if n not in ("kernels", "mla-prefill") or torch.cuda.is_available()]
     else:
         chosen = [args.which]
     for name in chosen:
@@ -314,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="run benchmarks (JSON results under benchmarks/results/)")
     s.add_argument("which", choices=["all", "local-engine", "eplb", "dispatch", "attention", "balancer", "faults",
-                                     "prefix", "grammar", "long-context", "fp8-cache", "grpc-streams", "kernels"])  # fmt: skip
+                                     "prefix", "grammar", "long-context", "fp8-cache", "grpc-streams", "kernels",
+                                     "replan-memory", "mla-prefill"])  # fmt: skip
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
     return p

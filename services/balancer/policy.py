@@ -148,3 +148,4 @@ class MigrationRecord:
     error: str | None = None
     started_at: float = 0.0  # wall clock (time.time())
     bytes_from_peers: int = 0  # expert weights copied from other expert workers
+    peak_extra_bytes: int = 0  # the most any expert worker held beyond its rows while loading

@@ -481,6 +481,7 @@ class BalancerCore:
             replies = await self._load(new, addresses, peers=list(self.addresses.values()))
             record.bytes_read = sum(r.bytes_read for r in replies)
             record.bytes_from_peers = sum(r.bytes_from_peers for r in replies)
+            record.peak_extra_bytes = max((r.peak_extra_bytes for r in replies), default=0)
             died = [w for w in new.workers if w not in self.pool.members]
             if died:
                 raise RuntimeError(f"{died} died while loading")

@@ -44,6 +44,7 @@ class ExpertWorkerConfig:
     port: int = 0  # 0: an ephemeral port
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     max_versions: int = 3  # placement versions held at once (serving + loading)
+    spare_rows: int = 0  # expert rows per layer beyond the first version's, for re-plans' moved experts
     max_concurrent_rpcs: int = 1024  # beyond this the server answers RESOURCE_EXHAUSTED
     rpc_threads: int = 16  # server threads: calls handled at once (queued beyond, up to the limit above)
     dispatch_streams: int = (
@@ -91,7 +92,7 @@ class ExpertServer:
         dtype, model_cfg = parse_dtype(cfg.dtype), ModelConfig.from_hf(hf)
         weight_dtype = check_weight_dtype(cfg.weight_dtype, dtype, cfg.device, model_cfg)
         self.store = SlotStore(model_cfg, cfg.model, dtype, cfg.max_versions, cfg.device,
-                               weight_dtype, cfg.keep_fp8_experts)  # fmt: skip
+                               weight_dtype, cfg.keep_fp8_experts, cfg.spare_rows)  # fmt: skip
         self.servicer = ExpertServicer(
             self.store,
             peer_timeout_s=cfg.peer_timeout_s,

@@ -152,11 +152,15 @@ class ExpertServicer:
         except SlotStoreError as e:
             context.abort(status_of(e), str(e))
         log.info(
-            "loaded version %d: %d bytes read, %d reused, %d from peers, %.2fs",
+            "loaded version %d: %d bytes read, %d reused, %d from peers, %d written, %d rows added, "
+            "peak %d bytes beyond the rows before, %.2fs",
             report.version,
             report.bytes_read,
             report.bytes_reused,
             report.bytes_from_peers,
+            report.bytes_written,
+            report.rows_added,
+            report.peak_extra_bytes,
             report.seconds,
         )
         return expert_pb2.LoadSlotsResponse(
@@ -165,6 +169,9 @@ class ExpertServicer:
             bytes_reused=report.bytes_reused,
             seconds=report.seconds,
             bytes_from_peers=report.bytes_from_peers,
+            bytes_written=report.bytes_written,
+            rows_added=report.rows_added,
+            peak_extra_bytes=report.peak_extra_bytes,
         )
 
     def _load(self, version: int, experts: dict[int, list[int]], peers: list[str]):

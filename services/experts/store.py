@@ -1,12 +1,12 @@
 """The slot store of one expert worker: its routed-expert weights per placement version.
 
-A version maps every MoE layer to the logical expert held by each of this worker's S local slots
-(`PackedExperts`: w13 [S, 2I, H], w2 [S, H, I] per layer). Several versions can be loaded at once:
-during a re-placement the new one loads while the old one keeps serving, and the old one is
-released after the switch. Where a new version's experts come from, in order:
+A version maps every MoE layer to the logical expert held by each of this worker's S local slots.
+The weights are rows shared by every version (services/experts/rows.py: per layer w13 [P, 2I, H],
+w2 [P, H, I]; a version's `PackedExperts` maps its slots to rows). Several versions can be loaded
+at once: during a re-placement the new one loads while the old one keeps serving, and the old one
+is released after the switch. Where a new version's experts come from, in order:
 
-1. tensors already held by a loaded version (a whole identical layer is shared, single experts
-   are copied from memory);
+1. rows this worker already holds (no copy: the new version maps its slots to them);
 2. the checkpoint on this node (mmap'd safetensors, only the experts needed), when its files
    are here;
 3. a peer: the `fetch` callable given to `load` (the gRPC shell passes one that calls
@@ -14,6 +14,13 @@ released after the switch. Where a new version's experts come from, in order:
    safetensors files on this node, or a tensor missing from them).
 
 `expert_weights` is the other side of 3: the rows of experts this worker holds.
+
+Only the experts a version lacks are staged and written, one layer at a time, into rows no loaded
+version reads (rows are appended only when there are not enough of those: `spare_rows` reserves
+some at the first load); a released version's rows are written again only once its in-flight
+calls have finished. So a re-plan's memory beyond the steady state is its moved experts (plus,
+where a layer must grow, one layer while it is copied), not a second copy of the worker
+(`LoadReport.peak_extra_bytes`).
 
 Pure: no gRPC, no Ray. `load` may run in one thread while `forward` runs in another.
 Errors are typed so the gRPC shell can map them to status codes.
@@ -26,20 +33,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-from services.model.checkpoint import (
-    CheckpointReader,
-    check_keep_fp8_experts,
-    load_expert_weights,
-    load_expert_weights_fp8,
-)
+from services.model.checkpoint import check_keep_fp8_experts
 from services.model.config import ModelConfig
-from services.model.fp8 import dequantize_fp8_blocks, fp8_scale_shape
+from services.model.fp8 import dequantize_fp8_blocks
 from services.model.kernels import cpu_kernels
 from services.model.moe import PackedExperts
+
+from .rows import LayerRows, plan_rows, row_map
+from .sources import Checkpoint, ExpertRows, check_expert_weights
 
 
 class SlotStoreError(Exception):
@@ -67,27 +71,6 @@ class ExpertNotFound(SlotStoreError, LookupError):
     neither held, nor in this node's checkpoint, nor given by a peer."""
 
 
-class ExpertRows(NamedTuple):
-    """One logical expert's weights: w13 [2I, H] (gate rows, then up rows), w2 [H, I]; experts
-    kept in FP8 (float8_e4m3fn) also carry their block scales w13_scale [2I / bn, ceil(H / bk)]
-    and w2_scale [ceil(H / bn), ceil(I / bk)] fp32 (`PackedExperts`)."""
-
-    w13: torch.Tensor
-    w2: torch.Tensor
-    w13_scale: torch.Tensor | None = None
-    w2_scale: torch.Tensor | None = None
-
-    @property
-    def fp8(self) -> bool:
-        return self.w13_scale is not None
-
-    def to(self, device: torch.device | str) -> ExpertRows:
-        return ExpertRows(*(None if t is None else t.to(device) for t in self))
-
-    def nbytes(self) -> int:
-        return _nbytes(*(t for t in self if t is not None))
-
-
 # fetch(layer, experts) -> {logical expert: ExpertRows} for `experts` of one MoE layer (any float
 # dtype, or FP8 with scales; converted to how the store holds experts). May raise ExpertNotFound
 # with the reason.
@@ -101,6 +84,9 @@ class LoadReport:
     bytes_reused: int = 0  # expert bytes taken from versions already loaded
     bytes_from_peers: int = 0  # expert bytes received from `fetch` (as received, before any cast)
     seconds: float = 0.0
+    bytes_written: int = 0  # expert bytes written into rows (the experts the version lacked)
+    rows_added: int = 0  # rows appended over all layers (no free row was left for them)
+    peak_extra_bytes: int = 0  # the most bytes held during the load beyond the rows before it
 
 
 @dataclass
@@ -110,6 +96,7 @@ class SlotVersion:
     version: int
     packed: PackedExperts
     tokens: torch.Tensor  # [num_moe_layers, S] int64 (token, choice) pairs computed per local slot
+    inflight: int = 0  # forward calls running on it (its rows stay untouched until they end)
 
     @property
     def num_slots(self) -> int:
@@ -137,11 +124,14 @@ class SlotStore:
         device: str | torch.device = "cpu",
         weight_dtype: torch.dtype | None = None,
         keep_fp8: bool = False,
+        spare_rows: int = 0,
     ):
         """dtype: what Dispatch computes in; weight_dtype: how the experts are held when narrower
         (bf16 under fp32 on CPU: config.check_weight_dtype); None: dtype. keep_fp8: an FP8
         checkpoint's experts are held as shipped, with their block scales (ValueError where they
-        cannot be: checkpoint.check_keep_fp8_experts)."""
+        cannot be: checkpoint.check_keep_fp8_experts). spare_rows: rows per layer allocated beyond
+        the first version's, for later re-plans' moved experts (none: a layer that needs more rows
+        grows, copied once)."""
         self.cfg, self.model_dir, self.dtype, self.max_versions = cfg, Path(model_dir), dtype, max_versions
         self.weight_dtype = weight_dtype or dtype
         if keep_fp8:
@@ -149,9 +139,13 @@ class SlotStore:
         self.fp8_block = cfg.fp8_block_size if keep_fp8 else None  # (bn, bk) when experts are held in FP8
         self.device = torch.device(device)  # where the packed experts live and compute
         self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
+        self.spare_rows = spare_rows
         self._versions: dict[int, SlotVersion] = {}
+        self._draining: list[SlotVersion] = []  # released, with calls still running on them
+        self._layers: dict[int, LayerRows] = {}  # decoder layer -> its rows, shared by all versions
         self._loading: set[int] = set()
         self._lock = threading.Lock()
+        self._load_lock = threading.Lock()  # one load at a time: it alone claims and writes rows
         self.dispatch_calls = 0
         cpu_kernels.available()  # build (once per machine) or load the decode kernel before serving
 
@@ -193,9 +187,9 @@ class SlotStore:
                     f"(max {self.max_versions}); release one first"
                 )
             self._loading.add(version)
-            donors = list(self._versions.values())
         try:
-            packed, report = self._build(layout, donors, fetch)
+            with self._load_lock:
+                packed, report = self._place(layout, fetch)
         finally:
             with self._lock:
                 self._loading.discard(version)
@@ -209,9 +203,11 @@ class SlotStore:
 
     def release(self, version: int) -> list[int]:
         """Drop `version` (idempotent); returns the versions still loaded. In-flight calls on
-        it finish correctly: they hold their own references to the tensors."""
+        it finish correctly: its rows are not written again until they have ended."""
         with self._lock:
-            self._versions.pop(version, None)
+            held = self._versions.pop(version, None)
+            if held is not None and held.inflight:
+                self._draining.append(held)
             return sorted(self._versions)
 
     def _check_layout(
@@ -237,48 +233,106 @@ class SlotStore:
                 raise InvalidRequest(f"layer {layer}: logical expert {bad[0]} outside [0, {num_experts})")
         return layout
 
-    def _build(
-        self, layout: dict[int, list[int]], donors: list[SlotVersion], fetch: FetchExperts | None
+    def _place(
+        self, layout: dict[int, list[int]], fetch: FetchExperts | None
     ) -> tuple[PackedExperts, LoadReport]:
-        """Packed experts for `layout`, reusing tensors of `donors` (loaded versions) when they
-        hold the same experts: a whole layer with identical slots is shared without a copy,
-        single experts are copied from memory, the rest is read from the checkpoint, and what
-        the checkpoint here lacks comes from `fetch`."""
+        """The new version's slots mapped to rows, layer by layer (rows.plan_rows): experts held in
+        some row are used where they are; the others are read (checkpoint, then `fetch`) for one
+        layer at a time and written into rows no version reads, appended where none is left."""
         packed = PackedExperts(swiglu_limit=self.cfg.swiglu_limit, fp8_block=self.fp8_block)
         report = LoadReport(0)
-        checkpoint = _Checkpoint(self.model_dir, self.cfg, self.weight_dtype, self.fp8_block is not None)
+        checkpoint = Checkpoint(self.model_dir, self.cfg, self.weight_dtype, self.fp8_block is not None)
+        before = self.weight_bytes()
         try:
             for layer, experts in layout.items():
-                same = next((d.packed for d in donors if d.packed.logical[layer] == experts), None)
-                if same is not None:
-                    for mine, theirs in zip(packed.tensor_dicts(), same.tensor_dicts(), strict=True):
-                        if layer in theirs:
-                            mine[layer] = theirs[layer]
-                    packed.logical[layer] = list(experts)
-                    report.bytes_reused += _nbytes(*(d[layer] for d in same.tensor_dicts() if layer in d))
-                    continue
-                held = _held_rows(donors, layer)  # logical -> ExpertRows
-                report.bytes_reused += sum(held[e].nbytes() for e in experts if e in held)
-                missing = sorted(set(experts) - held.keys())
-                if missing:
-                    got = checkpoint.read(layer, missing)
-                    report.bytes_read = checkpoint.bytes_read
-                    held.update({e: rows.to(self.device) for e, rows in got.items()})
-                    missing = [e for e in missing if e not in got]
-                if missing:
-                    fetched = self._fetch(layer, missing, fetch, checkpoint.unavailable)
-                    report.bytes_from_peers += sum(fetched[e].nbytes() for e in missing)
-                    held.update({e: self._as_held(rows) for e, rows in fetched.items()})
-                rows = [held[e] for e in experts]
-                packed.w13[layer] = torch.stack([r.w13 for r in rows])  # [S, 2I, H]
-                packed.w2[layer] = torch.stack([r.w2 for r in rows])  # [S, H, I]
-                if self.fp8_block is not None:
-                    packed.w13_scale[layer] = torch.stack([r.w13_scale for r in rows])
-                    packed.w2_scale[layer] = torch.stack([r.w2_scale for r in rows])
+                with self._lock:
+                    rows = self._layers.get(layer)
+                    in_use = self._rows_in_use(layer)
+                held = rows.expert if rows is not None else []
+                slot_rows, writes, appended = plan_rows(held, in_use, experts)
+                staged = self._read(layer, sorted(writes), checkpoint, fetch, report)  # {expert: ExpertRows}
+                staged_bytes = sum(r.nbytes() for r in staged.values())
+                copied = 0  # (a layer that grows: its old rows stay alive while they are copied)
+                if appended or rows is None:
+                    copied = 0 if rows is None else rows.nbytes()
+                    rows = self._grow(
+                        layer, rows, appended + (self.spare_rows if rows is None else 0), staged
+                    )
+                    report.rows_added += appended
+                report.peak_extra_bytes = max(report.peak_extra_bytes,
+                                              self.weight_bytes() - before + copied + staged_bytes)  # fmt: skip
+                for e, r in writes.items():
+                    rows.expert[r] = -1  # (being written: not a hit for a later load if this one fails)
+                    for dst, src in zip(rows.tensors, staged[e], strict=False):
+                        dst[r].copy_(src)
+                    rows.expert[r] = e
+                    report.bytes_written += staged[e].nbytes()
+                per_expert = rows.nbytes() // rows.num_rows
+                report.bytes_reused += per_expert * len(set(experts) - writes.keys())
+                for d, t in zip(packed.tensor_dicts(), rows.tensors, strict=False):
+                    d[layer] = t
+                mapped = row_map(slot_rows, rows.num_rows)
+                if mapped is not None:
+                    packed.rows[layer] = mapped.to(self.device)
                 packed.logical[layer] = list(experts)
         finally:
             checkpoint.close()
         return packed, report
+
+    def _rows_in_use(self, layer: int) -> set[int]:
+        """(under the lock) The rows of `layer` that loaded and draining versions read."""
+        used: set[int] = set()
+        for held in (*self._versions.values(), *self._draining):
+            if layer in held.packed.w13:
+                row_map = held.packed.rows.get(layer)
+                used.update(range(held.num_slots) if row_map is None else row_map.tolist())
+        return used
+
+    def _read(self, layer: int, experts: list[int], checkpoint: Checkpoint, fetch: FetchExperts | None,
+              report: LoadReport) -> dict[int, ExpertRows]:  # fmt: skip
+        """`experts` of `layer` as this store holds them, from the checkpoint here, else `fetch`."""
+        if not experts:
+            return {}
+        got = {e: rows.to(self.device) for e, rows in checkpoint.read(layer, experts).items()}
+        report.bytes_read = checkpoint.bytes_read
+        missing = [e for e in experts if e not in got]
+        if missing:
+            fetched = self._fetch(layer, missing, fetch, checkpoint.unavailable)
+            report.bytes_from_peers += sum(fetched[e].nbytes() for e in missing)
+            got.update({e: self._as_held(fetched[e]) for e in missing})
+        return got
+
+    def _grow(
+        self, layer: int, rows: LayerRows | None, extra: int, staged: dict[int, ExpertRows]
+    ) -> LayerRows:
+        """`layer`'s rows with `extra` more (a copy of the old ones, made while they serve; every
+        version switched to the new tensors under the lock)."""
+        shapes = (
+            [t[0] for t in rows.tensors]
+            if rows is not None
+            else [t for t in next(iter(staged.values())) if t is not None]
+        )
+        old = 0 if rows is None else rows.num_rows
+        tensors = [torch.empty(old + extra, *t.shape, dtype=t.dtype, device=self.device) for t in shapes]
+        if rows is not None:
+            for new, t in zip(tensors, rows.tensors, strict=True):
+                new[:old].copy_(t)
+        grown = LayerRows(tensors, (rows.expert if rows is not None else []) + [-1] * extra)
+        with self._lock:
+            self._layers[layer] = grown
+            for held in (*self._versions.values(), *self._draining):
+                if layer in held.packed.w13 and layer not in held.packed.rows:  # (slot s was row s of
+                    # exactly S rows: the map says so now, before the tensors have more rows)
+                    held.packed.rows[layer] = torch.arange(held.num_slots, device=self.device)
+                for d, t in zip(held.packed.tensor_dicts(), tensors, strict=False):
+                    if layer in d:
+                        d[layer] = t
+        return grown
+
+    def weight_bytes(self) -> int:
+        """Bytes of the expert rows held (every version's: they share them)."""
+        with self._lock:
+            return sum(rows.nbytes() for rows in self._layers.values())
 
     def _as_held(self, rows: ExpertRows) -> ExpertRows:
         """A peer's expert as this store holds experts: FP8 kept as sent, or (FP8 from a worker
@@ -361,53 +415,61 @@ class SlotStore:
             raise InvalidRequest(
                 f"out is {out.dtype} {list(out.shape)}, hidden {hidden.dtype} {list(hidden.shape)}"
             )
-        held = self._versions.get(version)
+        with self._lock:
+            held = self._versions.get(version)
+            if held is not None:
+                held.inflight += 1  # (its rows are not written again while this call runs)
         if held is None:
             state = "still loading" if version in self._loading else "not loaded"
             raise VersionUnavailable(
                 f"placement version {version} is {state} on this worker (loaded: {self.loaded_versions})"
             )
-        num_slots = held.num_slots
-        if out is not None and self._dispatch_kernel(held, layer, hidden, slot, weight, out):
-            return out
+        counts = None
+        try:
+            counts = self._compute(held, layer, hidden, slot, weight, out)
+            return counts[1]
+        finally:
+            with self._lock:
+                held.inflight -= 1
+                if counts is not None:
+                    held.tokens[self.moe_index[layer]] += counts[0]
+                    self.dispatch_calls += 1
+                if not held.inflight and held in self._draining:
+                    self._draining.remove(held)
+
+    def _compute(
+        self, held: SlotVersion, layer: int, hidden, slot, weight, out
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pairs per slot [S], the output) of one checked request on `held`."""
+        num_slots, packed = held.num_slots, held.packed
+        if out is not None and self.device.type == "cpu" and layer not in packed.w13_scale:
+            counts = torch.zeros(
+                num_slots, dtype=torch.long
+            )  # (decode sizes: one kernel call checks and computes)
+            try:
+                ran = cpu_kernels.expert_dispatch(hidden, slot, weight, packed.w13[layer], packed.w2[layer], out,
+                                                  counts, packed.swiglu_limit, packed.rows.get(layer))  # fmt: skip
+            except ValueError as e:
+                raise InvalidRequest(f"{e} (placement version {held.version})") from None
+            if ran:
+                return counts, out
         if slot.numel():
             lo, hi = int(slot.min()), int(slot.max())
             if lo < -1 or hi >= num_slots:
                 bad = lo if lo < -1 else hi
                 raise InvalidRequest(
-                    f"slot {bad} out of range: version {version} has {num_slots} slots on this worker "
+                    f"slot {bad} out of range: version {held.version} has {num_slots} slots on this worker "
                     "(-1 = none)"
                 )
         slot = slot.long()
         counts = torch.bincount(slot[slot >= 0], minlength=num_slots)
         if self.device.type == "cpu":
-            out = held.packed.forward(layer, hidden, slot, weight, out)
+            out = packed.forward(layer, hidden, slot, weight, out)
         else:  # the request's tensors come and go through host memory (the gRPC payload)
             to = self.device
-            y = held.packed.forward(layer, hidden.to(to), slot.to(to), weight.to(to))
+            y = packed.forward(layer, hidden.to(to), slot.to(to), weight.to(to))
             out = y.cpu() if out is None else out.copy_(y)
-        with self._lock:
-            held.tokens[self.moe_index[layer]] += counts
-            self.dispatch_calls += 1
-        return out
-
-    def _dispatch_kernel(self, held: SlotVersion, layer: int, hidden, slot, weight, out) -> bool:
-        """The decode-sized CPU case in one kernel call (cpu_kernels.expert_dispatch: the range
-        and weight checks, the experts and the slot counts); False where it does not apply."""
-        packed = held.packed
-        if self.device.type != "cpu" or layer in packed.w13_scale:
-            return False
-        counts = torch.zeros(held.num_slots, dtype=torch.long)
-        try:
-            ran = cpu_kernels.expert_dispatch(hidden, slot, weight, packed.w13[layer], packed.w2[layer], out,
-                                              counts, packed.swiglu_limit)  # fmt: skip
-        except ValueError as e:
-            raise InvalidRequest(f"{e} (placement version {held.version})") from None
-        if ran:
-            with self._lock:  # (calls run concurrently: the shared counters only under the lock)
-                held.tokens[self.moe_index[layer]] += counts
-                self.dispatch_calls += 1
-        return ran
+        return counts, out
 
     def _check_request(self, layer: int, hidden, slot, weight) -> None:
         for name, t in (("hidden", hidden), ("slot", slot), ("weight", weight)):
@@ -450,12 +512,7 @@ class SlotStore:
                     layer: (list(held.packed.logical[layer]), held.tokens[n].tolist())
                     for layer, n in self.moe_index.items()
                 }
-        seen: dict[int, int] = {}
-        for held in versions.values():
-            for d in held.packed.tensor_dicts():
-                for t in d.values():
-                    seen[t.data_ptr()] = _nbytes(t)
-        stats.weight_bytes = sum(seen.values())
+        stats.weight_bytes = self.weight_bytes()
         return stats
 
 
@@ -468,77 +525,10 @@ def _held_rows(versions: Sequence[SlotVersion], layer: int) -> dict[int, ExpertR
     held: dict[int, ExpertRows] = {}
     for v in versions:
         p = v.packed
-        for row, e in enumerate(p.logical[layer]):
+        rows = p.rows.get(layer)
+        for slot, e in enumerate(p.logical[layer]):
             if e not in held:
+                row = slot if rows is None else int(rows[slot])
                 scales = (p.w13_scale[layer][row], p.w2_scale[layer][row]) if layer in p.w13_scale else ()
                 held[e] = ExpertRows(p.w13[layer][row], p.w2[layer][row], *scales)
     return held
-
-
-def check_expert_weights(cfg: ModelConfig, rows: ExpertRows) -> str | None:
-    """None when `rows` have one expert's shapes (w13 [2I, H], w2 [H, I]) and a float dtype (FP8:
-    with scales of the checkpoint's block grid), else what is wrong."""
-    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    for name, t, shape in (("w13", rows.w13, (2 * inter, hidden)), ("w2", rows.w2, (hidden, inter))):
-        if t is None:
-            return f"no {name}"
-        if tuple(t.shape) != shape:
-            return f"{name} of shape {list(t.shape)} (want {list(shape)})"
-        if not t.dtype.is_floating_point:
-            return f"{name} of dtype {t.dtype}"
-    parts = {"w13 FP8": rows.w13.dtype == torch.float8_e4m3fn, "w2 FP8": rows.w2.dtype == torch.float8_e4m3fn,
-             "w13_scale": rows.w13_scale is not None, "w2_scale": rows.w2_scale is not None}  # fmt: skip
-    if len(set(parts.values())) != 1:  # FP8 weights come with both scales, others with none
-        return "a mix of FP8 parts: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in parts.items())
-    fp8 = parts["w13 FP8"]
-    if fp8:
-        if cfg.fp8_block_size is None:
-            return "FP8 weights for a checkpoint that is not FP8"
-        for name, t, shape in (("w13_scale", rows.w13_scale, (2 * inter, hidden)),
-                               ("w2_scale", rows.w2_scale, (hidden, inter))):  # fmt: skip
-            want = fp8_scale_shape(shape, cfg.fp8_block_size)
-            if tuple(t.shape) != want or t.dtype != torch.float32:
-                return f"{name} {t.dtype} of shape {list(t.shape)} (want float32 {list(want)})"
-    return None
-
-
-class _Checkpoint:
-    """This node's checkpoint for one `load`: opened on first use; `unavailable` says why an
-    expert could not be read (no safetensors files here, a tensor or shard file missing)."""
-
-    def __init__(self, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, keep_fp8: bool = False):
-        self.model_dir, self.cfg, self.dtype, self.keep_fp8 = model_dir, cfg, dtype, keep_fp8
-        self.reader: CheckpointReader | None = None
-        self.unavailable = ""  # the last reason an expert could not be read, "" while none
-        self.absent = False  # no checkpoint on this node: do not try again
-        self.bytes_read = 0
-
-    def read(self, layer: int, experts: list[int]) -> dict[int, ExpertRows]:
-        """{expert: ExpertRows} for the experts of `experts` it could read (FP8 as stored with
-        keep_fp8, else in dtype)."""
-        if self.absent:
-            return {}
-        if self.reader is None:
-            try:
-                self.reader = CheckpointReader.for_config(self.model_dir, self.cfg)
-            except OSError as e:  # FileNotFoundError: no safetensors files (or no such dir)
-                self.absent, self.unavailable = True, f"no checkpoint on this node: {e}"
-                return {}
-        got = {}
-        for e in experts:
-            before = self.reader.bytes_read
-            try:
-                if self.keep_fp8:
-                    tensors = load_expert_weights_fp8(self.reader, layer, [e])
-                else:
-                    tensors = load_expert_weights(self.reader, layer, [e], self.dtype)
-            except (KeyError, OSError, ValueError) as err:  # tensor not in the checkpoint, shard file
-                self.unavailable = str(err).strip("'\"")  # missing, (keep_fp8) an expert not stored in FP8
-                continue
-            got[e] = ExpertRows(*(t[0] for t in tensors))
-            self.bytes_read += self.reader.bytes_read - before
-        return got
-
-    def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()

@@ -27,6 +27,9 @@ class PackedExperts:
     w13_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder layer -> [S, 2I/bn, H/bk]
     w2_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder layer -> [S, H/bn, I/bk]
     fp8_block: tuple[int, int] | None = None  # (bn, bk) when the experts are held in FP8
+    # decoder layer -> [S] int64 row of w13 / w2 each slot reads (an expert worker's rows are
+    # shared between placement versions: services/experts/rows.py); absent: slot s is row s
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def load(
@@ -63,6 +66,10 @@ class PackedExperts:
     ) -> torch.Tensor:
         """x [T, H], slot [T, K] local slot ids (-1 = none), weight [T, K] -> [T, H] (into `out`
         when given)."""
+        rows = self.rows.get(layer)
+        if rows is not None:  # (slots -> their rows; -1 stays -1)
+            rows = rows.to(slot.device)
+            slot = torch.where(slot >= 0, rows[slot.clamp(min=0).long()], slot.new_tensor(-1)).to(slot.dtype)
         return grouped_expert_ffn(x, slot, weight, self.w13[layer], self.w2[layer], out, self.swiglu_limit,
                                   self.w13_scale.get(layer), self.w2_scale.get(layer), self.fp8_block)  # fmt: skip
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19services/rpc/expert.proto\x12\x14moecluster.expert.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc3\x01\n\x0f\x44ispatchRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x19\n\x11placement_version\x18\x02 \x01(\x04\x12,\n\x06hidden\x18\x03 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12*\n\x04slot\x18\x04 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12,\n\x06weight\x18\x05 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\"Y\n\x10\x44ispatchResponse\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\"\x8a\x01\n\x16\x44ispatchStreamResponse\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"3\n\nLayerSlots\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x16\n\x0elogical_expert\x18\x02 \x03(\x05\"d\n\x10LoadSlotsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x30\n\x06layers\x18\x02 \x03(\x0b\x32 .moecluster.expert.v1.LayerSlots\x12\r\n\x05peers\x18\x03 \x03(\t\"y\n\x11LoadSlotsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\x14\n\x0c\x62ytes_reused\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x18\n\x10\x62ytes_from_peers\x18\x05 \x01(\x04\"<\n\x13\x46\x65tchExpertsRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x16\n\x0elogical_expert\x18\x02 \x03(\x05\"\xec\x01\n\rExpertWeights\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x16\n\x0elogical_expert\x18\x02 \x01(\x05\x12)\n\x03w13\x18\x03 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12(\n\x02w2\x18\x04 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12/\n\tw13_scale\x18\x05 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12.\n\x08w2_scale\x18\x06 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\"&\n\x13ReleaseSlotsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"/\n\x14ReleaseSlotsResponse\x12\x17\n\x0floaded_versions\x18\x01 \x03(\x04\"\x0e\n\x0cStatsRequest\"C\n\nLayerStats\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x16\n\x0elogical_expert\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x04\"Q\n\x0cVersionStats\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x30\n\x06layers\x18\x02 \x03(\x0b\x32 .moecluster.expert.v1.LayerStats\"\xd8\x01\n\rStatsResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x04\x12\x17\n\x0floaded_versions\x18\x02 \x03(\x04\x12\x18\n\x10loading_versions\x18\x03 \x03(\x04\x12\x34\n\x08versions\x18\x04 \x03(\x0b\x32\".moecluster.expert.v1.VersionStats\x12\x16\n\x0e\x64ispatch_calls\x18\x05 \x01(\x04\x12\x14\n\x0cweight_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\x32\xc7\x04\n\x06\x45xpert\x12Y\n\x08\x44ispatch\x12%.moecluster.expert.v1.DispatchRequest\x1a&.moecluster.expert.v1.DispatchResponse\x12i\n\x0e\x44ispatchStream\x12%.moecluster.expert.v1.DispatchRequest\x1a,.moecluster.expert.v1.DispatchStreamResponse(\x01\x30\x01\x12\\\n\tLoadSlots\x12&.moecluster.expert.v1.LoadSlotsRequest\x1a\'.moecluster.expert.v1.LoadSlotsResponse\x12\x65\n\x0cReleaseSlots\x12).moecluster.expert.v1.ReleaseSlotsRequest\x1a*.moecluster.expert.v1.ReleaseSlotsResponse\x12P\n\x05Stats\x12\".moecluster.expert.v1.StatsRequest\x1a#.moecluster.expert.v1.StatsResponse\x12`\n\x0c\x46\x65tchExperts\x12).moecluster.expert.v1.FetchExpertsRequest\x1a#.moecluster.expert.v1.ExpertWeights0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19services/rpc/expert.proto\x12\x14moecluster.expert.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc3\x01\n\x0f\x44ispatchRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x19\n\x11placement_version\x18\x02 \x01(\x04\x12,\n\x06hidden\x18\x03 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12*\n\x04slot\x18\x04 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12,\n\x06weight\x18\x05 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\"Y\n\x10\x44ispatchResponse\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\"\x8a\x01\n\x16\x44ispatchStreamResponse\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"3\n\nLayerSlots\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x16\n\x0elogical_expert\x18\x02 \x03(\x05\"d\n\x10LoadSlotsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x30\n\x06layers\x18\x02 \x03(\x0b\x32 .moecluster.expert.v1.LayerSlots\x12\r\n\x05peers\x18\x03 \x03(\t\"\xbe\x01\n\x11LoadSlotsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\x14\n\x0c\x62ytes_reused\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x18\n\x10\x62ytes_from_peers\x18\x05 \x01(\x04\x12\x15\n\rbytes_written\x18\x06 \x01(\x04\x12\x12\n\nrows_added\x18\x07 \x01(\x04\x12\x18\n\x10peak_extra_bytes\x18\x08 \x01(\x04\"<\n\x13\x46\x65tchExpertsRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x16\n\x0elogical_expert\x18\x02 \x03(\x05\"\xec\x01\n\rExpertWeights\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x16\n\x0elogical_expert\x18\x02 \x01(\x05\x12)\n\x03w13\x18\x03 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12(\n\x02w2\x18\x04 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12/\n\tw13_scale\x18\x05 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\x12.\n\x08w2_scale\x18\x06 \x01(\x0b\x32\x1c.moecluster.expert.v1.Tensor\"&\n\x13ReleaseSlotsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"/\n\x14ReleaseSlotsResponse\x12\x17\n\x0floaded_versions\x18\x01 \x03(\x04\"\x0e\n\x0cStatsRequest\"C\n\nLayerStats\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x16\n\x0elogical_expert\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x04\"Q\n\x0cVersionStats\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x30\n\x06layers\x18\x02 \x03(\x0b\x32 .moecluster.expert.v1.LayerStats\"\xd8\x01\n\rStatsResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x04\x12\x17\n\x0floaded_versions\x18\x02 \x03(\x04\x12\x18\n\x10loading_versions\x18\x03 \x03(\x04\x12\x34\n\x08versions\x18\x04 \x03(\x0b\x32\".moecluster.expert.v1.VersionStats\x12\x16\n\x0e\x64ispatch_calls\x18\x05 \x01(\x04\x12\x14\n\x0cweight_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\x32\xc7\x04\n\x06\x45xpert\x12Y\n\x08\x44ispatch\x12%.moecluster.expert.v1.DispatchRequest\x1a&.moecluster.expert.v1.DispatchResponse\x12i\n\x0e\x44ispatchStream\x12%.moecluster.expert.v1.DispatchRequest\x1a,.moecluster.expert.v1.DispatchStreamResponse(\x01\x30\x01\x12\\\n\tLoadSlots\x12&.moecluster.expert.v1.LoadSlotsRequest\x1a\'.moecluster.expert.v1.LoadSlotsResponse\x12\x65\n\x0cReleaseSlots\x12).moecluster.expert.v1.ReleaseSlotsRequest\x1a*.moecluster.expert.v1.ReleaseSlotsResponse\x12P\n\x05Stats\x12\".moecluster.expert.v1.StatsRequest\x1a#.moecluster.expert.v1.StatsResponse\x12`\n\x0c\x46\x65tchExperts\x12).moecluster.expert.v1.FetchExpertsRequest\x1a#.moecluster.expert.v1.ExpertWeights0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,24 +43,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYERSLOTS']._serialized_end=586
   _globals['_LOADSLOTSREQUEST']._serialized_start=588
   _globals['_LOADSLOTSREQUEST']._serialized_end=688
-  _globals['_LOADSLOTSRESPONSE']._serialized_start=690
-  _globals['_LOADSLOTSRESPONSE']._serialized_end=811
-  _globals['_FETCHEXPERTSREQUEST']._serialized_start=813
-  _globals['_FETCHEXPERTSREQUEST']._serialized_end=873
-  _globals['_EXPERTWEIGHTS']._serialized_start=876
-  _globals['_EXPERTWEIGHTS']._serialized_end=1112
-  _globals['_RELEASESLOTSREQUEST']._serialized_start=1114
-  _globals['_RELEASESLOTSREQUEST']._serialized_end=1152
-  _globals['_RELEASESLOTSRESPONSE']._serialized_start=1154
-  _globals['_RELEASESLOTSRESPONSE']._serialized_end=1201
-  _globals['_STATSREQUEST']._serialized_start=1203
-  _globals['_STATSREQUEST']._serialized_end=1217
-  _globals['_LAYERSTATS']._serialized_start=1219
-  _globals['_LAYERSTATS']._serialized_end=1286
-  _globals['_VERSIONSTATS']._serialized_start=1288
-  _globals['_VERSIONSTATS']._serialized_end=1369
-  _globals['_STATSRESPONSE']._serialized_start=1372
-  _globals['_STATSRESPONSE']._serialized_end=1588
-  _globals['_EXPERT']._serialized_start=1591
-  _globals['_EXPERT']._serialized_end=2174
+  _globals['_LOADSLOTSRESPONSE']._serialized_start=691
+  _globals['_LOADSLOTSRESPONSE']._serialized_end=881
+  _globals['_FETCHEXPERTSREQUEST']._serialized_start=883
+  _globals['_FETCHEXPERTSREQUEST']._serialized_end=943
+  _globals['_EXPERTWEIGHTS']._serialized_start=946
+  _globals['_EXPERTWEIGHTS']._serialized_end=1182
+  _globals['_RELEASESLOTSREQUEST']._serialized_start=1184
+  _globals['_RELEASESLOTSREQUEST']._serialized_end=1222
+  _globals['_RELEASESLOTSRESPONSE']._serialized_start=1224
+  _globals['_RELEASESLOTSRESPONSE']._serialized_end=1271
+  _globals['_STATSREQUEST']._serialized_start=1273
+  _globals['_STATSREQUEST']._serialized_end=1287
+  _globals['_LAYERSTATS']._serialized_start=1289
+  _globals['_LAYERSTATS']._serialized_end=1356
+  _globals['_VERSIONSTATS']._serialized_start=1358
+  _globals['_VERSIONSTATS']._serialized_end=1439
+  _globals['_STATSRESPONSE']._serialized_start=1442
+  _globals['_STATSRESPONSE']._serialized_end=1658
+  _globals['_EXPERT']._serialized_start=1661
+  _globals['_EXPERT']._serialized_end=2244
 # @@protoc_insertion_point(module_scope)

@@ -69,18 +69,24 @@ class LoadSlotsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSlots, _Mapping]]] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadSlotsResponse(_message.Message):
-    __slots__ = ("version", "bytes_read", "bytes_reused", "seconds", "bytes_from_peers")
+    __slots__ = ("version", "bytes_read", "bytes_reused", "seconds", "bytes_from_peers", "bytes_written", "rows_added", "peak_extra_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     BYTES_REUSED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FROM_PEERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ADDED_FIELD_NUMBER: _ClassVar[int]
+    PEAK_EXTRA_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     bytes_read: int
     bytes_reused: int
     seconds: float
     bytes_from_peers: int
-    def __init__(self, version: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_reused: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes_from_peers: _Optional[int] = ...) -> None: ...
+    bytes_written: int
+    rows_added: int
+    peak_extra_bytes: int
+    def __init__(self, version: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_reused: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes_from_peers: _Optional[int] = ..., bytes_written: _Optional[int] = ..., rows_added: _Optional[int] = ..., peak_extra_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchExpertsRequest(_message.Message):
     __slots__ = ("layer", "logical_expert")

@@ -318,11 +318,13 @@ def expert_dispatch(
     out: torch.Tensor,
     counts: torch.Tensor,
     swiglu_limit: float | None = None,
+    rows: torch.Tensor | None = None,
 ) -> bool:
     """An expert worker's Dispatch at decode sizes in one call, straight from the request: out
     [T, H] fp32 = expert_ffn(x, slot, weight, w13, w2) for slot [T, K] int32 local slots (-1 =
     none), checked (ValueError, nothing written: a slot outside [-1, S), a weight not finite), and
-    counts [S] int64 = the pairs each slot computed. False (nothing done) where the kernel does
+    counts [S] int64 = the pairs each slot computed. rows [S] int64: the row of w13 / w2 [P, ...]
+    each slot reads (None: slot s is row s, P == S). False (nothing done) where the kernel does
     not apply: not fp32 / bf16 on the CPU, no kernels, misaligned buffers (a gRPC payload's views
     can be), or too many rows per slot (grouped matmuls)."""
     H, I = x.shape[1], w2.shape[2]
@@ -340,8 +342,12 @@ def expert_dispatch(
     if module is None or not (w13.is_contiguous() and w2.is_contiguous()):
         return False
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    rows = _NO_ROWS if rows is None else rows.contiguous()
     return module.expert_dispatch(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, out, counts,
-                                  MAX_ROWS, limit)  # fmt: skip
+                                  rows, MAX_ROWS, limit)  # fmt: skip
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
 def dispatch_rows(slot: torch.Tensor, S: int, W: int) -> list[int] | None:

@@ -172,14 +172,21 @@ torch::Tensor expert_ffn_fp8(const torch::Tensor& x, const torch::Tensor& slot, 
 // average): the caller's grouped matmuls take those.
 bool expert_dispatch(const torch::Tensor& x, const torch::Tensor& slot, const torch::Tensor& weight,
                      const torch::Tensor& w13, const torch::Tensor& w2, const torch::Tensor& out,
-                     const torch::Tensor& counts, int64_t max_rows, double limit) {
+                     const torch::Tensor& counts, const torch::Tensor& rows, int64_t max_rows, double limit) {
   NO_GIL;
-  const int64_t T = x.size(0), K = slot.size(1), S = w13.size(0);
+  // S slots (counts [S]); rows [S] int64: the row of w13 / w2 [P, ...] each slot reads (empty: slot s is row s)
+  const int64_t T = x.size(0), K = slot.size(1), S = counts.size(0), P = w13.size(0);
+  const bool mapped = rows.numel() > 0;
   TORCH_CHECK(slot.scalar_type() == at::kInt && slot.dim() == 2 && slot.size(0) == T && slot.is_contiguous() &&
               weight.sizes() == slot.sizes() && weight.is_contiguous() && x.is_contiguous() &&
               out.scalar_type() == at::kFloat && out.sizes() == x.sizes() && out.is_contiguous() &&
-              counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == S && counts.is_contiguous(),
+              counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.is_contiguous() &&
+              (mapped ? rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.size(0) == S && rows.is_contiguous()
+                      : S == P),
               "expert_dispatch: shapes / dtypes");
+  const int64_t* rp = mapped ? rows.data_ptr<int64_t>() : nullptr;
+  if (mapped)
+    for (int64_t s = 0; s < S; ++s) TORCH_CHECK(rp[s] >= 0 && rp[s] < P, "expert_dispatch: row ", rp[s], " of ", P);
   const int32_t* s32 = slot.data_ptr<int32_t>(); const float* wp = weight.data_ptr<float>();
   std::vector<int64_t> sp(T * K), per_slot(S, 0);
   int64_t pairs = 0, busy = 0;
@@ -187,7 +194,7 @@ bool expert_dispatch(const torch::Tensor& x, const torch::Tensor& slot, const to
     const int64_t s = s32[p];
     TORCH_CHECK_VALUE(s >= -1 && s < S, "slot ", s, " out of range: ", S, " slots on this worker (-1 = none)");
     TORCH_CHECK_VALUE(std::isfinite(wp[p]), "weight has NaN or infinite values");
-    sp[p] = s;
+    sp[p] = s < 0 || !mapped ? s : rp[s];
     if (s >= 0) { busy += per_slot[s]++ == 0; ++pairs; }
   }
   if (T > max_rows && pairs > max_rows * busy) return false;
