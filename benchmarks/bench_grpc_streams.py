@@ -9,6 +9,8 @@ process, this machine, medians over interleaved iterations:
                 next item of the response iterator
   stream_aio    the same over grpc.aio (an asyncio event loop in the caller: what a client built
                 around a stream would run)
+  unary_tls, stream_sync_tls  the first two over TLS keyed by a cluster secret (services/rpc/tls.py:
+                what a cluster's expert port serves)
 
 Payloads: a 1-token Dispatch of the small preset (1.6 KB) and of DeepSeek-V3's width (14.4 KB),
 and 32 tokens of V3 width (460 KB).
@@ -32,8 +34,11 @@ from pathlib import Path
 
 import grpc
 
+from services.rpc import tls
+
 UNARY, STREAM = "/bench.Echo/Unary", "/bench.Echo/Stream"
 SIZES = {"small_1_token": 1_600, "v3_1_token": 14_400, "v3_32_tokens": 460_000}
+SECRET = "bench-grpc-streams"
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
@@ -45,7 +50,7 @@ def _serve(port_out) -> None:
     }
     server = grpc.server(futures.ThreadPoolExecutor(8), options=OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
-    port_out.put(server.add_insecure_port("127.0.0.1:0"))
+    port_out.put((server.add_insecure_port("127.0.0.1:0"), tls.add_port(server, "127.0.0.1:0", SECRET)))
     server.start()
     server.wait_for_termination()
 
@@ -85,22 +90,31 @@ def main() -> None:
     ports = mp.Queue()
     server = mp.get_context("fork").Process(target=_serve, args=(ports,), daemon=True)
     server.start()
-    address = f"127.0.0.1:{ports.get(timeout=30)}"
+    port, tls_port = ports.get(timeout=30)
+    address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=OPTIONS)
     unary = channel.unary_unary(UNARY, request_serializer=None, response_deserializer=None)
     stream = SyncStream(channel)
+    tls_channel = tls.channel(f"127.0.0.1:{tls_port}", SECRET, OPTIONS)
+    unary_tls = tls_channel.unary_unary(UNARY, request_serializer=None, response_deserializer=None)
+    stream_tls = SyncStream(tls_channel)
     results = {}
     try:
         for name, size in SIZES.items():
             payload = random.randbytes(size)
-            times = {"unary": [], "stream_sync": []}
-            calls = {"unary": unary, "stream_sync": stream}
+            calls = {
+                "unary": unary,
+                "stream_sync": stream,
+                "unary_tls": unary_tls,
+                "stream_sync_tls": stream_tls,
+            }
+            times = {k: [] for k in calls}
             for _ in range(50):  # warm-up
-                unary(payload)
-                stream(payload)
-            for i in range(args.iterations):
-                order = ["unary", "stream_sync"] if i % 2 else ["stream_sync", "unary"]
-                for kind in order:
+                for call in calls.values():
+                    call(payload)
+            rng = random.Random(size)
+            for _ in range(args.iterations):
+                for kind in rng.sample(list(calls), len(calls)):
                     t0 = time.perf_counter()
                     calls[kind](payload)
                     times[kind].append(time.perf_counter() - t0)
@@ -112,7 +126,9 @@ def main() -> None:
             print(name, results[name], flush=True)
     finally:
         stream.close()
+        stream_tls.close()
         channel.close()
+        tls_channel.close()
         server.kill()
     out = {
         "benchmark": "gRPC round trip: unary call vs a persistent bidirectional stream (echo, loopback, another process)",

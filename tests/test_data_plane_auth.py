@@ -1,17 +1,20 @@
-"""The authenticated data plane (services/rpc/auth.py): an expert worker started with the
-cluster's secret serves its cluster and refuses everyone else, over gRPC and shared memory."""
+"""The authenticated data plane (services/rpc/auth.py, services/rpc/tls.py): an expert worker
+started with the cluster's secret serves its cluster over TLS keyed by that secret and refuses
+everyone else, over gRPC and shared memory: a client without the secret cannot finish a TLS
+handshake, and one that skips the certificate check still needs the secret in every call."""
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
-from services.attention.dispatch import DispatchConfig, ExpertDispatchError, RemoteExperts
+from services.attention.dispatch import DispatchConfig, ExpertUnavailableError, RemoteExperts
 from services.experts.client import ExpertClient, load_placement
 from services.experts.server import ExpertServer, ExpertWorkerConfig
 from services.model.config import ModelConfig
 from services.model.messages import ExpertCombine
 from services.model.placement import Placement
-from services.rpc import expert_pb2, shm
+from services.rpc import expert_pb2, expert_pb2_grpc, shm, tls, wire
 
 from .wire_encoders import routed_dispatch
 
@@ -40,25 +43,37 @@ def test_the_clusters_own_calls_are_served_and_strangers_refused(server, transpo
     assert ours.stats.shm_calls == (ours.stats.rpcs if transport == "shm" else 0)
     ours.close()
     refused = srv.secret_check.refused
-    for secret in (None, "a-guess"):
-        stranger = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="grpc", secret=secret))
-        with pytest.raises(ExpertDispatchError, match="UNAUTHENTICATED"):
-            stranger.combine(ExpertCombine(stranger.dispatch(msg)))
-        stranger.close()
-    assert srv.secret_check.refused == refused + 2
+    for secret in (None, "a-guess"):  # plaintext / another cluster's certificate: no handshake
+        for kind in ("grpc", "grpc-unary"):
+            stranger = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport=kind, secret=secret,
+                                                                                 timeout_s=10))  # fmt: skip
+            with pytest.raises(ExpertUnavailableError, match="no replica on a live worker"):
+                stranger.combine(ExpertCombine(stranger.dispatch(msg)))
+            stranger.close()
+    assert srv.secret_check.refused == refused  # (they never got as far as a call)
     assert want.shape == msg.x.shape
 
 
 def test_control_calls_need_the_secret_and_health_stays_open(server):
     _, address, placement, cfg = server
-    stranger = ExpertClient(address)
-    assert stranger.health() == "SERVING"  # (tells only whether it serves)
-    for call in (lambda: stranger.stats(), lambda: stranger.release_slots(placement.version),
-                 lambda: stranger.load_slots(9, {layer: [0] for layer in cfg.moe_layers}, 30, ["10.0.0.66:1"])):  # fmt: skip
+    with pytest.raises(grpc.RpcError) as e:  # plaintext to a TLS port
+        ExpertClient(address).health()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    # a TLS client that gets past the certificate (e.g. one that skips the check) but has no secret
+    channel = tls.channel(address, SECRET)
+    assert HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status == 1  # SERVING
+    stub = expert_pb2_grpc.ExpertStub(channel)
+    for call in (lambda: stub.Stats(expert_pb2.StatsRequest(), timeout=10),
+                 lambda: stub.ReleaseSlots(expert_pb2.ReleaseSlotsRequest(version=placement.version), timeout=10),
+                 lambda: stub.LoadSlots(expert_pb2.LoadSlotsRequest(version=9, peers=["10.0.0.66:1"]), timeout=10)):  # fmt: skip
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    stranger.close()
+    stub = channel.stream_stream(wire.DISPATCH_STREAM_METHOD)
+    with pytest.raises(grpc.RpcError) as e:
+        next(stub(iter([b""]), timeout=10))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
     ours = ExpertClient(address, secret=SECRET)
     stats = ours.stats()
     assert isinstance(stats, expert_pb2.StatsResponse) and placement.version in list(stats.loaded_versions)
@@ -78,3 +93,18 @@ def test_shared_memory_handshakes_need_the_secret(server):
     assert channel is not None
     channel.close()
     assert srv.shm.refused == before + 2
+
+
+def test_the_tls_identity_comes_from_the_secret_alone():
+    """Every process derives the same key and certificate bytes from the secret (nothing is sent)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    tls.identity.cache_clear()
+    first = tls.identity(SECRET)
+    tls.identity.cache_clear()
+    assert tls.identity(SECRET) == first and tls.identity("another cluster") != first
+    cert, key = x509.load_pem_x509_certificate(first.cert_pem), load_pem_private_key(first.key_pem, None)
+    assert cert.public_key() == key.public_key()
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == [tls.EXPERT_NAME]

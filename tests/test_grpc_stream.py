@@ -1,7 +1,7 @@
 """The gRPC transport's DispatchStream (services/attention/grpc_stream.py) against a real expert
 server in this process: answers equal to unary calls, refusals answered in-band without breaking
 the stream, abandoned calls read past, a hung worker caught at the deadline, a worker at its
-stream limit served by unary calls."""
+stream limit served by unary calls. (A stream without the cluster's secret: test_data_plane_auth.py.)"""
 
 import threading
 import time
@@ -15,7 +15,6 @@ from services.experts.client import ExpertClient
 from services.experts.server import ExpertWorkerConfig
 from services.model.messages import ExpertCombine
 from services.model.placement import Placement
-from services.rpc import wire
 
 from .test_experts_grpc import ServerThread, wide_model  # noqa: F401 (a fixture)
 from .wire_encoders import routed_dispatch
@@ -118,18 +117,3 @@ def test_a_worker_at_its_stream_limit_is_served_by_unary_calls(worker):
     assert second.transport_of() == {srv.address: "grpc-unary"} and not second._dead
     first.close()  # (its stream ends: the worker has one free again)
     second.close()
-
-
-def test_a_stream_without_the_secret_is_refused(wide_model):  # noqa: F811
-    path, cfg, _ = wide_model
-    srv = ServerThread(ExpertWorkerConfig(model=str(path), shm=False, secret="s3cret"))
-    try:
-        channel = grpc.insecure_channel(srv.address)
-        call = channel.stream_stream(wire.DISPATCH_STREAM_METHOD, request_serializer=None,
-                                     response_deserializer=None)  # fmt: skip
-        with pytest.raises(grpc.RpcError) as e:
-            next(call(iter([b""]), timeout=10))
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        channel.close()
-    finally:
-        srv.stop()

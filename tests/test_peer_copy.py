@@ -164,7 +164,9 @@ def test_worker_without_checkpoint_loads_from_peer(pair, model):
             req_a = wire.DispatchRequest(layer, 2, req_b.hidden, req_b.slot, req_b.weight)
             out_b = _call_dispatch(ch_b, encode_dispatch_request(req_b)).output
             out_a = _call_dispatch(ch_a, encode_dispatch_request(req_a)).output
-            torch.testing.assert_close(out_b, out_a, rtol=1e-6, atol=1e-6)  # (rows in another order: sums too)
+            torch.testing.assert_close(
+                out_b, out_a, rtol=1e-6, atol=1e-6
+            )  # (rows in another order: sums too)
             want = everything.packed.forward(layer, req_b.hidden, logical, req_b.weight)
             torch.testing.assert_close(out_b, want, rtol=1e-5, atol=1e-6)
 

@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import torch
 
-from services.rpc import auth, shm, wire
+from services.rpc import auth, shm, tls, wire
 from services.rpc.shm import TransportError
 
 from .grpc_stream import DeadlineWatch, GrpcStream, StreamCall, decode_answer
@@ -268,7 +268,7 @@ class Transports:
     def _stub(self, address: str) -> grpc.UnaryUnaryMultiCallable:
         entry = self._grpc.get(address)
         if entry is None:
-            channel = grpc.insecure_channel(address, options=wire.grpc_options(self.max_message_bytes))
+            channel = tls.channel(address, self.secret, wire.grpc_options(self.max_message_bytes))
             call = auth.with_secret(channel, self.secret).unary_unary(
                 wire.DISPATCH_METHOD, request_serializer=None, response_deserializer=None
             )

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.model.config import ModelConfig
 from services.model.placement import Placement
-from services.rpc import auth, expert_pb2, expert_pb2_grpc, wire
+from services.rpc import auth, expert_pb2, expert_pb2_grpc, tls, wire
 
 from .store import ExpertNotFound, ExpertRows, check_expert_weights
 
@@ -27,7 +27,7 @@ class ExpertClient:
         self, address: str, max_message_bytes: int = wire.MAX_MESSAGE_BYTES, secret: str | None = None
     ):
         self.address = address
-        channel = grpc.insecure_channel(address, options=wire.grpc_options(max_message_bytes))
+        channel = tls.channel(address, secret, wire.grpc_options(max_message_bytes))
         self._raw_channel, self.channel = channel, auth.with_secret(channel, secret)
         self.stub = expert_pb2_grpc.ExpertStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
-from services.rpc import auth, shm, wire
+from services.rpc import auth, shm, tls, wire
 
 from .servicer import ExpertServicer, add_expert_service, status_of
 from .store import SlotStore
@@ -121,7 +121,7 @@ class ExpertServer:
         )
         add_expert_service(server, self.servicer)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        port = server.add_insecure_port(format_address(self.host, self.cfg.port))
+        port = tls.add_port(server, format_address(self.host, self.cfg.port), self.cfg.secret)
         if port == 0:
             raise RuntimeError(f"could not bind {format_address(self.host, self.cfg.port)}")
         server.start()
