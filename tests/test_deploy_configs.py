@@ -363,3 +363,13 @@ def _ping(client: redis.Redis, timeout: float = 5.0) -> bool:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_rayservice_gcs_keeps_its_tables_in_the_clusters_redis():
+    """GCS fault tolerance: the same Redis Service as the app's MOE_REDIS_URL, its password from the
+    same Secret (tests/faults/test_gcs_restart.py shows what it buys on one machine)."""
+    spec = rayservice()["spec"]["rayClusterConfig"]
+    ft = spec["gcsFaultToleranceOptions"]
+    env = {e["name"]: e for e in pod_templates()["head"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MOE_REDIS_URL"]["value"].endswith("@" + ft["redisAddress"] + "/0")
+    assert ft["redisPassword"]["valueFrom"] == env["REDIS_PASSWORD"]["valueFrom"]
