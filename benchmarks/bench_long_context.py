@@ -14,6 +14,10 @@ contexts of 2K / 8K / 32K (`--sparse-lengths`), each in a fresh process; the spa
 should stay nearly flat once the context exceeds top-k (only the indexer's one dot per token and
 index head grows), the dense one grows with the context.
 
+With `--model DIR --llama-bench BIN --gguf FILE` (the same checkpoint as an f32 GGUF, built as
+docs/benchmarks.md says): llama.cpp's prefill of the same lengths beside ours (llama-batched-bench,
+one run with flash attention off and one with it on).
+
     python -m benchmarks.bench_long_context [--lengths 2048,16384,32768] [--sparse] [--out benchmarks/results/long_context.json]
 """
 
@@ -23,6 +27,8 @@ import argparse
 import json
 import multiprocessing
 import platform
+import re
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -109,6 +115,23 @@ def sparse_rows(lengths: list[int], threads: int) -> dict:
     return out
 
 
+def llama_cpp_prefill_s(
+    binary: str, gguf: str, lengths: list[int], threads: int, fa: str
+) -> dict[int, float]:
+    """llama.cpp's prompt-processing seconds per prompt length, one llama-batched-bench run (f32
+    KV cache, the model read into memory, `-fa` as given)."""
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-npp", ",".join(map(str, lengths)),
+           "-ntg", "1", "-npl", "1", "-fa", fa, "-ctk", "f32", "-ctv", "f32", "-lm", "none",
+           "-c", str(max(lengths) + 16)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    seconds = {}
+    for line in out.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | ...
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 6 and re.fullmatch(r"\d+", cells[0]):
+            seconds[int(cells[0])] = float(cells[4])
+    return seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="2048,16384,32768")
@@ -117,10 +140,13 @@ def main() -> None:
     ap.add_argument("--sparse", action="store_true", help="also V3.2 sparse vs dense MLA decode (tiny dims)")
     ap.add_argument("--sparse-lengths", default="2048,8192,32768")
     ap.add_argument("--out", default="benchmarks/results/long_context.json")
+    ap.add_argument("--model", help="checkpoint dir (default: generate the small preset)")
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-batched-bench binary (adds its prefill times)")
+    ap.add_argument("--gguf", help="the same checkpoint as llama.cpp f32 GGUF (with --llama-bench)")
     args = ap.parse_args()
     from services.presets import init_model
 
-    model_dir = str(init_model(Path(tempfile.mkdtemp()) / PRESET, PRESET))
+    model_dir = args.model or str(init_model(Path(tempfile.mkdtemp()) / PRESET, PRESET))
     rows = []
     ctx = multiprocessing.get_context("spawn")
     for length in (int(x) for x in args.lengths.split(",")):
@@ -131,9 +157,22 @@ def main() -> None:
     base = rows[0]
     for row in rows:
         row["prefill_s_over_first"] = row["prefill_s"] / base["prefill_s"]
+    if args.llama_bench:
+        for fa in ("off", "on"):
+            seconds = llama_cpp_prefill_s(args.llama_bench, args.gguf, [r["prompt_tokens"] for r in rows],
+                                          args.threads, fa)  # fmt: skip
+            for row in rows:
+                row[f"llama_cpp_fa_{fa}_prefill_s"] = seconds[row["prompt_tokens"]]
+                row[f"prefill_s_over_llama_cpp_fa_{fa}"] = row["prefill_s"] / seconds[row["prompt_tokens"]]
     result = {
         "benchmark": "long-prompt prefill, LocalEngine",
-        "model": f"{PRESET} preset",
+        "model": args.model or f"{PRESET} preset",
+        "llama_cpp": None
+        if not args.llama_bench
+        else {
+            "gguf": args.gguf,
+            "flags": "-t/-tb threads -ntg 1 -npl 1 -ctk f32 -ctv f32 -lm none, -fa off and on",
+        },
         "machine": {
             "cpus": torch.get_num_threads(),
             "platform": platform.platform(),
