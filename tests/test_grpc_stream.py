@@ -57,6 +57,9 @@ def test_stream_answers_equal_unary_calls_in_order(worker):
         srv.address: "grpc-unary"
     }
     assert len(streamed.transports._streams) == 1 and streamed.stats.rpcs == 12
+    assert all(
+        c.answer is None for c in streamed.transports._watch._calls
+    )  # (taken: not kept till the deadline)
     unary.close()
     streamed.close()
 
@@ -117,3 +120,39 @@ def test_a_worker_at_its_stream_limit_is_served_by_unary_calls(worker):
     assert second.transport_of() == {srv.address: "grpc-unary"} and not second._dead
     first.close()  # (its stream ends: the worker has one free again)
     second.close()
+
+
+def test_a_stream_that_ended_while_idle_is_replaced_without_a_failure(worker):
+    srv, cfg, everything = worker
+    experts, msg = _experts(srv, cfg), routed_dispatch(cfg)
+    experts.combine(ExpertCombine(experts.dispatch(msg)))
+    old = experts.transports._streams[srv.address]
+    old._responses.cancel()  # (as a connection reset while no call is pending)
+    torch.testing.assert_close(experts.combine(ExpertCombine(experts.dispatch(msg))), _want(everything, msg))
+    assert experts.transports._streams[srv.address] is not old and not experts._dead
+    experts.close()
+
+
+def test_an_unexpected_error_fails_its_request_only(worker, monkeypatch):
+    srv, cfg, everything = worker
+    experts, msg = _experts(srv, cfg), routed_dispatch(cfg)
+    experts.combine(ExpertCombine(experts.dispatch(msg)))
+    stream = experts.transports._streams[srv.address]
+    compute = srv.server.servicer.compute
+    calls = []
+
+    def once(request):  # (the first request after this raises something no handler expects)
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory, say")
+        return compute(request)
+
+    monkeypatch.setattr(srv.server.servicer, "compute", once)
+    with pytest.raises(
+        Exception, match="no replica on a live worker"
+    ):  # (INTERNAL: retried, no other replica)
+        experts.combine(ExpertCombine(experts.dispatch(msg)))
+    experts._dead.clear()
+    torch.testing.assert_close(experts.combine(ExpertCombine(experts.dispatch(msg))), _want(everything, msg))
+    assert experts.transports._streams[srv.address] is stream and stream.error is None
+    experts.close()

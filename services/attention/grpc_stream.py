@@ -30,19 +30,21 @@ from services.rpc.shm import TransportError
 
 
 class StreamCall:
-    """One request on a stream: its bytes, deadline and, once read, its answer (or error)."""
+    """One request on a stream: its deadline and, once read, its answer (or error). The answer's
+    bytes stay here only until its waiter takes them (the watch keeps the call for a while)."""
 
-    __slots__ = ("abandoned", "answer", "deadline", "error", "stream")
+    __slots__ = ("abandoned", "answer", "answered", "deadline", "error", "stream")
 
     def __init__(self, stream: GrpcStream, deadline: float):
         self.stream, self.deadline = stream, deadline
         self.answer: bytes | None = None
+        self.answered = False
         self.error: TransportError | None = None
         self.abandoned = False  # its step failed elsewhere: nobody waits for it (no deadline)
 
     @property
     def done(self) -> bool:
-        return self.answer is not None or self.error is not None or self.abandoned
+        return self.answered or self.error is not None or self.abandoned
 
 
 class GrpcStream:
@@ -54,6 +56,7 @@ class GrpcStream:
         self._responses = call(iter(self._requests.get, None), metadata=metadata)
         self._watch, self._timeout_s = watch, timeout_s
         self._pending: collections.deque[StreamCall] = collections.deque()
+        self._lock = threading.Lock()  # (an answer arriving vs the watch expiring its call)
         self._expired = False
         self.error: TransportError | None = None  # set once the stream broke: open a new one
         self.answered = 0
@@ -70,7 +73,7 @@ class GrpcStream:
 
     def wait(self, call: StreamCall) -> bytes:
         """The answer's bytes (a DispatchStreamResponse); TransportError if the stream broke first."""
-        while call.answer is None and call.error is None:
+        while not call.answered and call.error is None:
             try:
                 data = next(self._responses)
             except grpc.RpcError as e:
@@ -80,11 +83,30 @@ class GrpcStream:
             except StopIteration:
                 self._fail(TransportError(grpc.StatusCode.UNAVAILABLE, "the expert worker ended the stream"))
                 break
-            self._pending.popleft().answer = data
+            with self._lock:
+                head = self._pending.popleft()
+                head.answered = True
+                if not head.abandoned:
+                    head.answer = data
             self.answered += 1
         if call.error is not None:
             raise call.error
-        return call.answer
+        data, call.answer = call.answer, None  # (the caller holds the bytes now)
+        return data
+
+    @property
+    def ended(self) -> bool:
+        """The stream broke or ended (also while idle: a reset connection): open a new one."""
+        return self.error is not None or self._responses.done()
+
+    @property
+    def refused(self) -> bool:
+        """The worker refused the stream itself (all its streams in use), before any answer."""
+        if self.answered:
+            return False
+        if self.error is not None:
+            return self.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return self._responses.done() and self._responses.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     def _fail(self, error: TransportError) -> None:
         self.error = error
@@ -94,12 +116,14 @@ class GrpcStream:
 
     def expire(self, call: StreamCall) -> None:
         """(watch thread) `call` is unanswered at its deadline: end the stream; its waiter raises."""
-        if not call.done:
+        with self._lock:
+            if call.done:
+                return
             self._expired = True
             self.error = TransportError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the dispatch deadline"
             )
-            self._responses.cancel()
+        self.close()
 
     def close(self) -> None:
         self._requests.put(None)  # (the request iterator ends: the stream half-closes)

@@ -216,10 +216,11 @@ class Transports:
         if refused is not None and time.monotonic() - refused < NO_SHM_RETRY_S:
             return None
         stream = self._streams.get(address)
-        if stream is not None and stream.error is not None:
-            if stream.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not stream.answered:
+        if stream is not None and stream.ended:
+            stream.close()  # (ends gRPC's request thread of it too)
+            del self._streams[address]
+            if stream.refused:
                 self._no_stream[address] = time.monotonic()
-                del self._streams[address]
                 log.info(
                     "expert worker %s refused a dispatch stream: unary calls for %.0f s",
                     address,

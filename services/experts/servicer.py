@@ -129,6 +129,11 @@ class ExpertServicer:
                     yield self.compute(wire.decode_dispatch_request(request))
                 except (SlotStoreError, wire.WireError) as e:
                     yield wire.encode_dispatch_error(status_of(e).value[0], str(e))
+                except Exception as e:  # (a bug, out of memory: this request fails, the stream goes on)
+                    log.exception("DispatchStream: a request failed")
+                    yield wire.encode_dispatch_error(
+                        grpc.StatusCode.INTERNAL.value[0], f"{type(e).__name__}: {e}"
+                    )
         finally:
             self._stream_slots.release()
 

@@ -89,7 +89,7 @@ class LoadReport:
     peak_extra_bytes: int = 0  # the most bytes held during the load beyond the rows before it
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity: its fields hold tensors)
 class SlotVersion:
     """One loaded placement version: packed experts + per-slot token counters."""
 
@@ -187,17 +187,17 @@ class SlotStore:
                     f"(max {self.max_versions}); release one first"
                 )
             self._loading.add(version)
+        num_slots = len(next(iter(layout.values())))
         try:
-            with self._load_lock:
+            with self._load_lock:  # (registered before the next load plans: its rows are in use)
                 packed, report = self._place(layout, fetch)
+                with self._lock:
+                    self._versions[version] = SlotVersion(
+                        version, packed, torch.zeros(len(self.moe_index), num_slots, dtype=torch.long)
+                    )
         finally:
             with self._lock:
                 self._loading.discard(version)
-        num_slots = len(next(iter(layout.values())))
-        with self._lock:
-            self._versions[version] = SlotVersion(
-                version, packed, torch.zeros(len(self.moe_index), num_slots, dtype=torch.long)
-            )
         report.version, report.seconds = version, time.perf_counter() - start
         return report
 
@@ -419,6 +419,7 @@ class SlotStore:
             held = self._versions.get(version)
             if held is not None:
                 held.inflight += 1  # (its rows are not written again while this call runs)
+                tensors = held.packed.layer_tensors(layer) if layer in held.packed.w13 else None
         if held is None:
             state = "still loading" if version in self._loading else "not loaded"
             raise VersionUnavailable(
@@ -426,7 +427,7 @@ class SlotStore:
             )
         counts = None
         try:
-            counts = self._compute(held, layer, hidden, slot, weight, out)
+            counts = self._compute(held, tensors, hidden, slot, weight, out)
             return counts[1]
         finally:
             with self._lock:
@@ -437,18 +438,17 @@ class SlotStore:
                 if not held.inflight and held in self._draining:
                     self._draining.remove(held)
 
-    def _compute(
-        self, held: SlotVersion, layer: int, hidden, slot, weight, out
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pairs per slot [S], the output) of one checked request on `held`."""
+    def _compute(self, held: SlotVersion, t, hidden, slot, weight, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pairs per slot [S], the output) of one checked request on `held`, whose layer's tensors
+        `t` (LayerTensors) were read under the lock."""
         num_slots, packed = held.num_slots, held.packed
-        if out is not None and self.device.type == "cpu" and layer not in packed.w13_scale:
+        if out is not None and self.device.type == "cpu" and t.w13_scale is None:
             counts = torch.zeros(
                 num_slots, dtype=torch.long
             )  # (decode sizes: one kernel call checks and computes)
             try:
-                ran = cpu_kernels.expert_dispatch(hidden, slot, weight, packed.w13[layer], packed.w2[layer], out,
-                                                  counts, packed.swiglu_limit, packed.rows.get(layer))  # fmt: skip
+                ran = cpu_kernels.expert_dispatch(hidden, slot, weight, t.w13, t.w2, out, counts,
+                                                  packed.swiglu_limit, t.rows)  # fmt: skip
             except ValueError as e:
                 raise InvalidRequest(f"{e} (placement version {held.version})") from None
             if ran:
@@ -464,10 +464,10 @@ class SlotStore:
         slot = slot.long()
         counts = torch.bincount(slot[slot >= 0], minlength=num_slots)
         if self.device.type == "cpu":
-            out = packed.forward(layer, hidden, slot, weight, out)
+            out = packed.forward_tensors(t, hidden, slot, weight, out)
         else:  # the request's tensors come and go through host memory (the gRPC payload)
             to = self.device
-            y = packed.forward(layer, hidden.to(to), slot.to(to), weight.to(to))
+            y = packed.forward_tensors(t, hidden.to(to), slot.to(to), weight.to(to))
             out = y.cpu() if out is None else out.copy_(y)
         return counts, out
 

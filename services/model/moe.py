@@ -8,6 +8,7 @@ per MoE layer one `w13 [S, 2I, H]` and one `w2 [S, H, I]` tensor over the S phys
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -15,6 +16,16 @@ from .checkpoint import CheckpointReader, load_expert_weights, load_expert_weigh
 from .config import ModelConfig
 from .layers import grouped_expert_ffn
 from .messages import ExpertCombine, ExpertDispatch
+
+
+class LayerTensors(NamedTuple):
+    """A MoE layer's expert tensors (PackedExperts.layer_tensors)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    rows: torch.Tensor | None
 
 
 @dataclass
@@ -66,12 +77,21 @@ class PackedExperts:
     ) -> torch.Tensor:
         """x [T, H], slot [T, K] local slot ids (-1 = none), weight [T, K] -> [T, H] (into `out`
         when given)."""
-        rows = self.rows.get(layer)
-        if rows is not None:  # (slots -> their rows; -1 stays -1)
-            rows = rows.to(slot.device)
+        return self.forward_tensors(self.layer_tensors(layer), x, slot, weight, out)
+
+    def layer_tensors(self, layer: int) -> LayerTensors:
+        """One layer's tensors and slot -> row map, read together (an expert worker swaps them
+        under its lock when a layer's rows grow: read them under it too)."""
+        return LayerTensors(self.w13[layer], self.w2[layer], self.w13_scale.get(layer), self.w2_scale.get(layer),
+                            self.rows.get(layer))  # fmt: skip
+
+    def forward_tensors(self, t: LayerTensors, x, slot, weight, out=None) -> torch.Tensor:
+        """`forward` on tensors read by `layer_tensors`."""
+        if t.rows is not None:  # (slots -> their rows; -1 stays -1)
+            rows = t.rows.to(slot.device)
             slot = torch.where(slot >= 0, rows[slot.clamp(min=0).long()], slot.new_tensor(-1)).to(slot.dtype)
-        return grouped_expert_ffn(x, slot, weight, self.w13[layer], self.w2[layer], out, self.swiglu_limit,
-                                  self.w13_scale.get(layer), self.w2_scale.get(layer), self.fp8_block)  # fmt: skip
+        return grouped_expert_ffn(x, slot, weight, t.w13, t.w2, out, self.swiglu_limit, t.w13_scale, t.w2_scale,
+                                  self.fp8_block)  # fmt: skip
 
     def tensor_dicts(self) -> list[dict[int, torch.Tensor]]:
         return [self.w13, self.w2, self.w13_scale, self.w2_scale]

@@ -1,12 +1,15 @@
 """TLS on the expert workers' gRPC port, keyed by the cluster's data-plane secret.
 
 Every process of a cluster already holds its secret (services/rpc/auth.py). From it each one
-derives the same TLS identity: a P-256 key (the scalar from SHA-256 of the secret) and a
+derives the same TLS identity: a P-256 key (the scalar from scrypt of the secret: the certificate
+is public, so a guessable secret must not be cheap to test against it) and a
 self-signed certificate for the name EXPERT_NAME, signed with deterministic ECDSA (RFC 6979) over
 fixed fields, so every process builds the same bytes without sending any of them anywhere.
 Expert workers serve with that key; clients trust only that certificate and check the name. So
 on the wire between nodes the traffic and the secret itself are encrypted, only a holder of the
-secret can serve as an expert worker, and a client without it cannot even finish a handshake.
+secret can serve as an expert worker, and a client that checks certificates (every gRPC client
+does by default) cannot finish a handshake without it; there are no client certificates, so one
+that skips the check gets a connection and is then refused by the secret check (auth.py).
 
 A secret of None (a worker started by hand or by a test without one) means plaintext, as before.
 Shared memory between processes of one node does not use TLS (it never leaves the machine).
@@ -38,7 +41,7 @@ def identity(secret: str) -> TlsIdentity:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    seed = hashlib.sha256(b"moe-cluster expert tls\0" + secret.encode()).digest()
+    seed = hashlib.scrypt(secret.encode(), salt=b"moe-cluster expert tls", n=2**14, r=8, p=1, dklen=32)
     key = ec.derive_private_key(int.from_bytes(seed, "big") % (_P256_ORDER - 1) + 1, ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, EXPERT_NAME)])
     start = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
