@@ -102,13 +102,11 @@ def nominal_tbps() -> float | None:
     return next((v for k, v in NOMINAL_TBPS.items() if k in name), None)
 
 
-def bench_mla(
-    batch: int, context: int, heads: int = 128, C: int = 512, R: int = 64, width: int | None = None
-) -> dict:
-    """`width`: the block table's width in blocks (a graphed decode step's static table covers
-    max_model_len: the split count comes from it, each row splits its own blocks)."""
-    from services.model.kernels import triton_mla
-
+def mla_decode_inputs(batch: int, context: int, heads: int, C: int, R: int, width: int | None):
+    """One V3 decode case's inputs on the GPU, `copies` of them (each call reads its own):
+    (blocks per row, table width, copies, cache [n * batch * blocks, 64, 1, C+R] bf16, tables [n,
+    batch, width] int32, lens [batch], queries [n, batch, heads, C+R] bf16, bytes a call moves:
+    the rows read, q in, o out)."""
     blocks = context // 64
     width = width or blocks
     n = copies(batch * blocks * 64 * (C + R) * 2)
@@ -120,8 +118,19 @@ def bench_mla(
     )
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     qs = torch.randn(n, batch, heads, C + R, device="cuda", generator=g).bfloat16()
+    moved = batch * blocks * 64 * (C + R) * 2 + batch * heads * (2 * C + R) * 2
+    return blocks, width, n, cache, tables, lens, qs, moved
+
+
+def bench_mla(
+    batch: int, context: int, heads: int = 128, C: int = 512, R: int = 64, width: int | None = None
+) -> dict:
+    """`width`: the block table's width in blocks (a graphed decode step's static table covers
+    max_model_len: the split count comes from it, each row splits its own blocks)."""
+    from services.model.kernels import triton_mla
+
+    blocks, width, n, cache, tables, lens, qs, moved = mla_decode_inputs(batch, context, heads, C, R, width)
     scale = 0.1352338
-    moved = batch * blocks * 64 * (C + R) * 2 + batch * heads * (2 * C + R) * 2  # rows, q in, o out
     row = {
         "batch": batch,
         "context": context,
@@ -178,18 +187,7 @@ def bench_mla_sweep(batch: int, context: int, width: int | None = None, heads: i
     the default tiles' output; a shape that does not compile or launch is recorded with its error."""
     from services.model.kernels import triton_mla
 
-    blocks = context // 64
-    width = width or blocks
-    n = copies(batch * blocks * 64 * (C + R) * 2)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    cache = torch.randn(n * batch * blocks, 64, 1, C + R, device="cuda", generator=g).bfloat16()
-    tables = torch.zeros(n, batch, width, dtype=torch.int32, device="cuda")
-    tables[..., :blocks] = torch.randperm(n * batch * blocks, device="cuda", generator=g).view(
-        n, batch, blocks
-    )
-    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    qs = torch.randn(n, batch, heads, C + R, device="cuda", generator=g).bfloat16()
-    moved = batch * blocks * 64 * (C + R) * 2 + batch * heads * (2 * C + R) * 2
+    _, width, n, cache, tables, lens, qs, moved = mla_decode_inputs(batch, context, heads, C, R, width)
     ref = triton_mla.mla_decode(qs[0], cache, tables[0], lens, C, 0.1352338).float()
     rows = []
     for h, bn, warps, stages in SWEEP_TILES:

@@ -419,21 +419,21 @@ class SlotStore:
             held = self._versions.get(version)
             if held is not None:
                 held.inflight += 1  # (its rows are not written again while this call runs)
-                tensors = held.packed.layer_tensors(layer) if layer in held.packed.w13 else None
+                tensors = held.packed.layer_tensors(layer)  # (together: a growing layer swaps them)
         if held is None:
             state = "still loading" if version in self._loading else "not loaded"
             raise VersionUnavailable(
                 f"placement version {version} is {state} on this worker (loaded: {self.loaded_versions})"
             )
-        counts = None
+        done = None  # (pairs per slot, output) once computed
         try:
-            counts = self._compute(held, tensors, hidden, slot, weight, out)
-            return counts[1]
+            done = self._compute(held, tensors, hidden, slot, weight, out)
+            return done[1]
         finally:
             with self._lock:
                 held.inflight -= 1
-                if counts is not None:
-                    held.tokens[self.moe_index[layer]] += counts[0]
+                if done is not None:
+                    held.tokens[self.moe_index[layer]] += done[0]
                     self.dispatch_calls += 1
                 if not held.inflight and held in self._draining:
                     self._draining.remove(held)
@@ -514,10 +514,6 @@ class SlotStore:
                 }
         stats.weight_bytes = self.weight_bytes()
         return stats
-
-
-def _nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _held_rows(versions: Sequence[SlotVersion], layer: int) -> dict[int, ExpertRows]:
