@@ -9,6 +9,7 @@ workers, and the Ray Serve router. Used by `moe-cluster up` and by the cluster t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import logging
 import os
@@ -23,7 +24,7 @@ import ray
 import yaml
 
 from services.attention.transport import TRANSPORTS
-from services.balancer.autoscale import AutoscaleConfig
+from services.balancer.autoscale import AttentionScaleConfig, AutoscaleConfig
 from services.settings import BALANCER_NAME, NAMESPACE, SharedSettings, attention_worker_name
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,24 @@ class ClusterConfig:
     )
     expert_downscale_delay_s: float = _setting(
         120.0, "autoscaling: a smaller pool wanted this long before it shrinks"
+    )
+    min_attention_workers: int | None = _setting(
+        None, "autoscaling: fewest attention workers (default: attention_workers)"
+    )
+    max_attention_workers: int | None = _setting(
+        None, "autoscaling: most attention workers (default: attention_workers); min < max turns it on"
+    )
+    attention_kv_threshold: float = _setting(
+        0.8, "autoscaling: KV cache use that saturates an attention worker"
+    )
+    attention_queue_threshold: int = _setting(
+        5, "autoscaling: waiting requests that saturate an attention worker"
+    )
+    attention_upscale_delay_s: float = _setting(
+        30.0, "autoscaling: a larger attention pool wanted this long before it grows"
+    )
+    attention_downscale_delay_s: float = _setting(
+        120.0, "autoscaling: a smaller attention pool wanted this long before it shrinks (drain, then stop)"
     )
     redundant_experts: int = _setting(0, "extra expert slots per MoE layer (replicas of hot experts)")
     redis_url: str | None = _setting(None, "external Redis (default: an embedded redis-server)")
@@ -156,7 +175,7 @@ class ClusterConfig:
             raise ValueError("redundant_experts must be >= 0")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
-        self.autoscale()  # checks the autoscaling bounds
+        self.autoscale(), self.attention_autoscale()  # check the autoscaling bounds
         if self.router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
         if self.expert_transport not in TRANSPORTS:
@@ -189,6 +208,17 @@ class ClusterConfig:
                 f"expert_workers {self.expert_workers} outside [{lo}, {hi}] (min/max_expert_workers)"
             )
         return cfg if cfg.enabled else None
+
+    def attention_autoscale(self) -> AttentionScaleConfig:
+        """The attention pool's autoscaling (balancer/autoscale.py; enabled when min < max)."""
+        lo = self.min_attention_workers or self.attention_workers
+        hi = self.max_attention_workers or self.attention_workers
+        if not lo <= self.attention_workers <= hi:
+            raise ValueError(
+                f"attention_workers {self.attention_workers} outside [{lo}, {hi}] (min/max_attention_workers)"
+            )
+        return AttentionScaleConfig(lo, hi, self.attention_kv_threshold, self.attention_queue_threshold,
+                                    self.attention_upscale_delay_s, self.attention_downscale_delay_s)  # fmt: skip
 
     def shared(self, redis_url: str | None, secret: str | None = None) -> SharedSettings:
         """The settings every service of this cluster shares (with the Redis actually used and the
@@ -285,9 +315,28 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
                    step, loopback: bool) -> Backend:  # fmt: skip
     from services.attention.worker import AttentionWorker, AttentionWorkerConfig
     from services.balancer.actor import Balancer
+    from services.balancer.attention_pool import AttentionScaling
     from services.balancer.service import BalancerConfig
     from services.engine.engine import EngineConfig
 
+    engine = EngineConfig(
+        model=model_dir,
+        dtype=cfg.dtype,
+        weight_dtype=cfg.weight_dtype,
+        keep_fp8_linears=cfg.keep_fp8_linears,
+        device="cuda" if cfg.attention_gpus > 0 else "cpu",
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+        max_waiting=cfg.max_waiting,
+        kv_cache_gib=cfg.kv_cache_gib,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        micro_batches=cfg.micro_batches,
+        prefix_caching=cfg.prefix_caching,
+        num_threads=cfg.attention_threads,
+    )
+    template = AttentionWorkerConfig(engine=engine, worker_id="", tp=cfg.attention_tp, shared=shared,
+                                     gpus=cfg.attention_gpus, expert_transport=cfg.expert_transport)  # fmt: skip
     step(f"starting {cfg.expert_workers} expert workers and loading the placement")
     balancer = Balancer.options(
         name=BALANCER_NAME, namespace=shared.namespace, resources=cfg.control_resources or None, **lifetime
@@ -308,6 +357,9 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             expert_gpus=cfg.expert_gpus,
             expert_shm=cfg.expert_transport in ("auto", "shm"),  # (grpc: no shared-memory listener at all)
             autoscale=cfg.autoscale(),
+            attention=AttentionScaling(
+                cfg.attention_autoscale(), template, cfg.attention_resources, cfg.attention_gpus
+            ),  # fmt: skip
             # a local run (this process started Ray: one machine): expert ports on loopback only
             expert_host="127.0.0.1" if loopback else None,
         )
@@ -316,37 +368,13 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
     info = ray.get(balancer.start.remote())
 
     step(f"starting {cfg.attention_workers} attention workers")
-    engine = EngineConfig(
-        model=model_dir,
-        dtype=cfg.dtype,
-        weight_dtype=cfg.weight_dtype,
-        keep_fp8_linears=cfg.keep_fp8_linears,
-        device="cuda" if cfg.attention_gpus > 0 else "cpu",
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=cfg.max_model_len,
-        max_waiting=cfg.max_waiting,
-        kv_cache_gib=cfg.kv_cache_gib,
-        kv_cache_dtype=cfg.kv_cache_dtype,
-        micro_batches=cfg.micro_batches,
-        prefix_caching=cfg.prefix_caching,
-        num_threads=cfg.attention_threads,
-    )
     attention = {}
     for i in range(cfg.attention_workers):
         name = attention_worker_name(i)
-        wcfg = AttentionWorkerConfig(
-            engine=engine,
-            worker_id=name,
-            tp=cfg.attention_tp,
-            shared=shared,
-            gpus=cfg.attention_gpus,
-            expert_transport=cfg.expert_transport,
-        )
         attention[name] = AttentionWorker.options(
             name=name, namespace=shared.namespace, resources=cfg.attention_resources or None,
             num_gpus=cfg.attention_gpus, **lifetime,
-        ).remote(wcfg, info["placement"], info["addresses"])  # fmt: skip
+        ).remote(dataclasses.replace(template, worker_id=name), info["placement"], info["addresses"])  # fmt: skip
         created.append(attention[name])
     ready = ray.get([a.ready.remote() for a in attention.values()])
     ray.get(balancer.register_attention.remote(list(attention)))
@@ -475,7 +503,7 @@ class Cluster:
                 drained.add(handle.drain.remote().result(timeout_s=timeout_s))  # a call reaches one of them)
             while time.monotonic() < deadline:
                 busy = 0
-                for actor in self.attention.values():
+                for actor in self._attention_workers().values():
                     try:
                         s = ray.get(actor.stats.remote(), timeout=10)
                         busy += s["running"] + s["waiting"]
@@ -487,6 +515,15 @@ class Cluster:
         except Exception as e:  # the app or a worker is gone already: nothing left to wait for
             log.warning("drain: %s", e)
         return False
+
+    def _attention_workers(self) -> dict[str, Any]:
+        """The attention workers now (the balancer's list: the pool may have grown), else those
+        this cluster started with."""
+        with contextlib.suppress(Exception):
+            pool = ray.get(self.balancer.attention_workers.remote(), timeout=10)
+            names = [*pool["serving"], *pool["draining"]]
+            return {n: self.attention.get(n) or ray.get_actor(n, namespace=self.cfg.namespace) for n in names}
+        return self.attention
 
     def stop(self, timeout: float = 60.0, drain_s: float = 30.0) -> None:
         """Drain (bounded by `drain_s`), then stop the app, the workers, Redis and (if this
@@ -510,7 +547,7 @@ class Cluster:
 
         with contextlib.suppress(Exception):
             serve.shutdown()
-        for actor in self.attention.values():
+        for actor in self._attention_workers().values():
             with contextlib.suppress(Exception):
                 ray.get(actor.shutdown.remote(), timeout=10)
             with contextlib.suppress(Exception):

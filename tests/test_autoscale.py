@@ -1,8 +1,16 @@
-"""The expert pool's autoscaling policy (services/balancer/autoscale.py), pure: no Ray, no clock."""
+"""The pools' autoscaling policies (services/balancer/autoscale.py), pure: no Ray, no clock."""
 
 import pytest
 
-from services.balancer.autoscale import AutoscaleConfig, ExpertAutoscaler, busy_fractions
+from services.balancer import pool as pool_module
+from services.balancer.autoscale import (
+    AttentionAutoscaler,
+    AttentionLoad,
+    AttentionScaleConfig,
+    AutoscaleConfig,
+    ExpertAutoscaler,
+    busy_fractions,
+)
 
 
 def test_the_pool_wanted_follows_busy_time_within_bounds():
@@ -62,3 +70,63 @@ def test_bad_bounds_are_refused(bad):
 
 def test_equal_bounds_mean_a_fixed_pool():
     assert not AutoscaleConfig(2, 2).enabled and AutoscaleConfig(1, 2).enabled
+
+
+# ---- the attention pool (llm-d's saturation rule) ---------------------------------------------
+def _load(kv=0.0, waiting=0, running=0, max_running=8):
+    return AttentionLoad(kv, waiting, running, max_running)
+
+
+def test_the_attention_pool_grows_when_saturated_and_shrinks_when_half_would_do():
+    scaler = AttentionAutoscaler(AttentionScaleConfig(1, 3, kv_threshold=0.8, queue_threshold=5))
+    assert scaler.desired([_load(kv=0.85), _load(kv=0.8)], current=2) == 3  # KV saturated on average
+    assert scaler.desired([_load(waiting=6), _load(waiting=4)], current=2) == 3  # queues saturated
+    assert scaler.desired([_load(waiting=6), _load(waiting=4)], current=3) == 3  # (at most max)
+    assert scaler.desired([_load(kv=0.9), _load(kv=0.1)], current=2) == 2  # mean 0.5: holds
+    # one worker fewer at half saturation: shrink; not while anything waits or the batch is busy
+    assert scaler.desired([_load(kv=0.1, running=1), _load(kv=0.2, running=2)], current=2) == 1
+    assert scaler.desired([_load(kv=0.1, waiting=1), _load(kv=0.1)], current=2) == 2
+    assert scaler.desired([_load(running=3), _load(running=2)], current=2) == 2  # 5 of 8 on one: holds
+    assert scaler.desired([_load(kv=0.3), _load(kv=0.2)], current=2) == 2  # 0.5 on one > 0.4
+    assert scaler.desired([_load()], current=1) == 1  # (at least min)
+    assert scaler.desired([], current=2) == 2  # nothing measured: stay
+
+
+def test_the_attention_pool_moves_one_step_after_its_delay_and_says_why():
+    scaler = AttentionAutoscaler(AttentionScaleConfig(1, 4, upscale_delay_s=5, downscale_delay_s=20))
+    hot, idle = [_load(waiting=9)] * 2, [_load(), _load()]
+    assert scaler.last_reason == "no tick yet"
+    assert scaler.decide(hot, current=2, now=0.0) is None
+    assert "mean waiting 9.0 (at 5)" in scaler.last_reason and scaler.last_reason.endswith(
+        "grow after 0 of 5 s"
+    )
+    assert scaler.decide(hot, current=2, now=5.0) == 3 and scaler.last_desired == 3
+    assert scaler.decide(idle, current=2, now=6.0) is None
+    assert scaler.decide(idle, current=2, now=26.0) == 1
+    assert scaler.last_reason.endswith("2 -> 1 workers")
+
+
+def test_attention_load_from_worker_stats():
+    stats = {"kv_blocks_used": 30, "kv_blocks_total": 120, "waiting": 2, "running": 4, "max_num_seqs": 8}
+    assert AttentionLoad.from_stats(stats) == AttentionLoad(0.25, 2, 4, 8)
+
+
+@pytest.mark.parametrize("bad", [dict(min_workers=0, max_workers=2), dict(min_workers=2, max_workers=1),
+                                 dict(min_workers=1, max_workers=2, kv_threshold=1.5),
+                                 dict(min_workers=1, max_workers=2, queue_threshold=0)])  # fmt: skip
+def test_bad_attention_bounds_are_refused(bad):
+    with pytest.raises(ValueError):
+        AttentionScaleConfig(**bad)
+
+
+def test_both_pools_ask_rays_autoscaler_in_one_request(monkeypatch):
+    asked = []
+    monkeypatch.setattr(pool_module, "request_resources", lambda bundles: asked.append(bundles))
+    capacity = pool_module.Capacity()
+    capacity.ask("expert", {"expert_node": 1.0}, 2)
+    capacity.ask("attention", {"attention_node": 1.0, "GPU": 1.0}, 1)
+    capacity.ask("attention", {"attention_node": 1.0, "GPU": 1.0}, 1)  # (unchanged: not asked again)
+    capacity.ask("expert", {"expert_node": 1.0}, 1)
+    capacity.ask("attention", {}, 3)  # (workers that take nothing fit anywhere)
+    e, a = {"expert_node": 1.0}, {"attention_node": 1.0, "GPU": 1.0}
+    assert asked == [[e, e], [e, e, a], [e, a], [e]]

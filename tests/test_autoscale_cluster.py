@@ -76,3 +76,78 @@ def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
         r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
         assert r.choices[0].model_extra["token_ids"] == want
+
+
+def _attention(cluster) -> dict:
+    return ray.get(cluster.balancer.status.remote())["attention_autoscale"]
+
+
+def _wait_attention(cluster, serving: int, what: str, deadline_s: float = 150.0) -> dict:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        state = _attention(cluster)
+        if len(state["serving"]) == serving and not state["starting"] and not state["draining"]:
+            return state
+        assert time.monotonic() < deadline, f"the attention pool did not {what} to {serving}: {state}"
+        time.sleep(0.25)
+
+
+def test_the_attention_pool_grows_on_queues_and_drains_when_idle(tiny_model):
+    """llm-d's saturation rule: one request per batch and a queue of 2 saturate a worker, so four
+    clients grow the pool to 2; the router sends the new worker requests at once; idle, the pool
+    drains one worker and stops it. Every request completes with LocalEngine's tokens."""
+    want = (
+        LocalEngine(EngineConfig(model=str(tiny_model)))
+        .generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+        .token_ids
+    )
+    settings = dict(attention_workers=1, min_attention_workers=1, max_attention_workers=2, max_num_seqs=1,
+                    attention_queue_threshold=2, attention_upscale_delay_s=1.0, attention_downscale_delay_s=4.0,
+                    expert_workers=1, balancer_period_s=0)  # fmt: skip
+    with tiny_cluster(tiny_model, **settings) as cluster:
+        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
+        results, errors, stop = [], [], threading.Event()
+
+        def send():
+            while not stop.is_set():
+                try:
+                    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0,
+                                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+                    results.append(r.choices[0].model_extra["token_ids"])
+                except Exception as e:  # noqa: BLE001 (recorded: asserted below)
+                    errors.append(repr(e))
+
+        senders = [threading.Thread(target=send) for _ in range(4)]
+        for s in senders:
+            s.start()
+        try:
+            grown = _wait_attention(cluster, 2, "grow")
+            new = ray.get_actor(
+                next(n for n in grown["serving"] if n not in cluster.attention), namespace="moe-cluster"
+            )
+            deadline = time.monotonic() + 60
+            while not ray.get(new.stats.remote())["prefix_cache"]["queried_tokens"]:  # the router uses it
+                assert time.monotonic() < deadline and not errors, errors
+                time.sleep(0.1)
+            served = len(results)
+            while len(results) < served + 4 and not errors:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            for s in senders:
+                s.join()
+        assert errors == [] and results and all(tokens == want for tokens in results)
+        shrunk = _wait_attention(cluster, 1, "shrink")  # idle: one drained and stopped
+        assert shrunk["desired"] == 1 and "1 -> " not in shrunk["reason"]
+        gone = next(n for n in grown["serving"] if n not in shrunk["serving"])
+        with pytest.raises(ValueError):  # stopped for good, not restarted
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                ray.get_actor(gone, namespace="moe-cluster")
+                time.sleep(0.25)
+        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        assert r.choices[0].model_extra["token_ids"] == want
+        metrics = client.with_options(max_retries=0)._client.get(f"{cluster.url}/metrics").text
+        assert 'moe_attention_workers{state="serving"} 1.0' in metrics

@@ -13,7 +13,8 @@ from dataclasses import asdict
 import ray
 import torch
 
-from .autoscale import ExpertAutoscaler, busy_fractions
+from .attention_pool import AttentionPool
+from .autoscale import AttentionAutoscaler, ExpertAutoscaler, busy_fractions
 from .service import BalancerConfig, BalancerCore
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,14 @@ class Balancer:
         self.core = BalancerCore(cfg)
         self._tasks: list[asyncio.Task] = []
         self.autoscaler = ExpertAutoscaler(cfg.autoscale) if cfg.autoscale and cfg.autoscale.enabled else None
+        self.attention_pool = (
+            AttentionPool(self.core, cfg.attention, self.core.pool.capacity) if cfg.attention else None
+        )
+        self.attention_scaler = (
+            AttentionAutoscaler(cfg.attention.scale)
+            if cfg.attention and cfg.attention.scale.enabled
+            else None
+        )
         self.pinned = False  # `scale-experts N` pins the pool until `scale-experts auto`
         self._busy_readings: dict[str, tuple[float, float]] = {}  # worker -> (compute s, monotonic)
         self._busy: dict[str, float] = {}  # worker -> busy fraction over the last tick
@@ -86,6 +95,9 @@ class Balancer:
             if self.autoscaler is not None:
                 period = self.autoscaler.cfg.period_s
                 self._tasks.append(loop.create_task(self._every(period, self._autoscale)))
+            if self.attention_scaler is not None:
+                period = self.attention_scaler.cfg.period_s
+                self._tasks.append(loop.create_task(self._every(period, self._autoscale_attention)))
         return info
 
     async def _rebalance(self) -> None:
@@ -151,6 +163,30 @@ class Balancer:
             await self.core.scale(target, reason="autoscale")
             self._busy_readings = {}  # (a new pool: measure afresh)
 
+    async def _autoscale_attention(self) -> None:
+        """One tick of the attention pool's autoscaling: each serving worker's KV use and queue ->
+        the policy -> at most one worker started or drained (none while one still is)."""
+        pool = self.attention_pool
+        if self.core.placement is None or pool.busy:
+            return
+        loads = await pool.measure()
+        target = self.attention_scaler.decide(list(loads.values()), len(pool.serving), time.monotonic())
+        if target is not None:
+            log.info(
+                "autoscaling the attention pool to %d workers: %s", target, self.attention_scaler.last_reason
+            )
+            await pool.resize(target)
+
+    async def attention_workers(self) -> dict | None:
+        """Where the routers send requests: {"serving": names, "draining": names}; None while the
+        balancer does not know yet (starting, or resuming after a restart)."""
+        self._kick()
+        if self.core.placement is None or not self.core.attention:
+            return None
+        if self.attention_pool is None:
+            return {"serving": list(self.core.attention), "draining": []}
+        return self.attention_pool.listing()
+
     async def status(self) -> dict:
         self._kick()
         status = self.core.status()
@@ -160,6 +196,15 @@ class Balancer:
                                    "target_utilization": cfg.target_utilization,
                                    "desired": self.autoscaler.last_desired, "busy_by_worker": self._busy,
                                    "reason": self.autoscaler.last_reason}  # fmt: skip
+        if self.attention_scaler is not None:
+            cfg, pool = self.attention_scaler.cfg, self.attention_pool
+            status["attention_autoscale"] = {
+                "min": cfg.min_workers, "max": cfg.max_workers, "kv_threshold": cfg.kv_threshold,
+                "queue_threshold": cfg.queue_threshold, "desired": self.attention_scaler.last_desired,
+                "serving": pool.serving, "starting": sorted(pool.starting), "draining": list(pool.draining),
+                "loads": {n: asdict(x) for n, x in pool.loads.items()},
+                "reason": self.attention_scaler.last_reason, "error": pool.last_error,
+            }  # fmt: skip
         return status
 
     async def worker_stats(self) -> dict:
@@ -183,4 +228,6 @@ class Balancer:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.attention_pool is not None:
+            self.attention_pool.cancel()
         await self.core.shutdown()

@@ -1,4 +1,6 @@
-"""The expert pool sizes itself from measured load: a pure policy, and the loop that feeds it.
+"""The pools size themselves from measured load: pure policies (the balancer's actor feeds them).
+
+The expert pool:
 
 Each tick the loop reads every expert worker's cumulative compute seconds (Stats) and turns the
 increase over the tick into a *busy fraction* (time computing / wall time) per worker; the policy
@@ -9,6 +11,10 @@ or the longer `downscale_delay_s` (shrink) before it happens, and the pool moves
 time (hysteresis). The resize itself is the balancer's live one (re-plan, load, switch, retire:
 no request lost, no token changed). A manual `scale-experts N` pins the pool until
 `scale-experts auto` hands it back.
+
+The attention pool (`AttentionAutoscaler`): llm-d's saturation rule on each worker's KV cache use
+and queue, with the same bounds, delays and one-step moves; the balancer starts a new attention
+worker or drains one (the routers stop sending it requests, it finishes what it has) and stops it.
 """
 
 from __future__ import annotations
@@ -44,15 +50,51 @@ class AutoscaleConfig:
         return self.min_workers < self.max_workers
 
 
+class Hysteresis:
+    """A pool size wanted -> one step toward it, once the same direction has been wanted for its
+    delay (`upscale_delay_s` to grow, `downscale_delay_s` to shrink); says why in `last_reason`."""
+
+    def __init__(self, upscale_delay_s: float, downscale_delay_s: float, unit: str = "workers"):
+        self.upscale_delay_s, self.downscale_delay_s, self.unit = upscale_delay_s, downscale_delay_s, unit
+        self._wanted_since: tuple[int, float] | None = None  # (direction, since)
+        self.last_reason = "no tick yet"  # the last decision, in words
+
+    def step(self, want: int, current: int, now: float, asks: str) -> int | None:
+        """`want` (the policy's size, `asks` its why) at time `now` -> current +- 1, or None."""
+        direction = (want > current) - (want < current)
+        if direction == 0:
+            self._wanted_since = None
+            self.last_reason = f"{asks}: holding at {current}"
+            return None
+        if self._wanted_since is None or self._wanted_since[0] != direction:
+            self._wanted_since = (direction, now)
+        delay = self.upscale_delay_s if direction > 0 else self.downscale_delay_s
+        waited = now - self._wanted_since[1]
+        if waited < delay:
+            verb = "grow" if direction > 0 else "shrink"
+            self.last_reason = f"{asks}: {verb} after {waited:.0f} of {delay:g} s"
+            return None
+        self._wanted_since = None
+        self.last_reason = f"{asks}: {current} -> {current + direction} {self.unit}"
+        return current + direction
+
+
 class ExpertAutoscaler:
     """`decide(busy, current, now)` -> the pool size to move to now, or None. Pure (no clock of
     its own, no Ray): the caller passes time and measurements."""
 
     def __init__(self, cfg: AutoscaleConfig, floor: int = 1):
         self.cfg, self.floor = cfg, floor  # floor: the fewest workers the placement can use
-        self._wanted_since: tuple[int, float] | None = None  # (direction, since)
+        self.hysteresis = Hysteresis(cfg.upscale_delay_s, cfg.downscale_delay_s)
         self.last_desired: int | None = None
-        self.last_reason = "no tick yet"  # the last decision, in words
+
+    @property
+    def last_reason(self) -> str:
+        return self.hysteresis.last_reason
+
+    @last_reason.setter
+    def last_reason(self, reason: str) -> None:
+        self.hysteresis.last_reason = reason
 
     def desired(self, busy: list[float], current: int) -> int:
         """The pool size the measured busy fractions ask for (clamped)."""
@@ -67,22 +109,7 @@ class ExpertAutoscaler:
             f"busy {sum(busy):.2f} over {len(busy)} workers at target {self.cfg.target_utilization:g} "
             f"wants {want} (bounds {max(self.cfg.min_workers, self.floor)}..{self.cfg.max_workers})"
         )
-        direction = (want > current) - (want < current)
-        if direction == 0:
-            self._wanted_since = None
-            self.last_reason = f"{asks}: holding at {current}"
-            return None
-        if self._wanted_since is None or self._wanted_since[0] != direction:
-            self._wanted_since = (direction, now)
-        delay = self.cfg.upscale_delay_s if direction > 0 else self.cfg.downscale_delay_s
-        waited = now - self._wanted_since[1]
-        if waited < delay:
-            verb = "grow" if direction > 0 else "shrink"
-            self.last_reason = f"{asks}: {verb} after {waited:.0f} of {delay:g} s"
-            return None
-        self._wanted_since = None
-        self.last_reason = f"{asks}: {current} -> {current + direction} workers"
-        return current + direction
+        return self.hysteresis.step(want, current, now, asks)
 
 
 def busy_fractions(
@@ -98,3 +125,98 @@ def busy_fractions(
         spent = busy1 - busy0 if busy1 >= busy0 else busy1
         out[w] = min(1.0, max(0.0, spent / (t1 - t0)))
     return out
+
+
+# ---- the attention pool ----------------------------------------------------------------------
+@dataclass
+class AttentionScaleConfig:
+    """The attention pool's autoscaling, on llm-d's saturation rule: a worker is saturated when its
+    latent KV cache is `kv_threshold` full or `queue_threshold` requests wait for it."""
+
+    min_workers: int
+    max_workers: int
+    kv_threshold: float = 0.8  # KV cache use (0..1) that saturates a worker
+    queue_threshold: int = 5  # waiting requests that saturate a worker
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 120.0
+    period_s: float = 2.0
+    drain_timeout_s: float = (
+        120.0  # a worker being removed finishes its requests within this (then moves them)
+    )
+    start_timeout_s: float = 900.0  # a new worker that no node has room for waits this long
+
+    def __post_init__(self):
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ValueError(
+                f"attention workers: need 1 <= min ({self.min_workers}) <= max ({self.max_workers})"
+            )
+        if not 0.0 < self.kv_threshold <= 1.0 or self.queue_threshold < 1:
+            raise ValueError("attention autoscaling: kv_threshold in (0, 1] and queue_threshold >= 1")
+        if min(self.upscale_delay_s, self.downscale_delay_s, self.drain_timeout_s) < 0 or self.period_s <= 0:
+            raise ValueError("autoscaling delays must be >= 0 and its period > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_workers < self.max_workers
+
+
+@dataclass(frozen=True)
+class AttentionLoad:
+    """One attention worker's load, from its stats."""
+
+    kv_usage: float  # latent KV blocks in use / all (0..1)
+    waiting: int  # requests queued for a batch slot
+    running: int  # requests in the batch
+    max_running: int  # the batch's size limit (max_num_seqs)
+
+    @classmethod
+    def from_stats(cls, stats: dict) -> AttentionLoad:
+        return cls(stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]), stats["waiting"],
+                   stats["running"], stats["max_num_seqs"])  # fmt: skip
+
+
+class AttentionAutoscaler:
+    """`decide(loads, current, now)` -> the attention pool size to move to now, or None. Pure.
+
+    Grow when the pool is saturated on average (mean KV use >= kv_threshold or mean waiting >=
+    queue_threshold: the router spreads requests evenly, so the mean is every worker). Shrink when
+    one worker fewer would carry today's load at half saturation: nothing waiting, and per worker
+    KV use below kv_threshold / 2 and running requests below half the batch limit. Between the two
+    it holds (no flapping: a pool that just shrank is not saturated)."""
+
+    def __init__(self, cfg: AttentionScaleConfig):
+        self.cfg = cfg
+        self.hysteresis = Hysteresis(cfg.upscale_delay_s, cfg.downscale_delay_s)
+        self.last_desired: int | None = None
+
+    @property
+    def last_reason(self) -> str:
+        return self.hysteresis.last_reason
+
+    def desired(self, loads: list[AttentionLoad], current: int) -> int:
+        cfg, n = self.cfg, len(loads)
+        want = current
+        if n:
+            kv, waiting = sum(x.kv_usage for x in loads), sum(x.waiting for x in loads)
+            running, limit = sum(x.running for x in loads), min(x.max_running for x in loads)
+            if kv / n >= cfg.kv_threshold or waiting / n >= cfg.queue_threshold:
+                want = current + 1
+            elif (
+                n > 1
+                and not waiting
+                and kv / (n - 1) < cfg.kv_threshold / 2
+                and running / (n - 1) < limit / 2
+            ):
+                want = current - 1
+        return max(cfg.min_workers, min(cfg.max_workers, want))
+
+    def decide(self, loads: list[AttentionLoad], current: int, now: float) -> int | None:
+        want = self.last_desired = self.desired(loads, current)
+        n = max(1, len(loads))
+        asks = (
+            f"mean KV use {sum(x.kv_usage for x in loads) / n:.2f} (saturated at {self.cfg.kv_threshold:g}), "
+            f"mean waiting {sum(x.waiting for x in loads) / n:.1f} (at {self.cfg.queue_threshold}), "
+            f"running {sum(x.running for x in loads)} over {len(loads)} workers wants {want} "
+            f"(bounds {self.cfg.min_workers}..{self.cfg.max_workers})"
+        )
+        return self.hysteresis.step(want, current, now, asks)

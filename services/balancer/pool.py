@@ -39,6 +39,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Capacity:
+    """What the balancer asks Ray's autoscaler for: one list of bundles per pool (expert,
+    attention), sent together, since each `request_resources` call replaces the last."""
+
+    asked: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+
+    def ask(self, pool: str, bundle: dict[str, float], count: int) -> None:
+        """Room for `count` workers of `pool`, each taking `bundle` (nothing asked for workers
+        that take no resources: they fit anywhere)."""
+        bundles = [bundle] * count if bundle else []
+        if self.asked.get(pool, []) == bundles:
+            return
+        self.asked[pool] = bundles
+        request_resources(bundles=[b for pool_bundles in self.asked.values() for b in pool_bundles])
+        log.info("asked Ray's autoscaler for room for %d %s workers of %s", count, pool, bundle)
+
+
+@dataclass
 class Member:
     """One live expert worker."""
 
@@ -73,6 +91,7 @@ class ExpertPool:
     start_timeout_s: float = 900.0  # a worker no node has room for waits this long (a node's boot)
     pending: dict[str, float] = field(default_factory=dict)  # worker id -> wall clock it was asked for
     requested_workers: int | None = None  # workers' worth of room asked of Ray's autoscaler (None: not yet)
+    capacity: Capacity = field(default_factory=Capacity)  # (shared with the attention pool)
 
     # ---- machines -----------------------------------------------------------------------
     @property
@@ -88,9 +107,8 @@ class ExpertPool:
         resources fit anywhere and ask for nothing."""
         if not self.bundle or num_workers == self.requested_workers:
             return
-        request_resources(bundles=[self.bundle] * num_workers)
+        self.capacity.ask("expert", self.bundle, num_workers)
         self.requested_workers = num_workers
-        log.info("asked Ray's autoscaler for room for %d expert workers of %s", num_workers, self.bundle)
 
     async def ensure(self, num_workers: int) -> str | None:
         """Ask for room for `num_workers` workers and start the missing ones (concurrently);

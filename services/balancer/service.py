@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -50,14 +49,13 @@ from services.redis_store import (
 )
 from services.settings import SharedSettings
 
+from .attention_pool import ATTENTION_NAME, AttentionScaling
 from .autoscale import AutoscaleConfig
 from .eplb import gpu_loads, placement_stats
 from .policy import Decision, MigrationRecord, Pool, decide, initial_placement, slots_per_worker
 from .pool import ExpertPool
 
 log = logging.getLogger(__name__)
-
-_ATTENTION_NAME = re.compile(r"^moe-attn-\d+$")
 
 
 @dataclass
@@ -78,6 +76,7 @@ class BalancerConfig:
     expert_host: str | None = None  # None: each worker's node IP
     expert_shm: bool = True  # ExpertWorkerConfig.shm: also serve Dispatch through shared memory
     autoscale: AutoscaleConfig | None = None  # the pool sizes itself (autoscale.py); None: fixed
+    attention: AttentionScaling | None = None  # the attention pool sizes itself (attention_pool.py)
     watch_s: float = 0.5  # health check / reconcile period (0: off)
     switch_timeout_s: float = 30.0  # an attention worker slower than this to switch is retried later
     gc_s: float = 5.0  # how often versions nobody uses are released
@@ -202,7 +201,7 @@ class BalancerCore:
 
     def _find_attention(self) -> None:
         for info in ray.util.list_named_actors(all_namespaces=True):
-            if info["namespace"] == self.shared.namespace and _ATTENTION_NAME.match(info["name"]):
+            if info["namespace"] == self.shared.namespace and ATTENTION_NAME.match(info["name"]):
                 self.attention.setdefault(
                     info["name"], ray.get_actor(info["name"], namespace=info["namespace"])
                 )

@@ -338,6 +338,7 @@ class Engine:
         return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
+            "max_num_seqs": self.engine_cfg.max_num_seqs,
             "kv_blocks_total": sched.allocator.num_blocks,  # (less a reserved scratch block)
             "kv_cache_dtype": self.engine_cfg.kv_cache_dtype,
             "kv_cache_tokens": sched.allocator.num_blocks * BLOCK_SIZE,  # tokens the cache holds

@@ -48,6 +48,7 @@ class RouterConfig:
     failover_wait_s: float = 60.0  # how long a request waits for a live attention worker
     ready_timeout_s: float = 5.0
     keepalive_s: float = 1.0  # this replica renews its lease on every attention worker this often
+    pool_refresh_s: float = 1.0  # how often the attention pool's members are read from the balancer
 
 
 class _WorkerDied(Exception):
@@ -85,6 +86,8 @@ class RouterCore:
         self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
         self.workers = {n: ray.get_actor(n, namespace=cfg.namespace) for n in cfg.attention_workers}
         self.outstanding = dict.fromkeys(self.workers, 0)
+        self.serving = set(self.workers)  # the workers new requests may go to (not draining)
+        self._refresh: asyncio.Task | None = None
         self.draining = False  # shutting down: new requests are refused
         self.affinity = PrefixAffinity(max_imbalance_tokens=cfg.affinity_max_imbalance_tokens)
         self.down: dict[str, float] = {}  # attention workers that died: name -> since (monotonic)
@@ -259,13 +262,50 @@ class RouterCore:
                     log.debug("lease renewal: %s", e)
             time.sleep(self.cfg.keepalive_s)
 
+    # ---- the attention pool's members ----------------------------------------------------
+    def _follow_pool(self) -> None:
+        if self._refresh is None and self.cfg.balancer:
+            self._refresh = asyncio.get_running_loop().create_task(self._refresh_pool())
+
+    async def _refresh_pool(self) -> None:
+        """Follow the attention pool as the balancer resizes it: a new worker gets requests at
+        once, a draining one gets no new request (its streams go on), a stopped one is dropped."""
+        balancer = None
+        while True:
+            try:
+                balancer = balancer or ray.get_actor(self.cfg.balancer, namespace=self.cfg.namespace)
+                pool = await asyncio.wait_for(balancer.attention_workers.remote(), 5.0)
+                if pool and pool["serving"]:  # (None: the balancer does not know yet)
+                    self.set_pool(pool["serving"], pool["draining"])
+            except Exception as e:  # noqa: BLE001 (the balancer restarting: keep the last members)
+                log.debug("reading the attention pool: %s", e)
+                balancer = None
+            await asyncio.sleep(self.cfg.pool_refresh_s)
+
+    def set_pool(self, serving: list[str], draining: list[str]) -> None:
+        """The attention pool's members: `serving` take new requests, `draining` finish theirs.
+        (`workers` is replaced, not changed in place: the lease thread reads it.)"""
+        workers = dict(self.workers)
+        for name in [*serving, *draining]:
+            if name not in workers:
+                workers[name] = ray.get_actor(name, namespace=self.cfg.namespace)
+                self.outstanding[name] = 0
+                log.info("attention worker %s joined the pool", name)
+        for name in [n for n in workers if n not in serving and n not in draining]:
+            if not self.outstanding[name]:  # (a stream still open on it: dropped when it ends)
+                del workers[name], self.outstanding[name]
+                self.down.pop(name, None)
+                log.info("attention worker %s left the pool", name)
+        self.workers, self.serving = workers, set(serving)
+
     async def pick_worker(self, prompt: list[int], cache_salt: str | None = None) -> str:
         """The live attention worker for `prompt`: the one holding its longest cached prefix unless
         it is much busier than the others (prefix affinity), else the one with the fewest
         outstanding tokens; waits (bounded) while every worker is down."""
+        self._follow_pool()
         deadline = time.monotonic() + self.cfg.failover_wait_s
         while True:
-            live = {n: v for n, v in self.outstanding.items() if n not in self.down}
+            live = {n: v for n, v in self.outstanding.items() if n in self.serving and n not in self.down}
             if live:
                 name = self.affinity.choose(prompt, live, cache_salt) if self.cfg.prefix_caching else None
                 if name is None:
@@ -288,14 +328,15 @@ class RouterCore:
 
     async def _probe(self, name: str) -> None:
         try:
-            while True:
+            while name in self.workers:  # (a worker that left the pool is not waited for)
                 try:
                     await asyncio.wait_for(self.workers[name].ready.remote(), 10)
                     break
                 except Exception:  # restarting, or dead for good: keep it out, ask again
                     await asyncio.sleep(0.5)
-            log.info("attention worker %s is back after %.1fs", name, time.monotonic() - self.down[name])
-            self.down.pop(name, None)
+            since = self.down.pop(name, None)
+            if name in self.workers and since is not None:
+                log.info("attention worker %s is back after %.1fs", name, time.monotonic() - since)
         finally:
             self._probes.discard(asyncio.current_task())
 

@@ -71,6 +71,17 @@ class RouterMetrics:
         self.expert_workers_pending = Gauge(
             "moe_expert_workers_pending", "Expert workers waiting for a node with room", registry=r
         )
+        self.attention_workers = Gauge(
+            "moe_attention_workers",
+            "Attention workers by state (serving, starting, draining)",
+            ["state"],
+            registry=r,
+        )
+        self.attention_workers_desired = Gauge(
+            "moe_attention_workers_desired",
+            "Attention workers the autoscaler's last tick asked for",
+            registry=r,
+        )
         self.expert_busy = Gauge(
             "moe_expert_busy_fraction", "Busy fraction (compute time / wall time) per expert worker, last tick",
             ["worker"], registry=r,
@@ -193,6 +204,12 @@ class RouterMetrics:
             self.expert_busy.clear()  # (workers that left the pool drop out)
             for w, busy in (autoscale.get("busy_by_worker") or {}).items():
                 self.expert_busy.labels(w).set(busy)
+            attention = balancer.get("attention_autoscale") or {}
+            for state in ("serving", "starting", "draining"):
+                if state in attention:
+                    self.attention_workers.labels(state).set(len(attention[state]))
+            if attention.get("desired") is not None:
+                self.attention_workers_desired.set(attention["desired"])
             dead = balancer.get("dead_workers") or []
             self.dead_workers.set(len(dead))
             healed = [d["healed_s"] for d in dead if d.get("healed_s") is not None]
