@@ -21,7 +21,7 @@ run: install
 
 test: install
 	$(VENV)/bin/ruff check services tests benchmarks proto
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint: install
 	$(VENV)/bin/ruff check services tests benchmarks proto

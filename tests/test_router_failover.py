@@ -62,6 +62,7 @@ def _core(workers: dict[str, FakeWorker]) -> RouterCore:
     core.workers, core.outstanding, core.down = workers, dict.fromkeys(workers, 0), {}
     core._probes, core._rr, core.metrics, core.owner = set(), itertools.count(), RouterMetrics(), "me"
     core._keepalive = object()  # (no lease thread)
+    core.serving, core._refresh = set(workers), object()  # (no pool refresh task)
     return core
 
 
@@ -135,3 +136,26 @@ def test_a_consumer_that_leaves_aborts_once_and_fails_nothing_over():
 
     assert asyncio.run(first_then_leave()).token_ids == [100]
     assert worker.aborted == ["req"] and other.calls == [] and core.down == {}
+
+
+def test_the_router_follows_the_pool_as_it_grows_and_drains(monkeypatch):
+    """A new worker takes requests at once; a draining one takes none but keeps its streams; one
+    that left is dropped once nothing of it is open."""
+    a, b, c = FakeWorker(), FakeWorker(), FakeWorker()
+    core = _core({"a": a, "b": b})
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: {"c": c}[name])
+
+    async def pick():
+        return await core.pick_worker([1, 2, 3])
+
+    core.outstanding.update(a=5, b=5)
+    core.set_pool(["a", "b", "c"], [])
+    assert core.workers["c"] is c and asyncio.run(pick()) == "c"  # (the idle newcomer)
+    core.outstanding.update(c=9)
+    core.set_pool(["a", "c"], ["b"])  # b drains: kept (its streams), never picked
+    assert "b" in core.workers and {asyncio.run(pick()) for _ in range(4)} == {"a"}
+    core.set_pool(["a", "c"], [])  # b left the pool while a stream of it is open: kept until it ends
+    assert "b" in core.workers
+    core.outstanding["b"] = 0
+    core.set_pool(["a", "c"], [])
+    assert "b" not in core.workers and "b" not in core.outstanding
