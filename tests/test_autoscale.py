@@ -9,7 +9,9 @@ from services.balancer.autoscale import (
     AttentionScaleConfig,
     AutoscaleConfig,
     ExpertAutoscaler,
+    ExpertSignals,
     busy_fractions,
+    expert_signals,
 )
 
 
@@ -130,3 +132,31 @@ def test_both_pools_ask_rays_autoscaler_in_one_request(monkeypatch):
     capacity.ask("attention", {}, 3)  # (workers that take nothing fit anywhere)
     e, a = {"expert_node": 1.0}, {"attention_node": 1.0, "GPU": 1.0}
     assert asked == [[e, e], [e, e, a], [e, a], [e]]
+
+
+def test_contended_dispatches_grow_the_pool_and_queues_keep_it_from_shrinking():
+    scaler = ExpertAutoscaler(AutoscaleConfig(1, 4, target_utilization=0.5))
+    contended = ExpertSignals(queue_delay_s=0.004, compute_s=0.001, expert_wait_share=0.5)
+    assert contended.contended
+    assert scaler.desired([0.2, 0.2], current=2, signals=contended) == 3  # busy alone: 1
+    calm = ExpertSignals(queue_delay_s=0.004, compute_s=0.001, expert_wait_share=0.1)  # steps barely wait
+    assert (
+        not calm.contended and scaler.desired([0.2, 0.2], current=2, signals=calm) == 2
+    )  # (queues: no shrink)
+    idle = ExpertSignals(queue_delay_s=0.0001, compute_s=0.001, expert_wait_share=0.5)
+    assert scaler.desired([0.2, 0.2], current=2, signals=idle) == 1
+    scaler.decide([0.2, 0.2], current=2, now=0.0, signals=contended)
+    assert "queue 4.00 ms per dispatch over 1.00 ms compute, expert wait 50% of steps" in scaler.last_reason
+    assert "(contended) wants 3" in scaler.last_reason
+
+
+def test_expert_signals_from_two_readings():
+    before = {"a": (1.0, 2.0, 100), "b": (5.0, 0.0, 50), "gone": (9.0, 9.0, 9)}
+    after = {"a": (1.5, 2.5, 200), "b": (0.5, 0.1, 10), "new": (3.0, 3.0, 3)}  # b restarted
+    att0 = {"x": {"times": {"step_s": 10.0, "expert_wait_s": 4.0, "tokens": 100}, "waiting": 0}}
+    att1 = {"x": {"times": {"step_s": 12.0, "expert_wait_s": 5.0, "tokens": 300}, "waiting": 3},
+            "y": {"times": {"step_s": 1.0, "expert_wait_s": 1.0, "tokens": 10}, "waiting": 1}}  # fmt: skip
+    s = expert_signals(before, after, att0, att1, seconds=4.0)
+    assert s.compute_s == pytest.approx(1.0 / 110) and s.queue_delay_s == pytest.approx(0.6 / 110)
+    assert s.expert_wait_share == 0.5 and s.tokens_per_s == 50.0 and s.pending == 4
+    assert expert_signals({}, after, {}, att1, 4.0) == ExpertSignals(pending=4)  # nothing to compare yet

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from .attention_pool import AttentionPool
-from .autoscale import AttentionAutoscaler, ExpertAutoscaler, busy_fractions
+from .autoscale import AttentionAutoscaler, ExpertAutoscaler, busy_fractions, expert_signals
 from .service import BalancerConfig, BalancerCore
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,10 @@ class Balancer:
         self.pinned = False  # `scale-experts N` pins the pool until `scale-experts auto`
         self._busy_readings: dict[str, tuple[float, float]] = {}  # worker -> (compute s, monotonic)
         self._busy: dict[str, float] = {}  # worker -> busy fraction over the last tick
+        self._counters = (
+            None  # the last tick's ({worker: (compute s, queue s, calls)}, attention stats, monotonic)
+        )
+        self.signals = None  # ExpertSignals of the last tick
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._resuming: asyncio.Task | None = None
         if self._restarted:
@@ -142,26 +146,42 @@ class Balancer:
         return await self.core.scale(num_workers)
 
     async def _autoscale(self) -> None:
-        """One autoscaling tick: busy fraction of each worker since the last tick -> the policy ->
-        at most one worker more or less, through the live resize."""
+        """One autoscaling tick: busy fraction of each worker since the last tick, and the signals
+        beside it (queueing, the attention side's expert wait) -> the policy -> at most one worker
+        more or less, through the live resize."""
         if self.core.placement is None:
             return
-        now, readings = time.monotonic(), {}
+        now, counters = time.monotonic(), {}
         for wid, member in list(self.core.pool.members.items()):
             try:
                 stats = await asyncio.to_thread(member.client.stats, 5.0)
             except Exception:  # (dead or slow: the watch tick deals with it)
                 continue
-            readings[wid] = (stats.compute_seconds, now)
+            counters[wid] = (stats.compute_seconds, stats.queue_seconds, stats.dispatch_calls)
+        attention = await self._attention_stats()
+        readings = {w: (c[0], now) for w, c in counters.items()}
         busy, self._busy_readings = busy_fractions(self._busy_readings, readings), readings
-        self._busy = {w: round(b, 3) for w, b in busy.items()}
-        target = self.autoscaler.decide(list(busy.values()), len(self.core.pool.members), now)
+        before, self._counters = self._counters, (counters, attention, now)
+        signals = (
+            expert_signals(before[0], counters, before[1], attention, now - before[2]) if before else None
+        )
+        self._busy, self.signals = {w: round(b, 3) for w, b in busy.items()}, signals
+        target = self.autoscaler.decide(list(busy.values()), len(self.core.pool.members), now, signals)
         if self.pinned:
             self.autoscaler.last_reason += " (pinned by scale-experts: not acting)"
         if target is not None and not self.pinned:
             log.info("autoscaling the expert pool to %d workers: %s", target, self.autoscaler.last_reason)
             await self.core.scale(target, reason="autoscale")
-            self._busy_readings = {}  # (a new pool: measure afresh)
+            self._busy_readings, self._counters = {}, None  # (a new pool: measure afresh)
+
+    async def _attention_stats(self) -> dict[str, dict]:
+        """Each attention worker's stats (one that does not answer in 5 s is left out)."""
+        names = list(self.core.attention)
+        replies = await asyncio.gather(
+            *[asyncio.wait_for(self.core.attention[n].stats.remote(), 5.0) for n in names],
+            return_exceptions=True,
+        )
+        return {n: r for n, r in zip(names, replies, strict=True) if isinstance(r, dict)}
 
     async def _autoscale_attention(self) -> None:
         """One tick of the attention pool's autoscaling: each serving worker's KV use and queue ->
@@ -195,6 +215,7 @@ class Balancer:
             status["autoscale"] = {"min": cfg.min_workers, "max": cfg.max_workers, "pinned": self.pinned,
                                    "target_utilization": cfg.target_utilization,
                                    "desired": self.autoscaler.last_desired, "busy_by_worker": self._busy,
+                                   "signals": asdict(self.signals) if self.signals else None,
                                    "reason": self.autoscaler.last_reason}  # fmt: skip
         if self.attention_scaler is not None:
             cfg, pool = self.attention_scaler.cfg, self.attention_pool

@@ -8,7 +8,7 @@ asks for `ceil(sum of busy fractions / target_utilization)` workers, within
 [`min_workers`, `max_workers`] (any pool of one worker or more holds every expert once; `floor`
 raises the minimum where a deployment needs more). Like Ray Serve's `autoscaling_config`, a change must be wanted for `upscale_delay_s` (grow)
 or the longer `downscale_delay_s` (shrink) before it happens, and the pool moves one worker at a
-time (hysteresis). The resize itself is the balancer's live one (re-plan, load, switch, retire:
+time (hysteresis). Queueing delay and the attention side's expert wait guard it (`ExpertSignals`). The resize itself is the balancer's live one (re-plan, load, switch, retire:
 no request lost, no token changed). A manual `scale-experts N` pins the pool until
 `scale-experts auto` hands it back.
 
@@ -79,9 +79,39 @@ class Hysteresis:
         return current + direction
 
 
+@dataclass(frozen=True)
+class ExpertSignals:
+    """What an expert autoscaling tick measured beside the busy fractions (means over the tick)."""
+
+    queue_delay_s: float = 0.0  # seconds a Dispatch waited for its worker's compute (queueing delay)
+    compute_s: float = 0.0  # seconds a Dispatch computed
+    expert_wait_share: float = 0.0  # of the attention workers' step time, blocked on routed experts
+    tokens_per_s: float = 0.0  # tokens the attention workers ran through their steps
+    pending: int = 0  # requests waiting at the attention workers
+
+    @property
+    def contended(self) -> bool:
+        """Dispatches wait longer for a worker than they compute on it while the attention side
+        spends `CONTENDED_WAIT_SHARE` of its steps waiting: bursts meet (several attention workers or
+        micro-batches at once), and more workers would shorten the steps even with busy time low."""
+        return self.queue_delay_s > self.compute_s > 0 and self.expert_wait_share >= CONTENDED_WAIT_SHARE
+
+    def describe(self) -> str:
+        return (f"queue {self.queue_delay_s * 1e3:.2f} ms per dispatch over {self.compute_s * 1e3:.2f} ms compute, "
+                f"expert wait {self.expert_wait_share:.0%} of steps, {self.tokens_per_s:.0f} tok/s, "
+                f"{self.pending} waiting")  # fmt: skip
+
+
+CONTENDED_WAIT_SHARE = 0.3
+
+
 class ExpertAutoscaler:
-    """`decide(busy, current, now)` -> the pool size to move to now, or None. Pure (no clock of
-    its own, no Ray): the caller passes time and measurements."""
+    """`decide(busy, current, now, signals)` -> the pool size to move to now, or None. Pure (no
+    clock of its own, no Ray): the caller passes time and measurements.
+
+    The busy fractions set the size; `signals` (when measured) add two guards: a contended pool
+    (`ExpertSignals.contended`) grows by one even under the busy target, and a pool whose
+    dispatches still queue (over half their compute time) does not shrink."""
 
     def __init__(self, cfg: AutoscaleConfig, floor: int = 1):
         self.cfg, self.floor = cfg, floor  # floor: the fewest workers the placement can use
@@ -96,20 +126,62 @@ class ExpertAutoscaler:
     def last_reason(self, reason: str) -> None:
         self.hysteresis.last_reason = reason
 
-    def desired(self, busy: list[float], current: int) -> int:
-        """The pool size the measured busy fractions ask for (clamped)."""
+    def desired(self, busy: list[float], current: int, signals: ExpertSignals | None = None) -> int:
+        """The pool size the measured busy fractions (and signals) ask for (clamped)."""
         want = math.ceil(sum(busy) / self.cfg.target_utilization - 1e-9) if busy else current
+        if signals is not None and signals.contended:
+            want = max(want, current + 1)
+        elif signals is not None and want < current and signals.queue_delay_s > signals.compute_s / 2:
+            want = current
         lo = max(self.cfg.min_workers, self.floor)
         return max(lo, min(self.cfg.max_workers, want))
 
-    def decide(self, busy: list[float], current: int, now: float) -> int | None:
+    def decide(
+        self, busy: list[float], current: int, now: float, signals: ExpertSignals | None = None
+    ) -> int | None:
         """One step (current +- 1) once the same direction has been wanted for its delay."""
-        want = self.last_desired = self.desired(busy, current)
-        asks = (
-            f"busy {sum(busy):.2f} over {len(busy)} workers at target {self.cfg.target_utilization:g} "
-            f"wants {want} (bounds {max(self.cfg.min_workers, self.floor)}..{self.cfg.max_workers})"
-        )
+        want = self.last_desired = self.desired(busy, current, signals)
+        measured = f"busy {sum(busy):.2f} over {len(busy)} workers at target {self.cfg.target_utilization:g}"
+        if signals is not None:
+            measured += f"; {signals.describe()}{' (contended)' if signals.contended else ''}"
+        asks = f"{measured} wants {want} (bounds {max(self.cfg.min_workers, self.floor)}..{self.cfg.max_workers})"
         return self.hysteresis.step(want, current, now, asks)
+
+
+def expert_signals(
+    before: dict[str, tuple[float, float, int]],
+    after: dict[str, tuple[float, float, int]],
+    attention_before: dict[str, dict],
+    attention_after: dict[str, dict],
+    seconds: float,
+) -> ExpertSignals:
+    """The signals of a tick from two readings of each expert worker's (compute s, queue s,
+    dispatch calls) and each attention worker's stats (`times`: step_s, expert_wait_s, tokens;
+    `waiting`), taken `seconds` apart. Workers in one reading only (new, gone) are left out; a
+    counter that went down (a restart) counts from zero."""
+
+    def delta(a: float, b: float) -> float:
+        return b - a if b >= a else b
+
+    compute = queue = calls = 0.0
+    for w, (c1, q1, n1) in after.items():
+        if w in before:
+            c0, q0, n0 = before[w]
+            compute, queue, calls = compute + delta(c0, c1), queue + delta(q0, q1), calls + delta(n0, n1)
+    step = wait = tokens = 0.0
+    for a, s1 in attention_after.items():
+        if a in attention_before:
+            t0, t1 = attention_before[a]["times"], s1["times"]
+            step += delta(t0["step_s"], t1["step_s"])
+            wait += delta(t0["expert_wait_s"], t1["expert_wait_s"])
+            tokens += delta(t0["tokens"], t1["tokens"])
+    return ExpertSignals(
+        queue_delay_s=queue / calls if calls else 0.0,
+        compute_s=compute / calls if calls else 0.0,
+        expert_wait_share=min(1.0, wait / step) if step > 0 else 0.0,
+        tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+        pending=sum(s["waiting"] for s in attention_after.values()),
+    )
 
 
 def busy_fractions(

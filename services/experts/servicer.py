@@ -84,6 +84,7 @@ class ExpertServicer:
         # finish in turn instead of all late together; decoding and encoding overlap freely
         self._compute_lock = threading.Lock()
         self.compute_seconds = 0.0  # busy time, both transports (the autoscaler's utilisation)
+        self.queue_seconds = 0.0  # time Dispatches waited for the compute lock (queueing delay)
         # weights load on one thread of lower CPU priority, so where experts compute on the same
         # cores (CPU workers, or a busy host) loading yields to serving
         self.loader = ThreadPoolExecutor(
@@ -104,8 +105,10 @@ class ExpertServicer:
     def compute_into(self, layer: int, version: int, hidden, slot, weight, out) -> float:
         """SlotStore.forward into `out` (the response's payload, in gRPC bytes or shared memory),
         one compute at a time; its seconds."""
+        arrived = time.perf_counter()
         with self._compute_lock:
             start = time.perf_counter()
+            self.queue_seconds += start - arrived
             self.store.forward(version, layer, hidden, slot, weight, out)
             seconds = time.perf_counter() - start
             self.compute_seconds += seconds
@@ -209,7 +212,7 @@ class ExpertServicer:
 
     def Stats(self, request, context) -> expert_pb2.StatsResponse:
         reply = stats_to_proto(self.store.stats())
-        reply.compute_seconds = self.compute_seconds
+        reply.compute_seconds, reply.queue_seconds = self.compute_seconds, self.queue_seconds
         return reply
 
 

@@ -71,6 +71,12 @@ class RouterMetrics:
         self.expert_workers_pending = Gauge(
             "moe_expert_workers_pending", "Expert workers waiting for a node with room", registry=r
         )
+        self.expert_signals = Gauge(
+            "moe_expert_autoscale_signal",
+            "The expert autoscaler's last tick: queue_delay_s and compute_s per dispatch, expert_wait_share of the "
+            "attention steps, tokens_per_s, pending requests",
+            ["signal"], registry=r,
+        )  # fmt: skip
         self.attention_workers = Gauge(
             "moe_attention_workers",
             "Attention workers by state (serving, starting, draining)",
@@ -204,6 +210,8 @@ class RouterMetrics:
             self.expert_busy.clear()  # (workers that left the pool drop out)
             for w, busy in (autoscale.get("busy_by_worker") or {}).items():
                 self.expert_busy.labels(w).set(busy)
+            for name, value in (autoscale.get("signals") or {}).items():
+                self.expert_signals.labels(name).set(value)
             attention = balancer.get("attention_autoscale") or {}
             for state in ("serving", "starting", "draining"):
                 if state in attention:
