@@ -2,7 +2,7 @@
 
 `small` preset; the cluster path is one attention engine (this process, like an attention
 worker's engine thread) + 2 expert workers (Ray actors) over each data plane of `--transports`
-(gRPC streams, gRPC unary calls, shared memory: services/attention/transport.py); batch 1/8/32/64; ping-pong
+(gRPC streams, gRPC unary calls, shared memory, TCP: services/attention/transport.py); batch 1/8/32/64; ping-pong
 (2 micro-batches) off vs on; with `--device cuda` every engine on the GPU and the cluster once
 more without CUDA graphs (remote experts: the step captured in pieces, decode_graphs.py); attention tensor parallelism over `--tp` ranks (this process is
 rank 0, the others are spawned processes, gloo; ping-pong off); LocalEngine (all experts in
@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument(
         "--transports",
-        default="grpc,grpc-unary,shm",
+        default="grpc,grpc-unary,shm,tcp",
         help="the cluster rows' data planes (DispatchConfig.transport)",
     )
     ap.add_argument("--out", default="benchmarks/results/attention.json")

@@ -33,6 +33,10 @@ fp32, top-6 of 64, intermediate 128). For T = 1, 8, 32, 64, 256 tokens it measur
                    shm_minus_compute_ms is it beyond the worker's compute (the AFD budget's
                    measure: ~0.3 ms per MoE layer for both directions), shm_no_compute_* the
                    same with every slot -1; remote_experts_shm_ms the full client path over it
+  tcp_ms           the same Dispatch over a TCP connection (services/rpc/tcp.py, plaintext: the
+                   benchmark's worker has no secret): the same frames, the rows sent from the
+                   buffer they were written into; tcp_minus_compute_ms beyond the compute;
+                   remote_experts_tcp_ms the full client path over it
   memcpy_payloads_ms  one copy of the request's and the answer's payloads in this process (this
                    machine's copy bandwidth over the bytes a call moves)
 
@@ -70,8 +74,9 @@ sys.path.insert(0, str(REPO))  # `proto` must resolve to this repo's package (pr
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from services.experts.client import ExpertClient  # noqa: E402
 from services.model.kernels import cpu_kernels  # noqa: E402
-from services.rpc import wire  # noqa: E402
+from services.rpc import tcp, wire  # noqa: E402
 
 ECHO_METHOD = "/bench.Echo/Echo"
 MATCHED_METHOD = "/bench.Echo/Matched"
@@ -163,6 +168,8 @@ def serve(model_dir: str, dtype: str, port_queue) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     shm_server = shm.ShmServer(f"127.0.0.1:{port}", servicer.compute_into, status_of)  # noqa: F841 (serves)
+    tcp_server = tcp.TcpServer("127.0.0.1", servicer.compute_into, status_of)
+    servicer.socket_port = tcp_server.port
     port_queue.put(port)
     server.start()
     server.wait_for_termination()
@@ -183,11 +190,14 @@ def encode_request(req: wire.DispatchRequest) -> bytes:
 class Client:
     """The ways of sending T tokens to the server process, timed."""
 
-    def __init__(self, address: str, cfg, remote, remote_shm, remote_unary):
+    def __init__(self, address: str, cfg, remote, remote_shm, remote_unary, remote_tcp):
         from services.rpc import shm
 
         self.shm = shm.ShmChannel.connect(address)
         self.remote_shm = remote_shm
+        self.remote_tcp = remote_tcp
+        port = ExpertClient(address).stats().socket_port
+        self.tcp = tcp.TcpChannel.connect(tcp.socket_host(address), port)
         self.channel = grpc.insecure_channel(address, options=wire.grpc_options())
         self.echo = self.channel.unary_unary(ECHO_METHOD)
         self.matched = self.channel.unary_unary(MATCHED_METHOD)
@@ -215,6 +225,15 @@ class Client:
         self.shm.send(req.layer, req.placement_version)
         return self.shm.result(60)[1]
 
+    def run_tcp(self, req: wire.DispatchRequest) -> float:
+        """The rows written into the connection's buffer and sent, the answer read; compute_seconds."""
+        hidden, slot, weight = self.tcp.request(*req.hidden.shape, req.slot.shape[1], req.hidden.dtype)
+        hidden.copy_(req.hidden)
+        slot.copy_(req.slot)
+        weight.copy_(req.weight)
+        self.tcp.send(req.layer, req.placement_version)
+        return self.tcp.result(60)[1]
+
     def measure(self, T: int, dtype: torch.dtype, iterations: int) -> dict:
         from services.model.messages import ExpertDispatch
 
@@ -236,6 +255,7 @@ class Client:
             self.echo(echo_payload), self.matched(encoded_request), self.run_dispatch(req)
             self.run_dispatch(idle_req), self.run_remote(msg), self.run_shm(req), self.run_shm(idle_req)
             self.run_remote(msg, self.remote_shm), self.run_remote(msg, self.remote_unary)
+            self.run_tcp(req), self.run_remote(msg, self.remote_tcp)
         self.matched_times(b"")
         kinds = (
             "echo",
@@ -247,6 +267,8 @@ class Client:
             "shm_idle",
             "remote_shm",
             "remote_unary",
+            "tcp",
+            "remote_tcp",
         )
         times: dict[str, list[float]] = {k: [] for k in kinds}
         returned: dict[str, list] = {k: [] for k in kinds}  # dispatch / idle: the worker's compute_seconds
@@ -260,6 +282,8 @@ class Client:
             ("shm_idle", lambda: self.run_shm(idle_req)),
             ("remote_shm", lambda: self.run_remote(msg, self.remote_shm)),
             ("remote_unary", lambda: self.run_remote(msg, self.remote_unary)),
+            ("tcp", lambda: self.run_tcp(req)),
+            ("remote_tcp", lambda: self.run_remote(msg, self.remote_tcp)),
         ]
         rng = random.Random(T)
         for _ in range(iterations):  # interleaved, shuffled: all kinds see the same conditions
@@ -317,6 +341,11 @@ class Client:
             "shm_minus_compute_ms": round(shm_net_ms, 4),
             "shm_no_compute_minus_compute_ms": round(shm_idle_ms, 4),
             "remote_experts_shm_ms": round(med(times["remote_shm"]), 4),
+            "tcp_ms": round(med(times["tcp"]), 4),
+            "tcp_minus_compute_ms": round(
+                med([t - c for t, c in zip(times["tcp"], returned["tcp"], strict=True)]), 4
+            ),
+            "remote_experts_tcp_ms": round(med(times["remote_tcp"]), 4),
             "memcpy_payloads_ms": round(memcpy_ms, 4),
             "memcpy_GB_per_s": round((req.nbytes() + output_bytes) / statistics.median(copies) / 1e9, 2),
             "tokens_per_s": round(T / statistics.median(dispatch_s), 1),
@@ -348,7 +377,8 @@ def bench_case(
     remote = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="grpc"))
     remote_shm = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="shm"))
     remote_unary = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="grpc-unary"))
-    client = Client(address, cfg, remote, remote_shm, remote_unary)
+    remote_tcp = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="tcp"))
+    client = Client(address, cfg, remote, remote_shm, remote_unary, remote_tcp)
     rows = []
     try:
         for T in TOKENS:
@@ -360,7 +390,8 @@ def bench_case(
                 f"overhead {row['overhead']:+.1%} (no compute {row['no_compute_overhead']:+.1%}, "
                 f"vs matched transport {row['matched_transport_ms']:.3f} ms {row['overhead_vs_matched']:+.1%})  "
                 f"shm {row['shm_ms']:7.3f} ms (beyond compute {row['shm_minus_compute_ms']:.3f})  "
-                f"remote shm {row['remote_experts_shm_ms']:7.3f} ms",
+                f"remote shm {row['remote_experts_shm_ms']:7.3f} ms  tcp {row['tcp_ms']:7.3f} ms "
+                f"(beyond compute {row['tcp_minus_compute_ms']:.3f})  remote tcp {row['remote_experts_tcp_ms']:7.3f} ms",
                 flush=True,
             )
     finally:
@@ -411,6 +442,9 @@ def main() -> None:
         "shm_target_met": all(r["shm_minus_compute_ms"] <= 0.3 for r in rows if r["tokens"] == 1),
         "shm_minus_compute_ms_at_1_token": {
             r["case"]: r["shm_minus_compute_ms"] for r in rows if r["tokens"] == 1
+        },
+        "tcp_minus_compute_ms_at_1_token": {
+            r["case"]: r["tcp_minus_compute_ms"] for r in rows if r["tokens"] == 1
         },
         "grpc_minus_compute_ms_at_1_token": {
             r["case"]: r["dispatch_minus_compute_ms"] for r in rows if r["tokens"] == 1

@@ -124,8 +124,8 @@ class ClusterConfig:
     )
     expert_transport: str = _setting(
         "auto",
-        "attention <-> expert data plane: auto (shared memory on one node, gRPC streams across), shm, grpc, "
-        "grpc-unary (a unary call per MoE layer)",
+        "attention <-> expert data plane: auto (shared memory on one node, TCP across, else gRPC streams), shm, "
+        "tcp, grpc, grpc-unary (a unary call per MoE layer)",
     )
     expert_threads: int = _setting(1, "torch threads per expert worker")
     balancer_period_s: float = _setting(30.0, "seconds between rebalancing checks (0: on demand only)")

@@ -3,6 +3,8 @@ started with the cluster's secret serves its cluster over TLS keyed by that secr
 everyone else, over gRPC and shared memory: a client without the secret cannot finish a TLS
 handshake, and one that skips the certificate check still needs the secret in every call."""
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
@@ -14,7 +16,7 @@ from services.experts.server import ExpertServer, ExpertWorkerConfig
 from services.model.config import ModelConfig
 from services.model.messages import ExpertCombine
 from services.model.placement import Placement
-from services.rpc import expert_pb2, expert_pb2_grpc, shm, tls, wire
+from services.rpc import expert_pb2, expert_pb2_grpc, shm, tcp, tls, wire
 
 from .wire_encoders import routed_dispatch
 
@@ -34,23 +36,32 @@ def server(tiny_model):
     srv.stop(0)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 def test_the_clusters_own_calls_are_served_and_strangers_refused(server, transport):
     srv, address, placement, cfg = server
     msg = routed_dispatch(cfg, T=3)
     ours = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport=transport, secret=SECRET))
     want = ours.combine(ExpertCombine(ours.dispatch(msg)))
     assert ours.stats.shm_calls == (ours.stats.rpcs if transport == "shm" else 0)
+    assert set(ours.transport_of().values()) == {transport}  # (tcp: TLS, the secret inside it)
     ours.close()
-    refused = srv.secret_check.refused
+    refused, socket_refused, served = srv.secret_check.refused, srv.socket.refused, srv.socket.requests
     for secret in (None, "a-guess"):  # plaintext / another cluster's certificate: no handshake
-        for kind in ("grpc", "grpc-unary"):
+        for kind in ("grpc", "grpc-unary", "tcp"):
             stranger = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport=kind, secret=secret,
                                                                                  timeout_s=10))  # fmt: skip
             with pytest.raises(ExpertUnavailableError, match="no replica on a live worker"):
                 stranger.combine(ExpertCombine(stranger.dispatch(msg)))
             stranger.close()
     assert srv.secret_check.refused == refused  # (they never got as far as a call)
+    assert srv.socket.refused == socket_refused  # (tcp: no Stats for them, so no socket tried either)
+    with pytest.raises(OSError):  # a stranger who knows the port: no TLS handshake, nothing served
+        tcp.TcpChannel.connect(tcp.socket_host(address), srv.socket.port, "a-guess", timeout_s=5.0)
+    deadline = time.monotonic() + 10  # (the worker's side of the failed handshake ends on its own thread)
+    while srv.socket.refused == socket_refused:
+        assert time.monotonic() < deadline, "the socket listener did not refuse the stranger"
+        time.sleep(0.02)
+    assert srv.socket.requests == served
     assert want.shape == msg.x.shape
 
 

@@ -288,7 +288,7 @@ DEAD = "127.0.0.1:1"  # nothing listens there: connection refused, UNAVAILABLE
 
 
 @pytest.mark.parametrize(
-    "transport", ["auto", "grpc", "grpc-unary"]
+    "transport", ["auto", "grpc", "grpc-unary", "tcp"]
 )  # (auto: shared memory to the live worker)
 def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_model, transport):
     srv, client = server
@@ -304,7 +304,7 @@ def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_
     got = experts.combine(ExpertCombine(experts.dispatch(msg)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert experts.stats.resent_pairs > 0
-    live = {"auto": "shm", "grpc": "grpc", "grpc-unary": "grpc-unary"}[transport]
+    live = {"auto": "shm", "grpc": "grpc", "grpc-unary": "grpc-unary", "tcp": "tcp"}[transport]
     assert experts.transport_of() == {
         srv.address: live,
         DEAD: "grpc-unary" if transport == "grpc-unary" else "grpc",

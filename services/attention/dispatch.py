@@ -67,9 +67,7 @@ class DispatchConfig:
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     dead_worker_cooldown_s: float = 10.0  # replicas on a failed worker are skipped this long
     rpc_threads: int = 64  # gRPC calls in flight at once (workers x micro-batches in flight)
-    transport: str = (
-        "auto"  # "auto" (shared memory on this node, gRPC streams otherwise), "grpc", "grpc-unary", "shm"
-    )
+    transport: str = "auto"  # "auto" (shared memory on this node, else TCP, else gRPC streams), "tcp", "grpc", "grpc-unary", "shm"
     shm_capacity: int = shm.DEFAULT_CAPACITY  # bytes of a shared-memory channel's request (and answer) buffer
     secret: str | None = field(default=None, repr=False)  # the cluster's data-plane secret (rpc/auth.py)
 

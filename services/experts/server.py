@@ -1,6 +1,7 @@
 """The expert worker's gRPC server: the Expert service (servicer.py) and the standard
 grpc.health.v1 service on one grpc server, for one expert worker process; beside it the
-shared-memory Dispatch for clients on the same node (services/rpc/shm.py), over the same compute.
+shared-memory Dispatch for clients on the same node (services/rpc/shm.py) and the TCP one for
+clients on other nodes (services/rpc/tcp.py), over the same compute.
 
 A sync server: every call runs on a thread of the server's pool, the same hand-off a raw echo
 handler pays, and the Dispatch compute happens right there (one at a time, see servicer.py).
@@ -21,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
-from services.rpc import auth, shm, tls, wire
+from services.rpc import auth, shm, tcp, tls, wire
 
 from .servicer import ExpertServicer, add_expert_service, status_of
 from .store import SlotStore
@@ -56,6 +57,8 @@ class ExpertWorkerConfig:
     peer_timeout_s: float = 600.0  # deadline of one FetchExperts stream from a peer
     # also serve Dispatch through shared memory to clients on this node (services/rpc/shm.py)
     shm: bool = True
+    # also serve Dispatch over plain TCP connections beside the gRPC port (services/rpc/tcp.py)
+    socket: bool = True
     # the cluster's data-plane secret (services/rpc/auth.py): calls without it are refused; None: open
     secret: str | None = field(default=None, repr=False)
     # the Ray namespace the cluster's expert workers are named in: LoadSlots copies only from them
@@ -106,6 +109,7 @@ class ExpertServer:
         self.server: grpc.Server | None = None
         self.address: str | None = None
         self.shm: shm.ShmServer | None = None
+        self.socket: tcp.TcpServer | None = None
 
     def start(self) -> str:
         """Bind and start; returns "host:port"."""
@@ -136,6 +140,10 @@ class ExpertServer:
                 )
             except OSError as e:  # (another process holds the name: clients use gRPC)
                 log.warning("no shared-memory data plane on %s: %s", self.address, e)
+        if self.cfg.socket:
+            self.socket = tcp.TcpServer(self.host, self.servicer.compute_into, status_of, self.cfg.secret,
+                                        self.cfg.max_message_bytes)  # fmt: skip
+            self.servicer.socket_port = self.socket.port
         log.info("expert worker serving %s on %s (%s)", self.cfg.model, self.address, self.cfg.dtype)
         return self.address
 
@@ -146,6 +154,9 @@ class ExpertServer:
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
         self.server.stop(grace).wait()
         self.servicer.close()
         self.server = None

@@ -79,6 +79,7 @@ class ExpertServicer:
         self.known_peers = known_peers  # () -> the addresses LoadSlots may copy from (None: any)
         self.secret = secret  # the cluster's (services/rpc/auth.py): what this worker sends to its peers
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
+        self.socket_port = 0  # the TCP data plane's port (rpc/tcp.py), set by the server; 0: none
         self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes
         # one expert compute at a time, so concurrent calls (micro-batches, attention workers)
         # finish in turn instead of all late together; decoding and encoding overlap freely
@@ -213,6 +214,7 @@ class ExpertServicer:
     def Stats(self, request, context) -> expert_pb2.StatsResponse:
         reply = stats_to_proto(self.store.stats())
         reply.compute_seconds, reply.queue_seconds = self.compute_seconds, self.queue_seconds
+        reply.socket_port = self.socket_port
         return reply
 
 

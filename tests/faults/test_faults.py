@@ -27,7 +27,7 @@ def expected(tiny_model):
     return scenario.local_tokens(tiny_model, scenario.prompts(REQUESTS), MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=["auto", "grpc"])  # auto, on one node: shared memory
+@pytest.fixture(scope="module", params=["auto", "grpc", "tcp"])  # auto, on one node: shared memory
 def cluster(tiny_model, request):
     with tiny_cluster(
         tiny_model, attention_workers=2, expert_workers=3, balancer_period_s=0, max_num_seqs=32,
@@ -48,13 +48,20 @@ def _complete_and_identical(outcome, expected):
     assert outcome.tokens == expected
 
 
+def _not_about_the_data_plane(cluster):
+    """The faults below the data plane's (balancer, Redis, router) run with two transports, not
+    every one: each run costs a minute or more."""
+    if cluster.cfg.expert_transport == "tcp":
+        pytest.skip("does not depend on the data plane: run with auto and grpc")
+
+
 def _balancer(cluster):
     return ray.get_actor(BALANCER_NAME, namespace=cluster.cfg.namespace)
 
 
 def test_without_a_fault_the_cluster_equals_local_engine(cluster, expected):
     _complete_and_identical(_run(cluster, "none", None), expected)
-    want = {"auto": "shm", "grpc": "grpc"}[cluster.cfg.expert_transport]
+    want = {"auto": "shm", "grpc": "grpc", "tcp": "tcp"}[cluster.cfg.expert_transport]
     for stats in ray.get([a.stats.remote() for a in cluster.attention.values()]):
         assert set(stats["dispatch"]["transport"].values()) == {want}, stats["dispatch"]
 
@@ -80,6 +87,7 @@ def test_attention_worker_killed(cluster, expected):
 
 
 def test_balancer_killed(cluster, expected):
+    _not_about_the_data_plane(cluster)
     ns = cluster.cfg.namespace
     before = ray.get(_balancer(cluster).status.remote())
     outcome = _run(cluster, "balancer", scenario.kill(lambda: scenario.actor_pid(BALANCER_NAME, ns)))
@@ -109,6 +117,7 @@ def test_balancer_killed_on_a_loaded_machine(cluster, expected):
 
 
 def test_redis_killed(cluster, expected):
+    _not_about_the_data_plane(cluster)
     port = int(cluster.redis_url.rsplit(":", 1)[1].split("/")[0])
     outcome = _run(cluster, "redis", scenario.kill(lambda: cluster.redis.process.pid))
     _complete_and_identical(outcome, expected)
@@ -123,6 +132,7 @@ def test_router_replica_killed(cluster, expected):
     """Two router replicas (the default): one is killed while six clients send requests with the
     official client's default retries (2, on 5xx and connection errors); every request is answered,
     with LocalEngine's tokens (a retried one by the live replica), and Serve restarts the dead one."""
+    _not_about_the_data_plane(cluster)
     from ray import serve
 
     from services.cluster import APP_NAME
@@ -171,6 +181,7 @@ def test_router_replica_killed(cluster, expected):
 def test_shutdown_drains_running_requests(cluster, expected):
     """What SIGTERM / Ctrl-C of `moe-cluster up` does first: refuse new requests, let the running
     ones finish (bounded). Runs last: the router stays closed."""
+    _not_about_the_data_plane(cluster)
 
     def drain():
         return cluster.drain(timeout_s=60), httpx.post(

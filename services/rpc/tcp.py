@@ -1,0 +1,352 @@
+"""The data plane over plain TCP connections, for an attention worker and an expert worker on
+different nodes: the shared-memory transport's frames (services/rpc/shm.py), with the tensors'
+bytes following each frame on the same socket.
+
+Why not gRPC: a gRPC round trip costs ~0.3 ms on loopback even over a persistent stream (HTTP/2
+framing, protobuf, its completion-queue threads handing the message over), and torch.distributed's
+gloo point-to-point costs the same; a blocking socket read by the thread that needs the answer
+costs ~0.02 ms for the same 8 KB (benchmarks/results/tcp_round_trip.json). One call at a time per
+connection; the client keeps a few per worker (micro-batches and parts in flight at once):
+
+    client -> worker: REQUEST frame (seq, layer, placement version, T, H, K, dtype), then the
+                      request region: hidden [T, H], slot [T, K] int32, weight [T, K] float32
+                      (shm.request_layout: 64-byte aligned parts, so the client fills it in place)
+    worker -> client: ANSWER frame (seq, status, compute seconds, n), then n bytes: the output
+                      [T, H] (status 0) or the error text
+
+Handshake: with a cluster secret the connection is TLS with the cluster's identity (tls.py: only
+a holder of the secret can serve it) and the client's first bytes inside it carry the secret
+(auth.py), checked before anything else; without one (hand-started workers, tests) plaintext.
+The worker's listener port is in its Stats (`socket_port`). A failure is a TransportError with
+the gRPC status code that means it, so the dispatch client resends or refuses as for gRPC. A
+malformed frame closes only its own connection; the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import struct
+import tempfile
+import threading
+import time
+
+import grpc
+import torch
+
+from services.rpc import auth, tls
+from services.rpc.shm import (
+    _CODES,
+    _REQUEST,
+    DTYPES,
+    MAX_ERROR_BYTES,
+    Compute,
+    TransportError,
+    request_layout,
+)
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MOT1"
+_HELLO = struct.Struct("<4sH")  # magic, secret length; then the secret
+_ACK = struct.Struct("<4sB")  # magic, accepted
+_ANSWER = struct.Struct("<IIdQ")  # seq, grpc status code value (0 = OK), compute seconds, bytes that follow
+MAX_CONNECTIONS = 4096  # per expert worker (attention workers x calls in flight)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("connection closed")
+        got += n
+
+
+def _send(sock: socket.socket, frame: bytes, payload: memoryview | bytes = b"") -> None:
+    """`frame` and `payload` as one write (one wake-up for the reader, not two): one gathered
+    sendmsg on a plain socket, one joined buffer under TLS (it encrypts a copy anyway)."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.sendall(b"".join((frame, payload)))
+        return
+    parts, left = [memoryview(frame), memoryview(payload).cast("B")], len(frame) + len(payload)
+    while left:
+        sent = sock.sendmsg(parts)
+        left -= sent
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
+
+
+def _region(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+    """A byte buffer of at least `nbytes` (the old one while it is big enough)."""
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return buf
+
+
+def _parts(region: torch.Tensor, T: int, H: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(hidden [T, H], slot [T, K] int32, weight [T, K] float32) viewing a request region."""
+    slot_at, weight_at, _ = request_layout(T, H, K, dtype)
+    hidden = region[: T * H * dtype.itemsize].view(dtype).view(T, H)
+    slot = region[slot_at : slot_at + T * K * 4].view(torch.int32).view(T, K)
+    weight = region[weight_at : weight_at + T * K * 4].view(torch.float32).view(T, K)
+    return hidden, slot, weight
+
+
+def _server_context(secret: str) -> ssl.SSLContext:
+    """TLS with the cluster's identity (load_cert_chain reads files: a private temporary one)."""
+    key, cert = tls.identity(secret)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    with tempfile.NamedTemporaryFile("wb", suffix=".pem") as f:  # (0600, removed at once)
+        f.write(key + cert)
+        f.flush()
+        ctx.load_cert_chain(f.name)
+    return ctx
+
+
+def _client_context(secret: str) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_verify_locations(cadata=tls.identity(secret).cert_pem.decode())
+    return ctx  # (check_hostname: the certificate's name, tls.EXPERT_NAME)
+
+
+# ---------------------------------------------------------------------------------------------
+# The client side (the attention worker's dispatch client)
+# ---------------------------------------------------------------------------------------------
+class TcpChannel:
+    """One request at a time to one expert worker over one TCP connection. Not thread-safe."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._request: torch.Tensor | None = None  # the request region (filled in place)
+        self._output: torch.Tensor | None = None
+        self._frame = bytearray(_ANSWER.size)
+        self._seq = 0
+        self._shape: tuple | None = None  # (T, H, K, dtype) of the request in flight
+        self.answered = True  # the last request's answer was read (the connection is free)
+        self.closed = False
+
+    @classmethod
+    def connect(cls, host: str, port: int, secret: str | None = None, timeout_s: float = 5.0) -> TcpChannel:
+        """A connection to an expert worker's socket listener. OSError when it cannot be made, or
+        the worker refuses it (a wrong secret)."""
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if secret is not None:
+                sock = _client_context(secret).wrap_socket(sock, server_hostname=tls.EXPERT_NAME)
+            token = (secret or "").encode()
+            sock.sendall(_HELLO.pack(MAGIC, len(token)) + token)
+            ack = bytearray(_ACK.size)
+            _recv_exact(sock, memoryview(ack))
+            if _ACK.unpack(ack) != (MAGIC, 1):
+                raise ConnectionRefusedError(f"refused by {host}:{port}")
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        return cls(sock)
+
+    def request(self, T: int, H: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Writable views (hidden [T, H], slot [T, K] int32, weight [T, K] float32) of the next
+        request: fill them, then `send`."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype} cannot travel by socket")
+        self._request = _region(self._request, request_layout(T, H, K, dtype)[2])
+        self._shape = (T, H, K, dtype)
+        return _parts(self._request, T, H, K, dtype)
+
+    def send(self, layer: int, placement_version: int) -> None:
+        T, H, K, dtype = self._shape
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        self.answered = False
+        frame = _REQUEST.pack(self._seq, layer, placement_version, T, H, K, DTYPES.index(dtype))
+        payload = memoryview(self._request.numpy())[: request_layout(T, H, K, dtype)[2]]
+        try:
+            _send(self._sock, frame, payload)
+        except OSError as e:
+            self.close()
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert worker gone ({e})") from None
+
+    def result(self, timeout_s: float) -> tuple[torch.Tensor, float]:
+        """Wait for the answer: (output [T, H], valid until the next request; compute seconds).
+        TransportError: the worker's error, or UNAVAILABLE / DEADLINE_EXCEEDED."""
+        T, H, K, dtype = self._shape
+        try:
+            self._sock.settimeout(timeout_s)
+            _recv_exact(self._sock, memoryview(self._frame))
+            seq, code, seconds, nbytes = _ANSWER.unpack(self._frame)
+            if seq != self._seq or (not code and nbytes != T * H * dtype.itemsize) or nbytes > 1 << 34:
+                self.close()
+                raise TransportError(
+                    grpc.StatusCode.INTERNAL, f"answer {seq} ({nbytes} bytes) to request {self._seq}"
+                )
+            if code:
+                text = bytearray(nbytes)
+                _recv_exact(self._sock, memoryview(text))
+                self.answered = True
+                raise TransportError(_CODES.get(code, grpc.StatusCode.UNKNOWN), text.decode(errors="replace"))
+            self._output = _region(self._output, nbytes)
+            _recv_exact(self._sock, memoryview(self._output.numpy())[:nbytes])
+        except TimeoutError:
+            self.close()  # (an answer may still come: nobody must read it in a later call)
+            raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout_s} s") from None
+        except OSError as e:
+            self.close()
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert worker gone ({e})") from None
+        self.answered = True
+        return self._output[: T * H * dtype.itemsize].view(dtype).view(T, H), seconds
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The server side (the expert worker)
+# ---------------------------------------------------------------------------------------------
+class TcpServer:
+    """Serves an expert worker's Dispatch over TCP: a listener beside its gRPC port and one thread
+    per connection, which reads a request into its own buffer, checks it, runs `compute` into its
+    answer buffer and sends that back. `status_of` maps a compute error to its gRPC status code."""
+
+    def __init__(self, host: str, compute: Compute, status_of, secret: str | None = None,
+                 max_request_bytes: int = 1 << 30):  # fmt: skip
+        self.compute, self.status_of, self.secret = compute, status_of, secret
+        self.max_request_bytes = max_request_bytes
+        self._tls = _server_context(secret) if secret is not None else None
+        self.refused = 0  # handshakes refused: no / a wrong secret, a bad hello
+        self.requests = 0
+        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                              backlog=128)  # fmt: skip
+        self.port = self._listener.getsockname()[1]
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="tcp-accept", daemon=True).start()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError as e:
+                if self._closed:
+                    return
+                log.warning("socket accept failed: %s", e)
+                time.sleep(0.1)
+                continue
+            if self.connections >= MAX_CONNECTIONS:
+                self.refused += 1
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True).start()
+            except RuntimeError as e:
+                log.warning("socket connection not served: %s", e)
+                conn.close()
+
+    def _serve(self, raw: socket.socket) -> None:
+        with self._lock:
+            self._connections.add(raw)
+        conn = raw  # (its TLS wrapper once the handshake is done)
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            raw.settimeout(10.0)
+            if self._tls is not None:
+                try:
+                    conn = self._tls.wrap_socket(raw, server_side=True)
+                except (OSError, ssl.SSLError):  # (no TLS, or not the cluster's certificate)
+                    self.refused += 1
+                    raise
+            if not self._admits(conn):
+                self.refused += 1
+                conn.sendall(_ACK.pack(MAGIC, 0))
+                return
+            conn.sendall(_ACK.pack(MAGIC, 1))
+            conn.settimeout(None)
+            frame, request, output = bytearray(_REQUEST.size), None, None
+            while True:
+                try:
+                    _recv_exact(conn, memoryview(frame))
+                except ConnectionError:
+                    return  # the client closed
+                answer, request, output = self._answer(conn, frame, request, output)
+                _send(conn, *answer)
+        except (OSError, ValueError, ssl.SSLError) as e:
+            if not self._closed:
+                log.info("socket connection closed: %s", e)
+        finally:
+            with self._lock:
+                self._connections.discard(raw)
+            with contextlib.suppress(OSError):
+                conn.close()
+            with contextlib.suppress(OSError):
+                raw.close()
+
+    def _admits(self, conn: socket.socket) -> bool:
+        hello = bytearray(_HELLO.size)
+        _recv_exact(conn, memoryview(hello))
+        magic, length = _HELLO.unpack(hello)
+        if magic != MAGIC or length > 1024:
+            return False
+        token = bytearray(length)
+        _recv_exact(conn, memoryview(token))
+        return self.secret is None or auth.matches(self.secret, bytes(token))
+
+    def _answer(self, conn, frame: bytearray, request, output):
+        """Read and run one request; ((answer frame[, payload]), request buffer, output buffer).
+        ValueError (closing the connection) for a request whose bytes cannot be skipped safely."""
+        seq, layer, version, T, H, K, code = _REQUEST.unpack(frame)
+        if code >= len(DTYPES) or T * H == 0 or K == 0:
+            raise ValueError(f"bad request: dtype {code}, [{T}, {H}], K {K}")
+        dtype = DTYPES[code]
+        nbytes = request_layout(T, H, K, dtype)[2]
+        if nbytes > self.max_request_bytes:
+            raise ValueError(f"a request of {nbytes} bytes (at most {self.max_request_bytes})")
+        request = _region(request, nbytes)
+        _recv_exact(conn, memoryview(request.numpy())[:nbytes])
+        hidden, slot, weight = _parts(request, T, H, K, dtype)
+        output = _region(output, T * H * dtype.itemsize)
+        out = output[: T * H * dtype.itemsize].view(dtype).view(T, H)
+        self.requests += 1
+        try:
+            seconds = self.compute(layer, version, hidden, slot, weight, out)
+        except Exception as e:
+            status = self.status_of(e)
+            if status == grpc.StatusCode.INTERNAL:
+                log.exception("socket Dispatch failed")
+            text = str(e).encode()[:MAX_ERROR_BYTES]
+            return (_ANSWER.pack(seq, status.value[0], 0.0, len(text)) + text,), request, output
+        payload = memoryview(output.numpy())[: T * H * dtype.itemsize]
+        return (_ANSWER.pack(seq, 0, seconds, len(payload)), payload), request, output
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # (wakes the accept thread)
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+
+def socket_host(address: str) -> str:
+    """The host part of a "host:port" / "[v6]:port" gRPC address."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") else host

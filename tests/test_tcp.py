@@ -1,0 +1,143 @@
+"""The TCP data plane (services/rpc/tcp.py) on its own: a TcpServer over a stand-in compute, real
+sockets on loopback, TLS when there is a secret. Answers are the compute's; a wrong or missing
+secret is refused at the handshake; a bad frame closes only its own connection; a hung or dead
+worker is a TransportError with the status that says why."""
+
+import socket
+import threading
+
+import grpc
+import pytest
+import torch
+
+from services.rpc import tcp
+from services.rpc.shm import _REQUEST, TransportError
+
+SECRET = "s3cret-for-tests"
+
+
+def _compute(layer, version, hidden, slot, weight, out):
+    """out = hidden * (sum of the row's weights) + layer; version 9 is not held."""
+    if version == 9:
+        raise KeyError("placement version 9 is not loaded")
+    out.copy_(hidden * weight.sum(-1, keepdim=True).to(hidden.dtype) + layer)
+    return 0.001
+
+
+def _status_of(e):
+    return grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, KeyError) else grpc.StatusCode.INTERNAL
+
+
+@pytest.fixture(params=[None, SECRET], ids=["plaintext", "tls"])
+def server(request):
+    srv = tcp.TcpServer("127.0.0.1", _compute, _status_of, secret=request.param, max_request_bytes=1 << 20)
+    yield srv, request.param
+    srv.close()
+
+
+def _call(channel, T=3, H=8, K=2, dtype=torch.float32, layer=1, version=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden, slot, weight = channel.request(T, H, K, dtype)
+    hidden.copy_(torch.randn(T, H, generator=g).to(dtype))
+    slot.copy_(torch.randint(0, 4, (T, K), generator=g, dtype=torch.int32))
+    weight.copy_(torch.rand(T, K, generator=g))
+    want = hidden * weight.sum(-1, keepdim=True).to(dtype) + layer
+    channel.send(layer, version)
+    return want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_answers_are_the_computes_over_many_calls_and_sizes(server, dtype):
+    srv, secret = server
+    channel = tcp.TcpChannel.connect("127.0.0.1", srv.port, secret)
+    for i, T in enumerate([1, 5, 64, 2, 300]):
+        want = _call(channel, T=T, dtype=dtype, layer=i, seed=i)
+        out, seconds = channel.result(5.0)
+        assert out.dtype == dtype and out.shape == (T, 8) and seconds == 0.001
+        torch.testing.assert_close(out, want)
+    channel.close()
+    assert srv.requests == 5
+
+
+def test_errors_come_back_in_band_and_the_connection_goes_on(server):
+    srv, secret = server
+    channel = tcp.TcpChannel.connect("127.0.0.1", srv.port, secret)
+    _call(channel, version=9)
+    with pytest.raises(TransportError) as err:
+        channel.result(5.0)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "version 9" in err.value.details
+    assert not channel.closed and channel.answered
+    want = _call(channel)
+    torch.testing.assert_close(channel.result(5.0)[0], want)
+
+
+@pytest.mark.parametrize("given", [None, "wrong"])
+def test_a_stranger_without_the_secret_is_refused(given):
+    srv = tcp.TcpServer("127.0.0.1", _compute, _status_of, secret=SECRET)
+    try:
+        with pytest.raises(OSError):  # (no TLS: the handshake fails; a wrong secret: refused)
+            tcp.TcpChannel.connect("127.0.0.1", srv.port, given, timeout_s=5.0)
+        with socket.create_connection(("127.0.0.1", srv.port)) as raw:  # a plaintext request to a TLS port
+            raw.sendall(_REQUEST.pack(1, 0, 1, 1, 8, 2, 0) + bytes(128))
+            raw.settimeout(5.0)
+            try:
+                answer = raw.recv(64)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b"" or answer[:1] == b"\x15"  # closed, or a TLS alert: no answer frame
+        assert srv.requests == 0 and srv.refused >= 1
+    finally:
+        srv.close()
+
+
+def test_a_bad_frame_closes_its_connection_only():
+    srv = tcp.TcpServer("127.0.0.1", _compute, _status_of, max_request_bytes=1 << 16)
+    try:
+        good = tcp.TcpChannel.connect("127.0.0.1", srv.port)
+        for frame in [_REQUEST.pack(1, 0, 1, 1, 8, 2, 7),  # no such dtype
+                      _REQUEST.pack(1, 0, 1, 0, 8, 2, 0),  # no rows
+                      _REQUEST.pack(1, 0, 1, 1 << 20, 4096, 8, 0)]:  # over the size limit  # fmt: skip
+            bad = tcp.TcpChannel.connect("127.0.0.1", srv.port)
+            bad._sock.sendall(frame)
+            bad._sock.settimeout(5.0)
+            assert bad._sock.recv(64) == b""  # closed, nothing read beyond the frame
+            bad.close()
+        want = _call(good)
+        torch.testing.assert_close(good.result(5.0)[0], want)  # (the other connection serves on)
+    finally:
+        srv.close()
+
+
+def test_a_hung_worker_misses_the_deadline_and_a_dead_one_is_unavailable():
+    release = threading.Event()
+
+    def hang(*args):
+        release.wait(10)
+        return _compute(*args)
+
+    srv = tcp.TcpServer("127.0.0.1", hang, _status_of)
+    channel = tcp.TcpChannel.connect("127.0.0.1", srv.port)
+    _call(channel)
+    with pytest.raises(TransportError) as err:
+        channel.result(0.3)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and channel.closed
+    release.set()
+
+    srv.close()
+
+    stuck = threading.Event()
+    dying = tcp.TcpServer("127.0.0.1", lambda *args: stuck.wait(10) and 0.0, _status_of)
+    other = tcp.TcpChannel.connect("127.0.0.1", dying.port)
+    _call(other)
+    dying.close()  # (the worker goes away with a call in flight)
+    with pytest.raises(TransportError) as err:
+        other.result(5.0)
+    stuck.set()
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(OSError):
+        tcp.TcpChannel.connect("127.0.0.1", dying.port, timeout_s=1.0)
+
+
+def test_socket_host_of_grpc_addresses():
+    assert tcp.socket_host("10.0.0.7:5001") == "10.0.0.7"
+    assert tcp.socket_host("[::1]:5001") == "::1"
