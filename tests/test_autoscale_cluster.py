@@ -34,7 +34,7 @@ def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
         .generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
         .token_ids
     )
-    settings = dict(expert_workers=1, min_expert_workers=1, max_expert_workers=2, expert_target_utilization=0.01,
+    settings = dict(expert_workers=1, min_expert_workers=1, max_expert_workers=3, expert_target_utilization=0.01,
                     expert_upscale_delay_s=1.0, expert_downscale_delay_s=4.0, balancer_period_s=0)  # fmt: skip
     with tiny_cluster(tiny_model, **settings) as cluster:
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -53,7 +53,10 @@ def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
         for s in senders:
             s.start()
         try:
-            _wait(cluster, 2, "grow")
+            started = time.monotonic()
+            _wait(cluster, 2, "grow")  # within the upscale delay (1 s) plus one re-plan
+            _wait(cluster, 3, "grow")  # one step at a time, up to the max
+            grown_s = time.monotonic() - started
             served = len(results)
             deadline = time.monotonic() + 60
             while len(results) < served + 6 and not errors:  # served by the grown pool too
@@ -65,8 +68,13 @@ def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
                 s.join()
         assert errors == [] and results and all(tokens == want for tokens in results)
         status = ray.get(cluster.balancer.status.remote())
-        assert status["autoscale"]["max"] == 2 and not status["autoscale"]["pinned"]
-        _wait(cluster, 1, "shrink")  # idle: back to the minimum
+        assert (
+            status["autoscale"]["max"] == 3
+            and not status["autoscale"]["pinned"]
+            and status["autoscale"]["signals"]
+        )
+        print(f"1 -> 3 expert workers in {grown_s:.1f} s under load")
+        _wait(cluster, 1, "shrink")  # idle: back to the minimum, a step per downscale delay
         # pinned by hand: it stays at 2 while idle, until handed back
         assert ray.get(cluster.balancer.scale_experts.remote(2))["ok"]
         time.sleep(8.0)  # (two downscale delays of idleness: what would have shrunk it)
