@@ -231,7 +231,7 @@ class Client:
         hidden.copy_(req.hidden)
         slot.copy_(req.slot)
         weight.copy_(req.weight)
-        self.tcp.send(req.layer, req.placement_version)
+        self.tcp.send(req.layer, req.placement_version, 60.0)
         return self.tcp.result(60)[1]
 
     def measure(self, T: int, dtype: torch.dtype, iterations: int) -> dict:

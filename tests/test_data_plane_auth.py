@@ -7,6 +7,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
@@ -43,7 +44,10 @@ def test_the_clusters_own_calls_are_served_and_strangers_refused(server, transpo
     ours = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport=transport, secret=SECRET))
     want = ours.combine(ExpertCombine(ours.dispatch(msg)))
     assert ours.stats.shm_calls == (ours.stats.rpcs if transport == "shm" else 0)
-    assert set(ours.transport_of().values()) == {transport}  # (tcp: TLS, the secret inside it)
+    deadline = time.monotonic() + 10  # (tcp: TLS, the secret inside it; gRPC until it is open)
+    while set(ours.transport_of().values()) != {transport}:
+        assert time.monotonic() < deadline, ours.transport_of()
+        torch.testing.assert_close(ours.combine(ExpertCombine(ours.dispatch(msg))), want)
     ours.close()
     refused, socket_refused, served = srv.secret_check.refused, srv.socket.refused, srv.socket.requests
     for secret in (None, "a-guess"):  # plaintext / another cluster's certificate: no handshake

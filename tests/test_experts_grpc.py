@@ -305,6 +305,12 @@ def test_remote_experts_resends_to_live_replicas_and_fails_clearly(server, wide_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert experts.stats.resent_pairs > 0
     live = {"auto": "shm", "grpc": "grpc", "grpc-unary": "grpc-unary", "tcp": "tcp"}[transport]
+    deadline = time.monotonic() + 10  # (tcp: the first calls go by gRPC while a connection opens)
+    while experts.transport_of()[srv.address] != live:
+        assert time.monotonic() < deadline, experts.transport_of()
+        torch.testing.assert_close(
+            experts.combine(ExpertCombine(experts.dispatch(msg))), want, rtol=1e-5, atol=1e-6
+        )
     assert experts.transport_of() == {
         srv.address: live,
         DEAD: "grpc-unary" if transport == "grpc-unary" else "grpc",

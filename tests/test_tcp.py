@@ -3,8 +3,10 @@ sockets on loopback, TLS when there is a secret. Answers are the compute's; a wr
 secret is refused at the handshake; a bad frame closes only its own connection; a hung or dead
 worker is a TransportError with the status that says why."""
 
+import contextlib
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -42,7 +44,7 @@ def _call(channel, T=3, H=8, K=2, dtype=torch.float32, layer=1, version=1, seed=
     slot.copy_(torch.randint(0, 4, (T, K), generator=g, dtype=torch.int32))
     weight.copy_(torch.rand(T, K, generator=g))
     want = hidden * weight.sum(-1, keepdim=True).to(dtype) + layer
-    channel.send(layer, version)
+    channel.send(layer, version, 5.0)
     return want
 
 
@@ -125,17 +127,50 @@ def test_a_hung_worker_misses_the_deadline_and_a_dead_one_is_unavailable():
 
     srv.close()
 
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plaintext", "tls"])
+def test_a_worker_that_stops_cuts_its_connections(secret):
+    """Stopping the worker (its listener) ends every connection at once, TLS ones too: a call in
+    flight fails UNAVAILABLE, not at its deadline; an idle connection is no longer `alive`."""
     stuck = threading.Event()
-    dying = tcp.TcpServer("127.0.0.1", lambda *args: stuck.wait(10) and 0.0, _status_of)
-    other = tcp.TcpChannel.connect("127.0.0.1", dying.port)
-    _call(other)
+    dying = tcp.TcpServer("127.0.0.1", lambda *args: stuck.wait(10) and 0.0, _status_of, secret=secret)
+    busy = tcp.TcpChannel.connect("127.0.0.1", dying.port, secret)
+    idle = tcp.TcpChannel.connect("127.0.0.1", dying.port, secret)
+    assert idle.alive()
+    _call(busy)
+    started = time.monotonic()
     dying.close()  # (the worker goes away with a call in flight)
     with pytest.raises(TransportError) as err:
-        other.result(5.0)
+        busy.result(20.0)
     stuck.set()
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 10
+    deadline = time.monotonic() + 10
+    while idle.alive():
+        assert time.monotonic() < deadline, "an idle connection to a stopped worker still looks alive"
+        time.sleep(0.05)
     with pytest.raises(OSError):
-        tcp.TcpChannel.connect("127.0.0.1", dying.port, timeout_s=1.0)
+        tcp.TcpChannel.connect("127.0.0.1", dying.port, secret, timeout_s=1.0)
+
+
+def test_a_silent_stranger_is_cut_at_the_handshake_deadline(monkeypatch):
+    monkeypatch.setattr(tcp, "HANDSHAKE_S", 0.5)
+    srv = tcp.TcpServer("127.0.0.1", _compute, _status_of, secret=SECRET)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port)) as raw:  # says nothing
+            raw.settimeout(10.0)
+            started = time.monotonic()
+            with contextlib.suppress(ConnectionResetError):
+                assert raw.recv(64) == b""
+            assert time.monotonic() - started < 5
+        deadline = time.monotonic() + 5
+        while srv.connections:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        good = tcp.TcpChannel.connect("127.0.0.1", srv.port, SECRET)
+        want = _call(good)
+        torch.testing.assert_close(good.result(5.0)[0], want)
+    finally:
+        srv.close()
 
 
 def test_socket_host_of_grpc_addresses():

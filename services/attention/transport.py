@@ -32,6 +32,7 @@ Either way a failure is a `TransportError` with the gRPC status code that means 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -183,7 +184,7 @@ class TcpCall(Call):
 
     def start(self) -> None:
         try:
-            self._channel.send(self._layer, self._version)
+            self._channel.send(self._layer, self._version, self._timeout_s)
         except TransportError as e:  # (reported by result(), as for the others)
             self._error = e
 
@@ -201,6 +202,7 @@ class TcpCall(Call):
         if not self._released:
             self._released = True
             if not self._channel.closed and self._channel.answered:
+                self._channel.trim()
                 self._idle.append(self._channel)
             else:
                 self._channel.close()
@@ -227,7 +229,8 @@ class Transports:
         self._no_shm: dict[str, float] = {}  # address -> when it had no shared-memory listener here
         self._sockets: dict[str, list[tcp.TcpChannel]] = {}  # address -> idle TCP connections
         self._socket_port: dict[str, int] = {}  # address -> its TCP data plane's port
-        self._no_socket: dict[str, float] = {}  # address -> when its TCP data plane could not be used
+        self._socket_retry: dict[str, tuple[float, float]] = {}  # address -> (retry at, backoff s)
+        self._connecting: set[str] = set()  # addresses a connection is being opened to
         self._pool = ThreadPoolExecutor(rpc_threads, thread_name_prefix="dispatch-rpc")
         self.used: dict[str, str] = {}  # address -> the transport of its last call
 
@@ -245,7 +248,7 @@ class Transports:
         if self.transport == "shm" and address in self._no_shm:
             raise TransportError(grpc.StatusCode.FAILED_PRECONDITION,
                                  f"transport shm: expert worker {address} has no shared-memory listener on this node")  # fmt: skip
-        if self.transport in ("auto", "tcp") and dtype in shm.DTYPES and _unexpired(self._no_socket, address):
+        if self.transport in ("auto", "tcp") and tcp.fits(*shape, top_k, dtype):
             channel = self._socket(address)
             if channel is not None:
                 self.used[address] = "tcp"
@@ -319,13 +322,28 @@ class Transports:
         return channel
 
     def _socket(self, address: str) -> tcp.TcpChannel | None:
-        """An idle TCP connection to `address`, or a new one; None (gRPC for NO_SHM_RETRY_S) where
-        the worker has no socket listener or it cannot be reached."""
+        """An idle live TCP connection to `address`; None (this call goes by gRPC) while there is
+        none, and then one is opened in the background (the port lookup and the connect never
+        block the driver: a firewalled port would cost seconds per worker)."""
         idle = self._sockets.setdefault(address, [])
         while idle:
             channel = idle.pop()
-            if not channel.closed:
+            if channel.alive():
                 return channel
+        if (
+            address not in self._connecting
+            and time.monotonic() >= self._socket_retry.get(address, (0.0, 0.0))[0]
+        ):
+            self._connecting.add(address)
+            threading.Thread(
+                target=self._connect, args=(address, idle), name="tcp-connect", daemon=True
+            ).start()
+        return None
+
+    def _connect(self, address: str, idle: list[tcp.TcpChannel]) -> None:
+        """Open a TCP connection to `address` into `idle` (learning its port from Stats once).
+        A worker without a listener, or one that cannot be reached, is tried again after 30 s,
+        then 60, ... up to 10 minutes (gRPC meanwhile)."""
         try:
             port = self._socket_port.get(address)
             if port is None:
@@ -338,12 +356,18 @@ class Transports:
                     client.close()
             if not port:
                 raise OSError("no socket listener")
-            return tcp.TcpChannel.connect(tcp.socket_host(address), port, self.secret, timeout_s=2.0)
-        except (OSError, grpc.RpcError) as e:
-            self._no_socket[address] = time.monotonic()
-            self._socket_port.pop(address, None)
-            log.info("expert worker %s: gRPC (no TCP data plane: %s)", address, e)
-            return None
+            channel = tcp.TcpChannel.connect(tcp.socket_host(address), port, self.secret, timeout_s=2.0)
+            if self._sockets.get(address) is idle:
+                idle.append(channel)
+            else:  # (forgotten meanwhile: the worker left the placement)
+                channel.close()
+            self._socket_retry.pop(address, None)
+        except (OSError, grpc.RpcError, ValueError) as e:
+            backoff = min(600.0, 2 * self._socket_retry.get(address, (0.0, NO_SHM_RETRY_S / 2))[1])
+            self._socket_retry[address] = (time.monotonic() + backoff, backoff)
+            log.info("expert worker %s: gRPC for %.0f s (no TCP data plane: %s)", address, backoff, e)
+        finally:
+            self._connecting.discard(address)
 
     def _stub(self, address: str) -> grpc.UnaryUnaryMultiCallable:
         entry = self._grpc.get(address)
@@ -370,7 +394,7 @@ class Transports:
         for connection in self._sockets.pop(address, []):
             connection.close()
         self._socket_port.pop(address, None)
-        self._no_socket.pop(address, None)
+        self._socket_retry.pop(address, None)
         self._no_shm.pop(address, None)
         self.used.pop(address, None)
 
@@ -379,12 +403,3 @@ class Transports:
         self._watch.close()
         for address in list({*self._grpc, *self._idle, *self._streams, *self._sockets}):
             self.forget(address)
-
-
-def _unexpired(refused: dict[str, float], address: str) -> bool:
-    """True when `address` may be tried: not refused, or refused more than NO_SHM_RETRY_S ago."""
-    since = refused.get(address)
-    if since is not None and time.monotonic() - since > NO_SHM_RETRY_S:
-        del refused[address]
-        since = None
-    return since is None

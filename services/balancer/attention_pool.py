@@ -64,7 +64,8 @@ class AttentionPool:
 
     def __init__(self, core, scaling: AttentionScaling, capacity):
         self.core, self.scaling, self.capacity = core, scaling, capacity
-        self.starting: set[str] = set()
+        self.starting: dict[str, Any] = {}  # name -> actor, until it answers `ready`
+        self._next_index = 0  # the number of the next worker (never one this balancer has seen)
         self.draining: dict[str, float] = {}  # name -> monotonic time it started draining
         self.loads: dict[str, AttentionLoad] = {}  # the last tick's measurements
         self.last_error: str | None = None
@@ -72,7 +73,14 @@ class AttentionPool:
 
     @property
     def serving(self) -> list[str]:
-        return [n for n in self.core.attention if n not in self.starting and n not in self.draining]
+        """The attention workers that take requests: answered `ready` at the last watch tick (the
+        balancer's `attention_state`) and not draining."""
+        state = self.core.attention_state
+        return [
+            n
+            for n in self.core.attention
+            if "placement_version" in state.get(n, {}) and n not in self.draining
+        ]
 
     @property
     def busy(self) -> bool:
@@ -106,11 +114,12 @@ class AttentionPool:
                     m := ATTENTION_NAME.match(info["name"])
                 ):
                     used.add(int(m.group(1)))
-        return attention_worker_name(max(used, default=-1) + 1)
+        self._next_index = max(self._next_index, max(used, default=-1) + 1) + 1
+        return attention_worker_name(self._next_index - 1)
 
     async def start_worker(self) -> str:
-        """Start one more attention worker; its name once it serves. TimeoutError when no node had
-        room for it within `start_timeout_s` (then it is removed again)."""
+        """Start one more attention worker; its name once it answers `ready`. TimeoutError when no
+        node had room for it within `start_timeout_s` (then it is removed again)."""
         from services.attention.worker import AttentionWorker
 
         name = self._next_name()
@@ -120,13 +129,14 @@ class AttentionPool:
             name=name, namespace=self.core.shared.namespace, resources=self.scaling.resources or None,
             num_gpus=self.scaling.num_gpus, lifetime="detached", max_restarts=-1,
         ).remote(wcfg, info["placement"], info["addresses"])  # fmt: skip
-        self.starting.add(name)
-        self.core.attention[name] = actor  # (placement switches reach it while it starts)
+        self.starting[name] = actor
         try:
-            await asyncio.wait_for(actor.ready.remote(), self.scaling.scale.start_timeout_s)
+            ready = await asyncio.wait_for(actor.ready.remote(), self.scaling.scale.start_timeout_s)
+            if ready["placement_version"] != self.core.placement.version:  # (a migration meanwhile)
+                info = self.core.placement_info()
+                await actor.set_placement.remote(info["placement"], info["addresses"])
         except BaseException as e:
-            self._forget(name)
-            await self._stop(name, actor)
+            self._stop(actor)
             if isinstance(e, TimeoutError):
                 raise TimeoutError(
                     f"attention worker {name} did not start in {self.scaling.scale.start_timeout_s:.0f}s: "
@@ -134,8 +144,9 @@ class AttentionPool:
                 ) from None
             raise
         finally:
-            self.starting.discard(name)
-        log.info("attention worker %s serves", name)
+            self.starting.pop(name, None)
+        self.core.attention[name] = actor  # (listed as serving once the watch tick has its `ready`)
+        log.info("attention worker %s started", name)
         return name
 
     def drain_one(self) -> str:
@@ -171,7 +182,7 @@ class AttentionPool:
                             name, self.scaling.scale.drain_timeout_s)  # fmt: skip
         finally:
             self._forget(name)
-            await self._stop(name, actor)
+            self._stop(actor)
             log.info("attention worker %s drained and stopped", name)
 
     def _forget(self, name: str) -> None:
@@ -180,9 +191,9 @@ class AttentionPool:
         self.draining.pop(name, None)
 
     @staticmethod
-    async def _stop(name: str, actor) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(actor.shutdown.remote(), 10)
+    def _stop(actor) -> None:
+        """Kill it for good (its TP ranks go with it); a router still streaming from it sees a
+        death and resumes the request elsewhere."""
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
 

@@ -141,9 +141,11 @@ class ExpertServer:
             except OSError as e:  # (another process holds the name: clients use gRPC)
                 log.warning("no shared-memory data plane on %s: %s", self.address, e)
         if self.cfg.socket:
-            self.socket = tcp.TcpServer(self.host, self.servicer.compute_into, status_of, self.cfg.secret,
-                                        self.cfg.max_message_bytes)  # fmt: skip
-            self.servicer.socket_port = self.socket.port
+            try:
+                self.socket = tcp.TcpServer(self.host, self.servicer.compute_into, status_of, self.cfg.secret)
+                self.servicer.socket_port = self.socket.port
+            except OSError as e:  # (clients use gRPC)
+                log.warning("no TCP data plane on %s: %s", self.host, e)
         log.info("expert worker serving %s on %s (%s)", self.cfg.model, self.address, self.cfg.dtype)
         return self.address
 

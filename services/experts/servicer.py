@@ -109,10 +109,10 @@ class ExpertServicer:
         arrived = time.perf_counter()
         with self._compute_lock:
             start = time.perf_counter()
-            self.queue_seconds += start - arrived
             self.store.forward(version, layer, hidden, slot, weight, out)
             seconds = time.perf_counter() - start
             self.compute_seconds += seconds
+            self.queue_seconds += start - arrived  # (answered calls only: per Stats.dispatch_calls)
             return seconds
 
     def Dispatch(self, request: bytes, context) -> bytes:

@@ -288,7 +288,11 @@ class RouterCore:
         workers = dict(self.workers)
         for name in [*serving, *draining]:
             if name not in workers:
-                workers[name] = ray.get_actor(name, namespace=self.cfg.namespace)
+                try:
+                    workers[name] = ray.get_actor(name, namespace=self.cfg.namespace)
+                except ValueError as e:  # (gone meanwhile: the next read of the pool tells)
+                    log.info("attention worker %s: %s", name, e)
+                    continue
                 self.outstanding[name] = 0
                 log.info("attention worker %s joined the pool", name)
         for name in [n for n in workers if n not in serving and n not in draining]:
@@ -296,7 +300,7 @@ class RouterCore:
                 del workers[name], self.outstanding[name]
                 self.down.pop(name, None)
                 log.info("attention worker %s left the pool", name)
-        self.workers, self.serving = workers, set(serving)
+        self.workers, self.serving = workers, set(serving) & set(workers)
 
     async def pick_worker(self, prompt: list[int], cache_salt: str | None = None) -> str:
         """The live attention worker for `prompt`: the one holding its longest cached prefix unless

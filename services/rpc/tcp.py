@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import select
 import socket
 import ssl
 import struct
@@ -54,6 +56,10 @@ _HELLO = struct.Struct("<4sH")  # magic, secret length; then the secret
 _ACK = struct.Struct("<4sB")  # magic, accepted
 _ANSWER = struct.Struct("<IIdQ")  # seq, grpc status code value (0 = OK), compute seconds, bytes that follow
 MAX_CONNECTIONS = 4096  # per expert worker (attention workers x calls in flight)
+MAX_HANDSHAKES = 64  # connections not yet past the secret check, per expert worker
+HANDSHAKE_S = 10.0  # a connection that has not passed the secret check by then is cut
+MAX_REQUEST_BYTES = 64 << 20  # larger requests (long prefill chunks) go by gRPC
+KEEP_BYTES = 8 << 20  # buffers larger than this are dropped after their call
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -63,6 +69,11 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("connection closed")
         got += n
+
+
+def fits(T: int, H: int, K: int, dtype: torch.dtype) -> bool:
+    """Whether a [T, H] request with K choices goes by TCP (at most MAX_REQUEST_BYTES)."""
+    return dtype in DTYPES and request_layout(T, H, K, dtype)[2] <= MAX_REQUEST_BYTES
 
 
 def _send(sock: socket.socket, frame: bytes, payload: memoryview | bytes = b"") -> None:
@@ -99,15 +110,34 @@ def _parts(region: torch.Tensor, T: int, H: int, K: int, dtype: torch.dtype) -> 
 
 
 def _server_context(secret: str) -> ssl.SSLContext:
-    """TLS with the cluster's identity (load_cert_chain reads files: a private temporary one)."""
+    """TLS with the cluster's identity. load_cert_chain reads a file: an anonymous memfd (never
+    on disk), else a private temporary file removed at once."""
     key, cert = tls.identity(secret)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    with tempfile.NamedTemporaryFile("wb", suffix=".pem") as f:  # (0600, removed at once)
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("moe-tls", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, key + cert)
+            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        return ctx
+    with tempfile.NamedTemporaryFile("wb", suffix=".pem") as f:  # (0600)
         f.write(key + cert)
         f.flush()
         ctx.load_cert_chain(f.name)
     return ctx
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive probes after 10 s idle, every 5 s, 3 unanswered: a peer whose host vanished
+    (no FIN) is found within ~25 s instead of hours; no delay of small frames (TCP_NODELAY)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _client_context(secret: str) -> ssl.SSLContext:
@@ -139,7 +169,7 @@ class TcpChannel:
         the worker refuses it (a wrong secret)."""
         sock = socket.create_connection((host, port), timeout=timeout_s)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
             if secret is not None:
                 sock = _client_context(secret).wrap_socket(sock, server_hostname=tls.EXPERT_NAME)
             token = (secret or "").encode()
@@ -163,14 +193,21 @@ class TcpChannel:
         self._shape = (T, H, K, dtype)
         return _parts(self._request, T, H, K, dtype)
 
-    def send(self, layer: int, placement_version: int) -> None:
+    def send(self, layer: int, placement_version: int, timeout_s: float) -> None:
+        """Send the request (bounded by `timeout_s`: a worker that stopped reading fails it)."""
         T, H, K, dtype = self._shape
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         self.answered = False
         frame = _REQUEST.pack(self._seq, layer, placement_version, T, H, K, DTYPES.index(dtype))
         payload = memoryview(self._request.numpy())[: request_layout(T, H, K, dtype)[2]]
         try:
+            self._sock.settimeout(timeout_s)
             _send(self._sock, frame, payload)
+        except TimeoutError:
+            self.close()
+            raise TransportError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"request not taken in {timeout_s} s"
+            ) from None
         except OSError as e:
             self.close()
             raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert worker gone ({e})") from None
@@ -183,7 +220,7 @@ class TcpChannel:
             self._sock.settimeout(timeout_s)
             _recv_exact(self._sock, memoryview(self._frame))
             seq, code, seconds, nbytes = _ANSWER.unpack(self._frame)
-            if seq != self._seq or (not code and nbytes != T * H * dtype.itemsize) or nbytes > 1 << 34:
+            if seq != self._seq or (nbytes > MAX_ERROR_BYTES if code else nbytes != T * H * dtype.itemsize):
                 self.close()
                 raise TransportError(
                     grpc.StatusCode.INTERNAL, f"answer {seq} ({nbytes} bytes) to request {self._seq}"
@@ -204,6 +241,25 @@ class TcpChannel:
         self.answered = True
         return self._output[: T * H * dtype.itemsize].view(dtype).view(T, H), seconds
 
+    def alive(self) -> bool:
+        """An idle connection is still usable: nothing to read on it (a closed one reads EOF)."""
+        if self.closed:
+            return False
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            readable = True
+        if readable:
+            self.close()
+        return not readable
+
+    def trim(self) -> None:
+        """Drop buffers grown past KEEP_BYTES (a long prefill's) once their call is over."""
+        if self._request is not None and self._request.numel() > KEEP_BYTES:
+            self._request = None
+        if self._output is not None and self._output.numel() > KEEP_BYTES:
+            self._output = None
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -217,19 +273,22 @@ class TcpChannel:
 class TcpServer:
     """Serves an expert worker's Dispatch over TCP: a listener beside its gRPC port and one thread
     per connection, which reads a request into its own buffer, checks it, runs `compute` into its
-    answer buffer and sends that back. `status_of` maps a compute error to its gRPC status code."""
+    answer buffer and sends that back. `status_of` maps a compute error to its gRPC status code.
+    A connection must pass the handshake (TLS, then the secret) within HANDSHAKE_S, and at most
+    MAX_HANDSHAKES may be at it at once: strangers cannot hold the worker's threads."""
 
     def __init__(self, host: str, compute: Compute, status_of, secret: str | None = None,
-                 max_request_bytes: int = 1 << 30):  # fmt: skip
+                 max_request_bytes: int = MAX_REQUEST_BYTES):  # fmt: skip
         self.compute, self.status_of, self.secret = compute, status_of, secret
         self.max_request_bytes = max_request_bytes
         self._tls = _server_context(secret) if secret is not None else None
-        self.refused = 0  # handshakes refused: no / a wrong secret, a bad hello
+        self.refused = 0  # connections refused: no / a wrong secret, a bad hello, too many
         self.requests = 0
         self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                               backlog=128)  # fmt: skip
         self.port = self._listener.getsockname()[1]
-        self._connections: set[socket.socket] = set()
+        self._connections: dict[int, socket.socket] = {}  # id -> the socket in use (TLS once wrapped)
+        self._handshakes = 0
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, name="tcp-accept", daemon=True).start()
@@ -249,7 +308,12 @@ class TcpServer:
                 log.warning("socket accept failed: %s", e)
                 time.sleep(0.1)
                 continue
-            if self.connections >= MAX_CONNECTIONS:
+            with self._lock:
+                admit = len(self._connections) < MAX_CONNECTIONS and self._handshakes < MAX_HANDSHAKES
+                if admit:
+                    self._connections[id(conn)] = conn
+                    self._handshakes += 1
+            if not admit:
                 self.refused += 1
                 conn.close()
                 continue
@@ -257,26 +321,39 @@ class TcpServer:
                 threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True).start()
             except RuntimeError as e:
                 log.warning("socket connection not served: %s", e)
+                self._forget(conn, handshaking=True)
                 conn.close()
 
-    def _serve(self, raw: socket.socket) -> None:
+    def _forget(self, raw: socket.socket, handshaking: bool) -> None:
         with self._lock:
-            self._connections.add(raw)
-        conn = raw  # (its TLS wrapper once the handshake is done)
+            self._connections.pop(id(raw), None)
+            self._handshakes -= handshaking
+
+    def _serve(self, raw: socket.socket) -> None:
+        conn, handshaking = raw, True  # (conn: its TLS wrapper once the handshake is done)
+        cut = threading.Timer(HANDSHAKE_S, lambda: handshaking and _shutdown(raw))  # (reads the flag then)
+        cut.daemon = True
+        cut.start()
         try:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            raw.settimeout(10.0)
+            _keepalive(raw)
+            raw.settimeout(HANDSHAKE_S)
             if self._tls is not None:
                 try:
                     conn = self._tls.wrap_socket(raw, server_side=True)
                 except (OSError, ssl.SSLError):  # (no TLS, or not the cluster's certificate)
                     self.refused += 1
                     raise
+                with self._lock:
+                    self._connections[id(raw)] = conn  # (closing the listener must cut this one)
             if not self._admits(conn):
                 self.refused += 1
                 conn.sendall(_ACK.pack(MAGIC, 0))
                 return
             conn.sendall(_ACK.pack(MAGIC, 1))
+            with self._lock:
+                handshaking = False
+                self._handshakes -= 1
+            cut.cancel()
             conn.settimeout(None)
             frame, request, output = bytearray(_REQUEST.size), None, None
             while True:
@@ -286,12 +363,16 @@ class TcpServer:
                     return  # the client closed
                 answer, request, output = self._answer(conn, frame, request, output)
                 _send(conn, *answer)
+                if request.numel() > KEEP_BYTES:  # (a long prefill's buffers are not kept)
+                    request = None
+                if output.numel() > KEEP_BYTES:
+                    output = None
         except (OSError, ValueError, ssl.SSLError) as e:
             if not self._closed:
                 log.info("socket connection closed: %s", e)
         finally:
-            with self._lock:
-                self._connections.discard(raw)
+            cut.cancel()
+            self._forget(raw, handshaking)
             with contextlib.suppress(OSError):
                 conn.close()
             with contextlib.suppress(OSError):
@@ -340,10 +421,15 @@ class TcpServer:
             self._listener.shutdown(socket.SHUT_RDWR)  # (wakes the accept thread)
         self._listener.close()
         with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            with contextlib.suppress(OSError):
+            connections = list(self._connections.values())
+        for conn in connections:  # (the TLS socket once wrapped: shutting down its raw one does nothing)
+            with contextlib.suppress(OSError, ValueError):
                 conn.shutdown(socket.SHUT_RDWR)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def socket_host(address: str) -> str:
