@@ -99,14 +99,14 @@ def test_balancer_killed(cluster, expected):
 
 
 def test_balancer_killed_on_a_loaded_machine(cluster, expected):
-    """The same with four CPU-bound processes beside the cluster on this 2-core machine: the
+    """The same with two CPU-bound processes beside the cluster, one per core of this machine: the
     restarted balancer may find the workers slow to answer; it waits and retries (it used to kill
     workers that did not answer within 10 s and start afresh, which could outlast any deadline)."""
     if cluster.cfg.expert_transport != "auto":
         pytest.skip("the balancer's resume does not depend on the data plane: run once (~2 min)")
     ns = cluster.cfg.namespace
     before = ray.get(_balancer(cluster).status.remote())
-    with scenario.busy(4):
+    with scenario.busy(2):
         outcome = _run(
             cluster, "balancer, loaded", scenario.kill(lambda: scenario.actor_pid(BALANCER_NAME, ns))
         )
