@@ -254,17 +254,26 @@ def _compressor_states(c: CompressorWeights, x: torch.Tensor) -> list[torch.Tens
     return [F.linear(x, c.wkv), F.linear(x, c.wgate)]
 
 
+def _indexer_top(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """The `topk` best-scoring entries of each query: q [..., n, Hi, Di], weights [..., n, Hi]
+    (fp32, Hi^-0.5 in), keys [..., E, Di] indexer entries, visible [..., n, E] -> [..., n, topk]
+    entry indices (invisible entries score -inf: with fewer than `topk` visible, some picked are
+    invisible; `...` is a batch of sequences or nothing). E > topk."""
+    dots = torch.einsum("...qhd,...ed->...qhe", q.float(), keys.float())
+    scores = torch.einsum("...qh,...qhe->...qe", weights, F.relu(dots) * q.shape[-1] ** -0.5)
+    return scores.masked_fill(~visible, float("-inf")).topk(topk, dim=-1).indices
+
+
 def _indexer_keep(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int
 ) -> torch.Tensor:
-    """Which visible entries the queries keep: q [..., n, Hi, Di], weights [..., n, Hi] (fp32,
-    Hi^-0.5 in), keys [..., E, Di] indexer entries, visible [..., n, E] -> [..., n, E] bool (the
-    `topk` best-scoring; `...` is a batch of sequences or nothing)."""
+    """Which visible entries the queries keep, as a mask: [..., n, E] bool (prefill: each query
+    its own `topk`; shapes as `_indexer_top`)."""
     if keys.shape[-2] <= topk:
         return visible
-    dots = torch.einsum("...qhd,...ed->...qhe", q.float(), keys.float())
-    scores = torch.einsum("...qh,...qhe->...qe", weights, F.relu(dots) * q.shape[-1] ** -0.5)
-    top = scores.masked_fill(~visible, float("-inf")).topk(topk, dim=-1).indices
+    top = _indexer_top(q, weights, keys, visible, topk)
     return torch.zeros_like(visible).scatter_(-1, top, True) & visible
 
 
@@ -306,8 +315,8 @@ def _decode_context(
     idx_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and their visibility of decode rows `d` at once, padded to the longest: keys
-    [Bd, window + E, D] (each row's window rows, then its entries, E the most any has), visible
-    [Bd, 1, window + E]. Padding reads other rows and entries of the cache; they are masked and
+    [Bd, window + E, D] (each row's window rows, then its entries, E the most any has; with an
+    indexer, only the entries it keeps: E = top-k), visible [Bd, 1, window + E]. Padding reads other rows and entries of the cache; they are masked and
     zeroed (a non-finite value left in a freed block must not reach this step)."""
     D, window = cfg.head_dim, min(cfg.sliding_window, int(d.lens.max()))  # (no row sees further)
     kpos = d.lens[:, None] - window + torch.arange(window, device=rows.device)  # [Bd, window]
@@ -319,11 +328,14 @@ def _decode_context(
         e = torch.arange(most, device=rows.device)
         at = entry_rows(d.table, e, c.ratio)  # [Bd, E] (the longest sequence's blocks hold them all)
         seen = e[None] < num[:, None]  # [Bd, E]
-        if w.indexer is not None:
+        if w.indexer is not None and most > cfg.index_topk:  # gather the kept entries: attention
+            # then costs the window plus top-k, whatever the context (the indexer's scores are
+            # the part that still grows with it)
             index_keys = entries[at, w.indexer.compressor.entry_cols].masked_fill(~seen[..., None], 0)
-            seen = _indexer_keep(
+            top = _indexer_top(
                 q_idx[d.rows, None], idx_weights[d.rows, None], index_keys, seen[:, None], cfg.index_topk
-            )[:, 0]
+            )[:, 0]  # [Bd, topk]
+            at, seen = at.gather(1, top), seen.gather(1, top)
         keys = torch.cat((keys, entries[at, c.entry_cols]), dim=1)
         visible = torch.cat((visible, seen), dim=1)
     return keys.masked_fill(~visible[..., None], 0), visible[:, None]
