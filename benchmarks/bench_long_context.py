@@ -8,17 +8,20 @@ prompt fills (they are the cache itself, not scratch): what the prefill needs on
 the prompt. Prefill attention is tiled (model.prefill_attention): its scratch does not grow with
 the context.
 
-With `--sparse`: DeepSeek-V3.2's gathered sparse attention against dense MLA on the same tiny
-dims (`tiny-v32`, top-16 of the context, and `tiny`): prefill time and decode step time at
-contexts of 2K / 8K / 32K (`--sparse-lengths`), each in a fresh process; the sparse decode step
-should stay nearly flat once the context exceeds top-k (only the indexer's one dot per token and
-index head grows), the dense one grows with the context.
+With `--sparse`: DeepSeek-V3.2's gathered sparse attention (`tiny-v32`, top-16 of the context)
+and DeepSeek-V4's (`tiny-v4`: a window of 8, CSA entries every 4 tokens of which its indexer keeps
+4, HCA entries every 16) against dense MLA on the same tiny dims (`tiny`): prefill time and decode
+step time at contexts of 2K / 8K / 32K (`--sparse-lengths`), each in a fresh process; the sparse
+decode step should stay nearly flat once the context exceeds top-k (only the indexer's one dot
+per entry and index head grows, and V4's HCA entries, one per 16 tokens here), the dense one
+grows with the context. `--lengths "" --sparse` measures only these, into the existing file.
 
 With `--model DIR --llama-bench BIN --gguf FILE` (the same checkpoint as an f32 GGUF, built as
 docs/benchmarks.md says): llama.cpp's prefill of the same lengths beside ours (llama-batched-bench,
 one run with flash attention off and one with it on).
 
     python -m benchmarks.bench_long_context [--lengths 2048,16384,32768] [--sparse] [--out benchmarks/results/long_context.json]
+    python -m benchmarks.bench_long_context --lengths "" --sparse   # the sparse rows only
 """
 
 from __future__ import annotations
@@ -102,8 +105,9 @@ def sparse_rows(lengths: list[int], threads: int) -> dict:
 
     out = {}
     ctx = multiprocessing.get_context("spawn")
-    for preset in ("tiny-v32", "tiny"):
-        model_dir = str(init_model(tmp / preset, preset))
+    for preset in ("tiny-v32", "tiny-v4", "tiny"):
+        # (tiny-v4's config says 4096 positions: the timing runs longer contexts on the same weights)
+        model_dir = str(init_model(tmp / preset, preset, overrides={"max_position_embeddings": 65536}))
         rows = []
         for length in lengths:
             with ctx.Pool(1) as pool:
@@ -137,7 +141,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="2048,16384,32768")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (the prefill chunk)")
-    ap.add_argument("--sparse", action="store_true", help="also V3.2 sparse vs dense MLA decode (tiny dims)")
+    ap.add_argument(
+        "--sparse", action="store_true", help="also V3.2 / V4 sparse vs dense MLA decode (tiny dims)"
+    )
     ap.add_argument("--sparse-lengths", default="2048,8192,32768")
     ap.add_argument("--out", default="benchmarks/results/long_context.json")
     ap.add_argument("--model", help="checkpoint dir (default: generate the small preset)")
@@ -146,6 +152,14 @@ def main() -> None:
     args = ap.parse_args()
     from services.presets import init_model
 
+    if not args.lengths:  # (`--lengths "" --sparse`: only the sparse rows, into the existing file)
+        result = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
+        result.pop("sparse_v32_vs_dense", None)
+        result["sparse_vs_dense"] = sparse_rows(
+            [int(x) for x in args.sparse_lengths.split(",")], args.threads
+        )
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return
     model_dir = args.model or str(init_model(Path(tempfile.mkdtemp()) / PRESET, PRESET))
     rows = []
     ctx = multiprocessing.get_context("spawn")
@@ -185,7 +199,7 @@ def main() -> None:
         "rows": rows,
     }
     if args.sparse:
-        result["sparse_v32_vs_dense"] = sparse_rows(
+        result["sparse_vs_dense"] = sparse_rows(
             [int(x) for x in args.sparse_lengths.split(",")], args.threads
         )
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
