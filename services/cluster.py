@@ -85,6 +85,10 @@ class ClusterConfig:
         120.0, "autoscaling: a smaller attention pool wanted this long before it shrinks (drain, then stop)"
     )
     redundant_experts: int = _setting(0, "extra expert slots per MoE layer (replicas of hot experts)")
+    expert_spare_rows: int = _setting(
+        0,
+        "expert rows per MoE layer each expert worker reserves for a re-plan's moved experts (see docs/experts.md)",
+    )
     redis_url: str | None = _setting(None, "external Redis (default: an embedded redis-server)")
     key_prefix: str = _setting("moe", "prefix of every Redis key")
     dtype: str = _setting("float32", "weights and activations: float32, bfloat16, float16")
@@ -171,8 +175,8 @@ class ClusterConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: auto or fp8")
         if self.attention_gpus < 0 or self.expert_gpus < 0:
             raise ValueError("attention_gpus and expert_gpus must be >= 0")
-        if self.redundant_experts < 0:
-            raise ValueError("redundant_experts must be >= 0")
+        if self.redundant_experts < 0 or self.expert_spare_rows < 0:
+            raise ValueError("redundant_experts and expert_spare_rows must be >= 0")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
         self.autoscale(), self.attention_autoscale()  # check the autoscaling bounds
@@ -352,6 +356,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             expert_dtype=cfg.dtype,
             expert_weight_dtype=cfg.weight_dtype,
             expert_keep_fp8=cfg.keep_fp8_experts,
+            expert_spare_rows=cfg.expert_spare_rows,
             expert_threads=cfg.expert_threads,
             expert_resources=cfg.expert_resources,
             expert_gpus=cfg.expert_gpus,

@@ -146,6 +146,26 @@ def test_a_released_versions_rows_wait_for_its_running_calls(model, monkeypatch)
     assert store.load(3, _layout(cfg, [8, 9, 10, 11])).rows_added == 0  # now they are
 
 
+def test_experts_being_fetched_by_a_peer_keep_their_rows_through_a_release_and_reload(model):  # noqa: F811
+    """A peer copy (FetchExperts) streams rows of the packed tensors; a re-plan that releases
+    their version and loads another meanwhile writes elsewhere until the stream is over."""
+    path, cfg, everything = model
+    store = SlotStore(cfg, path, torch.float32)
+    store.load(1, _layout(cfg, [0, 1, 2, 3]))
+    layer = cfg.moe_layers[0]
+    with store.fetching(layer, [2, 0]) as fetched:
+        before = [(e, rows.w13.clone(), rows.w2.clone()) for e, rows in fetched]
+        store.release(1)  # (the balancer's next step while the stream still runs)
+        report = store.load(2, _layout(cfg, [4, 5, 6, 7]))
+        assert report.rows_added == 4 * cfg.num_moe_layers  # version 1's rows were not free
+        for (e, w13, w2), (_, rows) in zip(before, fetched, strict=True):
+            assert torch.equal(rows.w13, w13) and torch.equal(rows.w2, w2), e
+    assert not store._draining  # the stream over: its rows serve the next re-plan
+    assert store.load(3, _layout(cfg, [8, 9, 10, 11])).rows_added == 0
+    with pytest.raises(ExpertNotFound):
+        store.expert_weights(layer, [0])  # (version 1 is gone)
+
+
 def test_a_failed_load_leaves_the_serving_version_intact(model, tmp_path):  # noqa: F811
     path, cfg, everything = model
     store = SlotStore(cfg, path, torch.float32)

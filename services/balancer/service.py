@@ -70,6 +70,7 @@ class BalancerConfig:
     expert_dtype: str = "float32"
     expert_weight_dtype: str | None = None  # ExpertWorkerConfig.weight_dtype
     expert_keep_fp8: bool = False  # ExpertWorkerConfig.keep_fp8_experts
+    expert_spare_rows: int = 0  # ExpertWorkerConfig.spare_rows
     expert_threads: int = 1
     expert_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"expert_node": 0.01}
     expert_gpus: float = 0.0  # Ray num_gpus per expert worker; > 0: its experts compute on CUDA
@@ -91,7 +92,7 @@ class BalancerCore:
         self.redis = connect(cfg.shared.redis_url) if cfg.shared.redis_url else None
         worker_cfg = ExpertWorkerConfig(
             model=cfg.model, dtype=cfg.expert_dtype, weight_dtype=cfg.expert_weight_dtype,
-            keep_fp8_experts=cfg.expert_keep_fp8,
+            keep_fp8_experts=cfg.expert_keep_fp8, spare_rows=cfg.expert_spare_rows,
             num_threads=cfg.expert_threads, host=cfg.expert_host,
             model_config=read_model_config(cfg.model),  # their nodes need no checkpoint (peer copy)
             device="cuda" if cfg.expert_gpus > 0 else "cpu", shm=cfg.expert_shm, secret=cfg.shared.secret,

@@ -201,12 +201,12 @@ class ExpertServicer:
 
     def FetchExperts(self, request: expert_pb2.FetchExpertsRequest, context):
         """Stream held experts' weights (peer copy), one encoded ExpertWeights per expert."""
-        try:
-            held = self.store.expert_weights(request.layer, list(request.logical_expert))
-        except SlotStoreError as e:
+        try:  # (the versions read stay held, their rows unwritten, until the stream ends or is cancelled)
+            with self.store.fetching(request.layer, list(request.logical_expert)) as held:
+                for expert, rows in held:
+                    yield wire.encode_expert_weights(wire.ExpertWeights(request.layer, expert, *rows))
+        except SlotStoreError as e:  # (raised before the first answer: a bad layer, experts not held)
             context.abort(status_of(e), str(e))
-        for expert, rows in held:
-            yield wire.encode_expert_weights(wire.ExpertWeights(request.layer, expert, *rows))
 
     def ReleaseSlots(self, request, context) -> expert_pb2.ReleaseSlotsResponse:
         return expert_pb2.ReleaseSlotsResponse(loaded_versions=self.store.release(request.version))

@@ -28,9 +28,10 @@ Errors are typed so the gRPC shell can map them to status codes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -373,9 +374,18 @@ class SlotStore:
     def expert_weights(self, layer: int, experts: Sequence[int]) -> list[tuple[int, ExpertRows]]:
         """(expert, its ExpertRows) for each distinct expert of `experts` (first-seen order),
         from the newest loaded version holding it: rows of the packed tensors (no copy; a GPU
-        worker copies them to host memory).
+        worker copies them to host memory), valid while no re-plan writes their rows (`fetching`
+        holds them).
         InvalidRequest for a non-MoE layer or an id out of range; ExpertNotFound when some
         expert is not held by a loaded version."""
+        with self.fetching(layer, experts) as rows:
+            return rows
+
+    @contextlib.contextmanager
+    def fetching(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, ExpertRows]]]:
+        """`expert_weights` for a peer copy that reads them while a re-plan may go on: the
+        versions they come from are held as in-flight (as a Dispatch holds its version) until the
+        block ends, so a release and a reload meanwhile cannot write new experts into their rows."""
         if layer not in self.moe_index:
             raise InvalidRequest(f"layer {layer} is not a MoE layer (MoE layers: {self.cfg.moe_layers})")
         experts = list(dict.fromkeys(int(e) for e in experts))
@@ -384,14 +394,23 @@ class SlotStore:
             raise InvalidRequest(f"logical expert {bad[0]} outside [0, {self.cfg.n_routed_experts})")
         with self._lock:
             versions = [self._versions[v] for v in sorted(self._versions, reverse=True)]
-        held = _held_rows(versions, layer)
-        missing = [e for e in experts if e not in held]
-        if missing:
-            raise ExpertNotFound(
-                f"layer {layer}: experts {missing} are not held by this worker "
-                f"(loaded versions: {sorted(v.version for v in versions)})"
-            )
-        return [(e, held[e].to("cpu")) for e in experts]  # (no copy on a CPU worker)
+            for held in versions:
+                held.inflight += 1
+        try:
+            held_rows = _held_rows(versions, layer)
+            missing = [e for e in experts if e not in held_rows]
+            if missing:
+                raise ExpertNotFound(
+                    f"layer {layer}: experts {missing} are not held by this worker "
+                    f"(loaded versions: {sorted(v.version for v in versions)})"
+                )
+            yield [(e, held_rows[e].to("cpu")) for e in experts]  # (no copy on a CPU worker)
+        finally:
+            with self._lock:
+                for held in versions:
+                    held.inflight -= 1
+                    if not held.inflight and held in self._draining:
+                        self._draining.remove(held)
 
     # ---- compute ------------------------------------------------------------------------
     def forward(
