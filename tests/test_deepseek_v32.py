@@ -240,7 +240,8 @@ def test_cluster_api_serves_v32_like_the_local_engine(tmp_path):
     assert got == [w.token_ids for w in want]
 
 
-def test_fused_index_scores_equal_the_torch_math():
+@pytest.mark.parametrize("Hi", [6, 32, 64])  # (a multiple of 8: the heads across the vector lanes)
+def test_fused_index_scores_equal_the_torch_math(Hi):
     """cpu_kernels.index_scores (the indexer's scores in one call) against IndexQueries' torch
     math, for a shared prefill context and per-query decode contexts, with prefix visibility."""
     import torch.nn.functional as F
@@ -250,7 +251,7 @@ def test_fused_index_scores_equal_the_torch_math():
     if not cpu_kernels.available():
         pytest.skip("no CPU kernels")
     g = torch.Generator().manual_seed(0)
-    Q, Hi, Di, L = 5, 6, 16, 200
+    Q, Di, L = 5, 16, 200
     q, w = torch.randn(Q, Hi, Di, generator=g), torch.randn(Q, Hi, generator=g)
     lens = torch.tensor([1, 64, 65, 150, 200])
     visible = torch.arange(L)[None, :] < lens[:, None]

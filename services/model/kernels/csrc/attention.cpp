@@ -347,6 +347,44 @@ torch::Tensor index_scores(const torch::Tensor& q, const torch::Tensor& w, const
   const int64_t* lp = lens.data_ptr<int64_t>(); float* op = out.data_ptr<float>();
   const int64_t blocks = (L + 63) / 64, kstride = keys.size(0) == 1 ? 0 : L * Di;
   const float sc = (float)scale;
+  if (Hi % 8 == 0 && Hi <= 128) {
+    // The heads across the vector lanes: each query transposed once to [Di][Hi], then per key
+    // Di broadcast FMAs into Hi / 8 accumulators, ReLU, the head weights and one horizontal sum
+    // (against a horizontal sum per head: ~4x fewer instructions at V3.2's 64 x 128 and the
+    // tiny preset's 32 x 16). Each score is summed in the same order whatever the batch.
+    std::vector<float> qt(Q * Di * Hi);
+    for (int64_t qi = 0; qi < Q; ++qi)
+      for (int64_t h = 0; h < Hi; ++h)
+        for (int64_t d = 0; d < Di; ++d) qt[(qi * Di + d) * Hi + h] = qp[(qi * Hi + h) * Di + d];
+    const int HV = (int)(Hi / 8);
+    at::parallel_for(0, Q * blocks, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t qi = i / blocks, l0 = (i % blocks) * 64, l1 = std::min(L, l0 + 64), seen = lp[qi];
+        const float* qq = qt.data() + qi * Di * Hi;
+        const float* ww = wp + qi * Hi;
+        for (int64_t l = l0; l < l1; ++l) {
+          if (l >= seen) { op[qi * L + l] = -INFINITY; continue; }
+          const float* k = kp + qi * kstride + l * Di;
+          v8 acc[16];
+          for (int j = 0; j < HV; ++j) acc[j] = v8{0};
+          for (int64_t d = 0; d < Di; ++d) {
+            const v8 kd = v8{0} + k[d];
+            const float* row = qq + d * Hi;
+            for (int j = 0; j < HV; ++j) acc[j] = fma(ld(row + 8 * j), kd, acc[j]);
+          }
+          v8 s = v8{0};
+          const v8 zero = v8{0}, scv = v8{0} + sc;
+          for (int j = 0; j < HV; ++j) {
+            v8 a = acc[j] * scv;
+            a = a > zero ? a : zero;
+            s = fma(a, ld(ww + 8 * j), s);
+          }
+          op[qi * L + l] = hsum(s);
+        }
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, Q * blocks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t qi = i / blocks, l0 = (i % blocks) * 64, l1 = std::min(L, l0 + 64), seen = lp[qi];
