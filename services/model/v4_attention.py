@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from .batch import DecodeRows, StepBatch
 from .config import ModelConfig, rope_inv_freq
+from .kernels import cpu_kernels
 from .kv_cache import BLOCK_SIZE, entries_per_block
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -255,26 +256,22 @@ def _compressor_states(c: CompressorWeights, x: torch.Tensor) -> list[torch.Tens
 
 
 def _indexer_top(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int
-) -> torch.Tensor:
-    """The `topk` best-scoring entries of each query: q [..., n, Hi, Di], weights [..., n, Hi]
-    (fp32, Hi^-0.5 in), keys [..., E, Di] indexer entries, visible [..., n, E] -> [..., n, topk]
-    entry indices (invisible entries score -inf: with fewer than `topk` visible, some picked are
-    invisible; `...` is a batch of sequences or nothing). E > topk."""
-    dots = torch.einsum("...qhd,...ed->...qhe", q.float(), keys.float())
-    scores = torch.einsum("...qh,...qhe->...qe", weights, F.relu(dots) * q.shape[-1] ** -0.5)
-    return scores.masked_fill(~visible, float("-inf")).topk(topk, dim=-1).indices
-
-
-def _indexer_keep(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int
-) -> torch.Tensor:
-    """Which visible entries the queries keep, as a mask: [..., n, E] bool (prefill: each query
-    its own `topk`; shapes as `_indexer_top`)."""
-    if keys.shape[-2] <= topk:
-        return visible
-    top = _indexer_top(q, weights, keys, visible, topk)
-    return torch.zeros_like(visible).scatter_(-1, top, True) & visible
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `topk` best-scoring entries of each query and whether each is visible: q [Q, Hi, Di],
+    weights [Q, Hi] (fp32, Hi^-0.5 in), keys [E, Di] (one context) or [Q, E, Di] indexer entries,
+    lens [Q] int64 (query i sees its first lens[i] entries) -> ([Q, topk] entry indices, [Q,
+    topk] bool). With fewer than `topk` visible, the invisible ones picked are marked so. E > topk.
+    The scores come from the CPU kernel where it applies (fp32 on the CPU: no [Q, Hi, E]
+    temporaries), else from the same math in torch."""
+    scores = cpu_kernels.index_scores(q, weights, keys, lens) if q.device.type == "cpu" else None
+    if scores is None:
+        dots = torch.einsum("qhd,ed->qhe" if keys.dim() == 2 else "qhd,qed->qhe", q.float(), keys.float())
+        scores = torch.einsum("qh,qhe->qe", weights, F.relu(dots) * q.shape[-1] ** -0.5)
+        visible = torch.arange(keys.shape[-2], device=q.device)[None] < lens[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.topk(topk, dim=-1).indices
+    return top, top < lens[:, None]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -285,6 +282,29 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: t
     sink = sinks.view(-1, 1, 1).expand(logits.shape[:-1] + (1,))
     probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)
     return torch.einsum("...nqk,...kd->...qnd", probs, keys)
+
+
+def _attend_picked(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    picked: torch.Tensor,
+    seen: torch.Tensor,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """`_attend` over shared keys plus each query's own picked ones, in one softmax: q [n, N, D],
+    keys [K, D] with visible [n, K] (the window rows), picked [n, P, D] with seen [n, P] (the
+    entries the indexer kept for that query) -> [n, N, D]. Scratch is [N, n, K + P], not the
+    whole context's entries."""
+    scale = q.shape[-1] ** -0.5
+    shared = torch.einsum("qnd,kd->nqk", q, keys).float().masked_fill(~visible[None], float("-inf"))
+    own = torch.einsum("qnd,qpd->nqp", q, picked).float().masked_fill(~seen[None], float("-inf"))
+    sink = sinks.view(-1, 1, 1).expand(shared.shape[:-1] + (1,))
+    probs = torch.cat((shared * scale, own * scale, sink), dim=-1).softmax(dim=-1).to(keys.dtype)
+    K = keys.shape[0]
+    return torch.einsum("nqk,kd->qnd", probs[..., :K], keys) + torch.einsum(
+        "nqp,qpd->qnd", probs[..., K:-1], picked
+    )
 
 
 def _decode_groups(d: DecodeRows) -> list[DecodeRows]:
@@ -332,10 +352,8 @@ def _decode_context(
             # then costs the window plus top-k, whatever the context (the indexer's scores are
             # the part that still grows with it)
             index_keys = entries[at, w.indexer.compressor.entry_cols].masked_fill(~seen[..., None], 0)
-            top = _indexer_top(
-                q_idx[d.rows, None], idx_weights[d.rows, None], index_keys, seen[:, None], cfg.index_topk
-            )[:, 0]  # [Bd, topk]
-            at, seen = at.gather(1, top), seen.gather(1, top)
+            top, seen = _indexer_top(q_idx[d.rows], idx_weights[d.rows], index_keys, num, cfg.index_topk)
+            at = at.gather(1, top)  # [Bd, topk]
         keys = torch.cat((keys, entries[at, c.entry_cols]), dim=1)
         visible = torch.cat((visible, seen), dim=1)
     return keys.masked_fill(~visible[..., None], 0), visible[:, None]
@@ -395,14 +413,16 @@ def v4_attention(
         if c is not None and end >= c.ratio:
             e = torch.arange(end // c.ratio, device=device)  # the entries so far
             at = entry_rows(batch.block_table[b], e, c.ratio)
-            seen = e[None] < ((qpos + 1) // c.ratio)[:, None]  # [n, E] complete windows only
-            if w.indexer is not None:
+            num = (qpos + 1) // c.ratio  # [n] complete windows (= entries) each query sees
+            if w.indexer is not None and len(e) > cfg.index_topk:  # each query's own top-k, gathered
                 index_keys = entries[at, w.indexer.compressor.entry_cols]  # [E, Di]
-                seen = _indexer_keep(
-                    q_idx[s0 : s0 + n], idx_weights[s0 : s0 + n], index_keys, seen, cfg.index_topk
-                )
+                top, seen = _indexer_top(q_idx[s0 : s0 + n], idx_weights[s0 : s0 + n], index_keys, num,
+                                         cfg.index_topk)  # fmt: skip
+                picked = entries[at[top], c.entry_cols]  # [n, topk, D]
+                out[s0 : s0 + n] = _attend_picked(q[s0 : s0 + n], keys, visible, picked, seen, w.sinks)
+                continue
             keys = torch.cat((keys, entries[at, c.entry_cols]), dim=0)
-            visible = torch.cat((visible, seen), dim=1)
+            visible = torch.cat((visible, e[None] < num[:, None]), dim=1)
         out[s0 : s0 + n] = _attend(q[s0 : s0 + n], keys, visible, w.sinks)
 
     out = rope_tail(out, cos, -sin)  # undo the rope the values (= keys) carried
