@@ -132,6 +132,9 @@ class ClusterConfig:
         "tcp, grpc, grpc-unary (a unary call per MoE layer)",
     )
     expert_threads: int = _setting(1, "torch threads per expert worker")
+    expert_concurrency: int = _setting(
+        1, "Dispatches an expert worker computes at once (each with expert_threads threads; 1: in turn)"
+    )
     balancer_period_s: float = _setting(30.0, "seconds between rebalancing checks (0: on demand only)")
     balancer_window_buckets: int = _setting(15, "load window, in buckets")
     balancer_bucket_seconds: float = _setting(2.0, "width of one load bucket")
@@ -177,6 +180,8 @@ class ClusterConfig:
             raise ValueError("attention_gpus and expert_gpus must be >= 0")
         if self.redundant_experts < 0 or self.expert_spare_rows < 0:
             raise ValueError("redundant_experts and expert_spare_rows must be >= 0")
+        if self.expert_concurrency < 1:
+            raise ValueError("expert_concurrency must be >= 1")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port {self.port} out of range")
         self.autoscale(), self.attention_autoscale()  # check the autoscaling bounds
@@ -358,6 +363,7 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, l
             expert_keep_fp8=cfg.keep_fp8_experts,
             expert_spare_rows=cfg.expert_spare_rows,
             expert_threads=cfg.expert_threads,
+            expert_concurrency=cfg.expert_concurrency,
             expert_resources=cfg.expert_resources,
             expert_gpus=cfg.expert_gpus,
             expert_shm=cfg.expert_transport in ("auto", "shm"),  # (grpc: no shared-memory listener at all)

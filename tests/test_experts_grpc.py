@@ -362,3 +362,39 @@ def test_weights_load_on_a_lower_priority_thread(server):
         lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     )
     assert niceness.result(10) == min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_computes_run_in_turn_or_side_by_side_as_configured(concurrency):
+    """ExpertServicer.compute_into: `compute_concurrency` computes at once (1: in turn); the busy
+    time counts compute seconds over the slots, the queueing time what calls waited for one."""
+    from services.experts.servicer import ExpertServicer
+
+    running, most, lock = [0], [0], threading.Lock()
+
+    class SlowStore:
+        def forward(self, *args):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.2)
+            with lock:
+                running[0] -= 1
+
+    servicer = ExpertServicer(SlowStore(), compute_concurrency=concurrency)
+    calls = [
+        threading.Thread(target=servicer.compute_into, args=(0, 1, None, None, None, None)) for _ in range(4)
+    ]
+    started = time.monotonic()
+    for c in calls:
+        c.start()
+    for c in calls:
+        c.join(30)
+    servicer.close()
+    assert most[0] == concurrency
+    assert time.monotonic() - started >= 0.2 * 4 / concurrency - 0.05
+    assert servicer.compute_seconds == pytest.approx(0.8 / concurrency, rel=0.25)
+    waits = sum(i // concurrency for i in range(4)) * 0.2  # (the i-th call in waits for i // k computes)
+    assert servicer.queue_seconds == pytest.approx(waits, rel=0.25, abs=0.1)
+    with pytest.raises(ValueError):
+        ExpertServicer(SlowStore(), compute_concurrency=0)

@@ -97,6 +97,12 @@ class Decision:
     moved_slots: int
     reason: str
 
+    def info(self) -> dict:
+        """For status: the new version (None: kept), why, the balancedness and the moves."""
+        return {"version": self.placement.version if self.placement else None, "reason": self.reason,
+                "balancedness_before": self.balancedness_before, "balancedness_after": self.balancedness_after,
+                "moved_slots": self.moved_slots}  # fmt: skip
+
 
 def decide(
     cfg: ModelConfig,

@@ -72,6 +72,7 @@ class BalancerConfig:
     expert_keep_fp8: bool = False  # ExpertWorkerConfig.keep_fp8_experts
     expert_spare_rows: int = 0  # ExpertWorkerConfig.spare_rows
     expert_threads: int = 1
+    expert_concurrency: int = 1  # ExpertWorkerConfig.compute_concurrency
     expert_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"expert_node": 0.01}
     expert_gpus: float = 0.0  # Ray num_gpus per expert worker; > 0: its experts compute on CUDA
     expert_host: str | None = None  # None: each worker's node IP
@@ -93,7 +94,7 @@ class BalancerCore:
         worker_cfg = ExpertWorkerConfig(
             model=cfg.model, dtype=cfg.expert_dtype, weight_dtype=cfg.expert_weight_dtype,
             keep_fp8_experts=cfg.expert_keep_fp8, spare_rows=cfg.expert_spare_rows,
-            num_threads=cfg.expert_threads, host=cfg.expert_host,
+            num_threads=cfg.expert_threads, compute_concurrency=cfg.expert_concurrency, host=cfg.expert_host,
             model_config=read_model_config(cfg.model),  # their nodes need no checkpoint (peer copy)
             device="cuda" if cfg.expert_gpus > 0 else "cpu", shm=cfg.expert_shm, secret=cfg.shared.secret,
             namespace=cfg.shared.namespace,
@@ -564,7 +565,7 @@ class BalancerCore:
             "balancedness_per_layer": stats.layer_balancedness.tolist() if stats else None,
             "migrations": sum(1 for m in self.migrations if m.ok),
             "last_migration": asdict(self.migrations[-1]) if self.migrations else None,
-            "last_decision": _decision_info(self.last_decision),
+            "last_decision": self.last_decision.info() if self.last_decision else None,
             "attention_workers": list(self.attention),
             "attention": {n: self.attention_state.get(n, {}) for n in self.attention},
         }
@@ -589,11 +590,3 @@ class BalancerCore:
         if self._replacing is not None:
             self._replacing.cancel()
         await self.pool.stop_all(release_capacity=True)
-
-
-def _decision_info(d: Decision | None) -> dict | None:
-    if d is None:
-        return None
-    return {"version": d.placement.version if d.placement else None, "reason": d.reason,
-            "balancedness_before": d.balancedness_before, "balancedness_after": d.balancedness_after,
-            "moved_slots": d.moved_slots}  # fmt: skip

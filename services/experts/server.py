@@ -41,6 +41,9 @@ class ExpertWorkerConfig:
     keep_fp8_experts: bool = False  # an FP8 checkpoint's experts held as shipped, with their block scales
     device: str = "cpu"  # where the experts are held and computed ("cuda": the GPU Ray gave the worker)
     num_threads: int | None = 1  # torch intra-op threads in the worker process (None: leave as is)
+    compute_concurrency: int = (
+        1  # Dispatches computed at once (each with num_threads threads): cores of its own
+    )
     host: str | None = None  # None: the Ray node's IP inside an actor, else 127.0.0.1
     port: int = 0  # 0: an ephemeral port
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
@@ -103,6 +106,7 @@ class ExpertServer:
             secret=cfg.secret,
             known_peers=known_peers,
             dispatch_streams=cfg.dispatch_streams,
+            compute_concurrency=cfg.compute_concurrency,
         )
         self.secret_check = auth.SecretCheck(cfg.secret) if cfg.secret is not None else None
         self.health = HealthServicer()

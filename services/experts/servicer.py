@@ -71,7 +71,10 @@ class ExpertServicer:
         secret: str | None = None,
         known_peers: Callable[[], set[str]] | None = None,
         dispatch_streams: int = 64,
+        compute_concurrency: int = 1,
     ):
+        if compute_concurrency < 1:
+            raise ValueError("compute_concurrency must be >= 1")
         self.store = store
         # DispatchStream holds a server thread for its lifetime: at most this many at once
         self.max_dispatch_streams = dispatch_streams
@@ -81,11 +84,17 @@ class ExpertServicer:
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
         self.socket_port = 0  # the TCP data plane's port (rpc/tcp.py), set by the server; 0: none
         self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes
-        # one expert compute at a time, so concurrent calls (micro-batches, attention workers)
-        # finish in turn instead of all late together; decoding and encoding overlap freely
-        self._compute_lock = threading.Lock()
-        self.compute_seconds = 0.0  # busy time, both transports (the autoscaler's utilisation)
-        self.queue_seconds = 0.0  # time Dispatches waited for the compute lock (queueing delay)
+        # `compute_concurrency` expert computes at a time (1: in turn, so concurrent calls from
+        # micro-batches and attention workers finish one by one instead of all late together on
+        # the same cores; more: that many cores of their own, each compute using the worker's
+        # torch threads); decoding and encoding overlap freely
+        self.compute_concurrency = compute_concurrency
+        self._compute_slots = threading.Semaphore(compute_concurrency)
+        # busy time, both transports (the autoscaler's utilisation): compute seconds over the
+        # slots, so that a worker busy in every slot all the time is busy 1.0
+        self.compute_seconds = 0.0
+        self.queue_seconds = 0.0  # time answered Dispatches waited for a compute slot (queueing delay)
+        self._counters = threading.Lock()
         # weights load on one thread of lower CPU priority, so where experts compute on the same
         # cores (CPU workers, or a busy host) loading yields to serving
         self.loader = ThreadPoolExecutor(
@@ -105,15 +114,16 @@ class ExpertServicer:
 
     def compute_into(self, layer: int, version: int, hidden, slot, weight, out) -> float:
         """SlotStore.forward into `out` (the response's payload, in gRPC bytes or shared memory),
-        one compute at a time; its seconds."""
+        `compute_concurrency` computes at a time; its seconds."""
         arrived = time.perf_counter()
-        with self._compute_lock:
+        with self._compute_slots:
             start = time.perf_counter()
             self.store.forward(version, layer, hidden, slot, weight, out)
             seconds = time.perf_counter() - start
-            self.compute_seconds += seconds
-            self.queue_seconds += start - arrived  # (answered calls only: per Stats.dispatch_calls)
-            return seconds
+        with self._counters:  # (answered calls only, as Stats.dispatch_calls)
+            self.compute_seconds += seconds / self.compute_concurrency
+            self.queue_seconds += start - arrived
+        return seconds
 
     def Dispatch(self, request: bytes, context) -> bytes:
         try:
