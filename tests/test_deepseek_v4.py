@@ -71,6 +71,17 @@ def test_greedy_tokens_and_logits_match_transformers(oracle, chunk):
     assert engine.scheduler.num_free_blocks == engine.cache.num_blocks
 
 
+def test_prefill_picks_in_tiles_match_transformers(oracle, monkeypatch):
+    """Prefill scores and gathers each query's top-k entries a tile of queries at a time
+    (v4_attention.PICK_QUERIES): tiles of 5 give transformers' tokens and logits too."""
+    from services.model import v4_attention
+
+    monkeypatch.setattr(v4_attention, "PICK_QUERIES", 5)
+    path, _, prompts, expected = oracle
+    outs, logits = generate_with_logits(_engine(path), prompts, GREEDY)
+    _check(outs, logits, expected, "picks in tiles of 5")
+
+
 @pytest.mark.parametrize(
     "change",
     [

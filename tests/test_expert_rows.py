@@ -166,6 +166,28 @@ def test_experts_being_fetched_by_a_peer_keep_their_rows_through_a_release_and_r
         store.expert_weights(layer, [0])  # (version 1 is gone)
 
 
+def test_a_fetch_stream_cancelled_midway_lets_its_rows_go(model):  # noqa: F811
+    """FetchExperts holds the versions it reads while its stream runs; a client that leaves after
+    the first expert (gRPC closes the generator) lets them go: a released one stops draining."""
+    from services.experts.servicer import ExpertServicer
+    from services.rpc import expert_pb2
+
+    path, cfg, everything = model
+    store = SlotStore(cfg, path, torch.float32)
+    store.load(1, _layout(cfg, [0, 1, 2, 3]))
+    store.load(2, _layout(cfg, [4, 5, 6, 7]))
+    servicer = ExpertServicer(store)
+    layer = cfg.moe_layers[0]
+    stream = servicer.FetchExperts(expert_pb2.FetchExpertsRequest(layer=layer, logical_expert=[1, 2]), None)
+    assert next(stream)  # (the first expert sent)
+    assert store._versions[1].inflight == 1 and store._versions[2].inflight == 0  # (only its source held)
+    store.release(1)
+    assert store._draining
+    stream.close()  # the client went away
+    assert not store._draining
+    servicer.close()
+
+
 def test_a_failed_load_leaves_the_serving_version_intact(model, tmp_path):  # noqa: F811
     path, cfg, everything = model
     store = SlotStore(cfg, path, torch.float32)

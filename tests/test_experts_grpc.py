@@ -366,8 +366,9 @@ def test_weights_load_on_a_lower_priority_thread(server):
 
 @pytest.mark.parametrize("concurrency", [1, 2])
 def test_computes_run_in_turn_or_side_by_side_as_configured(concurrency):
-    """ExpertServicer.compute_into: `compute_concurrency` computes at once (1: in turn); the busy
-    time counts compute seconds over the slots, the queueing time what calls waited for one."""
+    """ExpertServicer.compute_into: `compute_concurrency` computes at once (1: in turn); compute
+    seconds are summed over calls (Stats.compute_slots tells the autoscaler the slots), the
+    queueing time is what calls waited for a slot."""
     from services.experts.servicer import ExpertServicer
 
     running, most, lock = [0], [0], threading.Lock()
@@ -393,8 +394,8 @@ def test_computes_run_in_turn_or_side_by_side_as_configured(concurrency):
     servicer.close()
     assert most[0] == concurrency
     assert time.monotonic() - started >= 0.2 * 4 / concurrency - 0.05
-    assert servicer.compute_seconds == pytest.approx(0.8 / concurrency, rel=0.25)
+    assert 0.8 <= servicer.compute_seconds <= 0.8 + 1.0  # (summed over calls; a loaded box only adds)
     waits = sum(i // concurrency for i in range(4)) * 0.2  # (the i-th call in waits for i // k computes)
-    assert servicer.queue_seconds == pytest.approx(waits, rel=0.25, abs=0.1)
+    assert waits - 0.15 <= servicer.queue_seconds <= waits + 1.0
     with pytest.raises(ValueError):
         ExpertServicer(SlowStore(), compute_concurrency=0)

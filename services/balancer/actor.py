@@ -151,15 +151,16 @@ class Balancer:
         more or less, through the live resize."""
         if self.core.placement is None:
             return
-        now, counters = time.monotonic(), {}
+        now, counters, slots = time.monotonic(), {}, {}
         for wid, member in list(self.core.pool.members.items()):
             try:
                 stats = await asyncio.to_thread(member.client.stats, 5.0)
             except Exception:  # (dead or slow: the watch tick deals with it)
                 continue
             counters[wid] = (stats.compute_seconds, stats.queue_seconds, stats.dispatch_calls)
+            slots[wid] = max(1, stats.compute_slots)
         attention = await self._attention_stats()
-        readings = {w: (c[0], now) for w, c in counters.items()}
+        readings = {w: (c[0] / slots[w], now) for w, c in counters.items()}  # (busy: per slot)
         busy, self._busy_readings = busy_fractions(self._busy_readings, readings), readings
         before, self._counters = self._counters, (counters, attention, now)
         signals = (

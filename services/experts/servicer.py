@@ -90,8 +90,8 @@ class ExpertServicer:
         # torch threads); decoding and encoding overlap freely
         self.compute_concurrency = compute_concurrency
         self._compute_slots = threading.Semaphore(compute_concurrency)
-        # busy time, both transports (the autoscaler's utilisation): compute seconds over the
-        # slots, so that a worker busy in every slot all the time is busy 1.0
+        # compute seconds summed over calls, both transports (the autoscaler's busy time divides
+        # them by the slots: a worker busy in every slot all the time is busy 1.0)
         self.compute_seconds = 0.0
         self.queue_seconds = 0.0  # time answered Dispatches waited for a compute slot (queueing delay)
         self._counters = threading.Lock()
@@ -121,7 +121,7 @@ class ExpertServicer:
             self.store.forward(version, layer, hidden, slot, weight, out)
             seconds = time.perf_counter() - start
         with self._counters:  # (answered calls only, as Stats.dispatch_calls)
-            self.compute_seconds += seconds / self.compute_concurrency
+            self.compute_seconds += seconds
             self.queue_seconds += start - arrived
         return seconds
 
@@ -224,7 +224,7 @@ class ExpertServicer:
     def Stats(self, request, context) -> expert_pb2.StatsResponse:
         reply = stats_to_proto(self.store.stats())
         reply.compute_seconds, reply.queue_seconds = self.compute_seconds, self.queue_seconds
-        reply.socket_port = self.socket_port
+        reply.socket_port, reply.compute_slots = self.socket_port, self.compute_concurrency
         return reply
 
 

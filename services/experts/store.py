@@ -392,8 +392,13 @@ class SlotStore:
         bad = [e for e in experts if not 0 <= e < self.cfg.n_routed_experts]
         if bad:
             raise InvalidRequest(f"logical expert {bad[0]} outside [0, {self.cfg.n_routed_experts})")
-        with self._lock:
-            versions = [self._versions[v] for v in sorted(self._versions, reverse=True)]
+        with self._lock:  # (only the versions the rows come from are held: the newest holding each)
+            loaded = [self._versions[v] for v in sorted(self._versions, reverse=True)]
+            source = {}
+            for held in loaded:
+                for e in held.packed.logical[layer]:
+                    source.setdefault(int(e), held)
+            versions = list({id(source[e]): source[e] for e in experts if e in source}.values())
             for held in versions:
                 held.inflight += 1
         try:
@@ -402,7 +407,7 @@ class SlotStore:
             if missing:
                 raise ExpertNotFound(
                     f"layer {layer}: experts {missing} are not held by this worker "
-                    f"(loaded versions: {sorted(v.version for v in versions)})"
+                    f"(loaded versions: {sorted(v.version for v in loaded)})"
                 )
             yield [(e, held_rows[e].to("cpu")) for e in experts]  # (no copy on a CPU worker)
         finally:

@@ -284,6 +284,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: t
     return torch.einsum("...nqk,...kd->...qnd", probs, keys)
 
 
+PICK_QUERIES = 256  # prefill queries whose top-k entries are scored and gathered at once
+
+
 def _attend_picked(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -294,17 +297,16 @@ def _attend_picked(
 ) -> torch.Tensor:
     """`_attend` over shared keys plus each query's own picked ones, in one softmax: q [n, N, D],
     keys [K, D] with visible [n, K] (the window rows), picked [n, P, D] with seen [n, P] (the
-    entries the indexer kept for that query) -> [n, N, D]. Scratch is [N, n, K + P], not the
-    whole context's entries."""
+    entries the indexer kept for that query) -> [n, N, D] (the two halves summed in fp32, rounded
+    once). Scratch is [N, n, K + P] scores, not the whole context's entries."""
     scale = q.shape[-1] ** -0.5
     shared = torch.einsum("qnd,kd->nqk", q, keys).float().masked_fill(~visible[None], float("-inf"))
     own = torch.einsum("qnd,qpd->nqp", q, picked).float().masked_fill(~seen[None], float("-inf"))
     sink = sinks.view(-1, 1, 1).expand(shared.shape[:-1] + (1,))
-    probs = torch.cat((shared * scale, own * scale, sink), dim=-1).softmax(dim=-1).to(keys.dtype)
+    probs = torch.cat((shared * scale, own * scale, sink), dim=-1).softmax(dim=-1)
     K = keys.shape[0]
-    return torch.einsum("nqk,kd->qnd", probs[..., :K], keys) + torch.einsum(
-        "nqp,qpd->qnd", probs[..., K:-1], picked
-    )
+    out = torch.einsum("nqk,kd->qnd", probs[..., :K], keys.float())
+    return (out + torch.einsum("nqp,qpd->qnd", probs[..., K:-1], picked.float())).to(keys.dtype)
 
 
 def _decode_groups(d: DecodeRows) -> list[DecodeRows]:
@@ -414,12 +416,17 @@ def v4_attention(
             e = torch.arange(end // c.ratio, device=device)  # the entries so far
             at = entry_rows(batch.block_table[b], e, c.ratio)
             num = (qpos + 1) // c.ratio  # [n] complete windows (= entries) each query sees
-            if w.indexer is not None and len(e) > cfg.index_topk:  # each query's own top-k, gathered
+            if w.indexer is not None and len(e) > cfg.index_topk:  # each query's own top-k, gathered,
+                # PICK_QUERIES queries at a time: scores [tile, E] and picked rows [tile, top-k, D]
                 index_keys = entries[at, w.indexer.compressor.entry_cols]  # [E, Di]
-                top, seen = _indexer_top(q_idx[s0 : s0 + n], idx_weights[s0 : s0 + n], index_keys, num,
-                                         cfg.index_topk)  # fmt: skip
-                picked = entries[at[top], c.entry_cols]  # [n, topk, D]
-                out[s0 : s0 + n] = _attend_picked(q[s0 : s0 + n], keys, visible, picked, seen, w.sinks)
+                for t0 in range(0, n, PICK_QUERIES):
+                    t = slice(t0, min(n, t0 + PICK_QUERIES))
+                    tile = slice(s0 + t.start, s0 + t.stop)
+                    top, seen = _indexer_top(
+                        q_idx[tile], idx_weights[tile], index_keys, num[t], cfg.index_topk
+                    )
+                    picked = entries[at[top], c.entry_cols]  # [tile, topk, D]
+                    out[tile] = _attend_picked(q[tile], keys, visible[t], picked, seen, w.sinks)
                 continue
             keys = torch.cat((keys, entries[at, c.entry_cols]), dim=0)
             visible = torch.cat((visible, e[None] < num[:, None]), dim=1)

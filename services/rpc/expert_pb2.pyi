@@ -147,7 +147,7 @@ class VersionStats(_message.Message):
     def __init__(self, version: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("current_version", "loaded_versions", "loading_versions", "versions", "dispatch_calls", "weight_bytes", "compute_seconds", "queue_seconds", "socket_port")
+    __slots__ = ("current_version", "loaded_versions", "loading_versions", "versions", "dispatch_calls", "weight_bytes", "compute_seconds", "queue_seconds", "socket_port", "compute_slots")
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LOADING_VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class StatsResponse(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SOCKET_PORT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     current_version: int
     loaded_versions: _containers.RepeatedScalarFieldContainer[int]
     loading_versions: _containers.RepeatedScalarFieldContainer[int]
@@ -166,4 +167,5 @@ class StatsResponse(_message.Message):
     compute_seconds: float
     queue_seconds: float
     socket_port: int
-    def __init__(self, current_version: _Optional[int] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., loading_versions: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., dispatch_calls: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., socket_port: _Optional[int] = ...) -> None: ...
+    compute_slots: int
+    def __init__(self, current_version: _Optional[int] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., loading_versions: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., dispatch_calls: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., socket_port: _Optional[int] = ..., compute_slots: _Optional[int] = ...) -> None: ...
