@@ -1,6 +1,7 @@
 """The expert pool sizes itself on a real cluster: it grows under load, shrinks when idle, holds
 still while pinned by `scale-experts N`, and no request is lost or changed meanwhile."""
 
+import contextlib
 import threading
 import time
 
@@ -17,6 +18,44 @@ pytestmark = pytest.mark.cluster
 PROMPT = [0, 7, 8, 9]
 
 
+def _local_tokens(model_dir) -> list[int]:
+    """LocalEngine's greedy tokens for PROMPT (what every answer must be)."""
+    engine = LocalEngine(EngineConfig(model=str(model_dir)))
+    return engine.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
+
+
+def _complete(client) -> list[int]:
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    return r.choices[0].model_extra["token_ids"]
+
+
+@contextlib.contextmanager
+def _load(client, senders: int):
+    """`senders` clients sending PROMPT back to back while the block runs: yields (token ids of
+    each answer, errors), complete once the block has ended."""
+    results, errors, stop = [], [], threading.Event()
+
+    def send():
+        while not stop.is_set():
+            try:
+                results.append(_complete(client))
+            except Exception as e:  # noqa: BLE001 (recorded: the tests assert there is none)
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=send) for _ in range(senders)]
+    for t in threads:
+        t.start()
+    try:
+        yield results, errors
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
 def _workers(cluster) -> int:
     return len(ray.get(cluster.balancer.status.remote())["workers"])
 
@@ -29,30 +68,12 @@ def _wait(cluster, n: int, what: str, deadline_s: float = 150.0) -> None:
 
 
 def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
-    want = (
-        LocalEngine(EngineConfig(model=str(tiny_model)))
-        .generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
-        .token_ids
-    )
+    want = _local_tokens(tiny_model)
     settings = dict(expert_workers=1, min_expert_workers=1, max_expert_workers=3, expert_target_utilization=0.01,
                     expert_upscale_delay_s=1.0, expert_downscale_delay_s=4.0, balancer_period_s=0)  # fmt: skip
     with tiny_cluster(tiny_model, **settings) as cluster:
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
-        results, errors, stop = [], [], threading.Event()
-
-        def send():
-            while not stop.is_set():
-                try:
-                    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0,
-                                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
-                    results.append(r.choices[0].model_extra["token_ids"])
-                except Exception as e:  # noqa: BLE001 (recorded: asserted below)
-                    errors.append(repr(e))
-
-        senders = [threading.Thread(target=send) for _ in range(3)]
-        for s in senders:
-            s.start()
-        try:
+        with _load(client, 3) as (results, errors):
             started = time.monotonic()
             _wait(cluster, 2, "grow")  # within the upscale delay (1 s) plus one re-plan
             _wait(cluster, 3, "grow")  # one step at a time, up to the max
@@ -62,10 +83,6 @@ def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
             while len(results) < served + 6 and not errors:  # served by the grown pool too
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-        finally:
-            stop.set()
-            for s in senders:
-                s.join()
         assert errors == [] and results and all(tokens == want for tokens in results)
         status = ray.get(cluster.balancer.status.remote())
         assert (
@@ -81,9 +98,7 @@ def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
         assert _workers(cluster) == 2 and ray.get(cluster.balancer.status.remote())["autoscale"]["pinned"]
         assert ray.get(cluster.balancer.scale_experts.remote(None))["ok"]
         _wait(cluster, 1, "shrink after unpinning")
-        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
-        assert r.choices[0].model_extra["token_ids"] == want
+        assert _complete(client) == want
 
 
 def _attention(cluster) -> dict:
@@ -104,31 +119,13 @@ def test_the_attention_pool_grows_on_queues_and_drains_when_idle(tiny_model):
     """llm-d's saturation rule: one request per batch and a queue of 2 saturate a worker, so four
     clients grow the pool to 2; the router sends the new worker requests at once; idle, the pool
     drains one worker and stops it. Every request completes with LocalEngine's tokens."""
-    want = (
-        LocalEngine(EngineConfig(model=str(tiny_model)))
-        .generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
-        .token_ids
-    )
+    want = _local_tokens(tiny_model)
     settings = dict(attention_workers=1, min_attention_workers=1, max_attention_workers=2, max_num_seqs=1,
                     attention_queue_threshold=2, attention_upscale_delay_s=1.0, attention_downscale_delay_s=4.0,
                     expert_workers=1, balancer_period_s=0)  # fmt: skip
     with tiny_cluster(tiny_model, **settings) as cluster:
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
-        results, errors, stop = [], [], threading.Event()
-
-        def send():
-            while not stop.is_set():
-                try:
-                    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0,
-                                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
-                    results.append(r.choices[0].model_extra["token_ids"])
-                except Exception as e:  # noqa: BLE001 (recorded: asserted below)
-                    errors.append(repr(e))
-
-        senders = [threading.Thread(target=send) for _ in range(4)]
-        for s in senders:
-            s.start()
-        try:
+        with _load(client, 4) as (results, errors):
             grown = _wait_attention(cluster, 2, "grow")
             new = ray.get_actor(
                 next(n for n in grown["serving"] if n not in cluster.attention), namespace="moe-cluster"
@@ -141,10 +138,6 @@ def test_the_attention_pool_grows_on_queues_and_drains_when_idle(tiny_model):
             while len(results) < served + 4 and not errors:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-        finally:
-            stop.set()
-            for s in senders:
-                s.join()
         assert errors == [] and results and all(tokens == want for tokens in results)
         shrunk = _wait_attention(cluster, 1, "shrink")  # idle: one drained and stopped
         assert shrunk["desired"] == 1 and "1 -> " not in shrunk["reason"]
@@ -154,8 +147,6 @@ def test_the_attention_pool_grows_on_queues_and_drains_when_idle(tiny_model):
             while time.monotonic() < deadline:
                 ray.get_actor(gone, namespace="moe-cluster")
                 time.sleep(0.25)
-        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
-        assert r.choices[0].model_extra["token_ids"] == want
+        assert _complete(client) == want
         metrics = client.with_options(max_retries=0)._client.get(f"{cluster.url}/metrics").text
         assert 'moe_attention_workers{state="serving"} 1.0' in metrics

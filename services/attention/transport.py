@@ -131,11 +131,14 @@ class GrpcStreamCall(Call):
             self._call.abandoned = True  # (its answer, if it comes, is read past; no deadline)
 
 
-class ShmCall(Call):
-    transport = "shm"
+class ChannelCall(Call):
+    """A call over one of a pair's channels (a shared-memory channel or a TCP connection): the
+    request views are the channel's own, the driver thread waits for the answer itself, and the
+    channel goes back to the pair's idle ones once its answer has been used (a channel whose call
+    was started and never answered is closed: the worker may still read and write its buffer)."""
 
-    def __init__(self, channel: shm.ShmChannel, idle: list[shm.ShmChannel], timeout_s: float,
-                 placement_version: int, layer: int, shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
+    def __init__(self, channel, idle: list, timeout_s: float, placement_version: int, layer: int,
+                 shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
         self._channel, self._idle, self._timeout_s = channel, idle, timeout_s
         self._layer, self._version = layer, placement_version
         self.hidden, self.slot, self.weight = channel.request(*shape, top_k, dtype)
@@ -145,9 +148,12 @@ class ShmCall(Call):
 
     def start(self) -> None:
         try:
-            self._channel.send(self._layer, self._version)
+            self._send()
         except TransportError as e:  # (the worker is gone: reported by result(), as for gRPC)
             self._error = e
+
+    def _send(self) -> None:
+        raise NotImplementedError
 
     def result(self) -> torch.Tensor:
         if self._error is not None:
@@ -162,50 +168,31 @@ class ShmCall(Call):
     def release(self) -> None:
         if not self._released:
             self._released = True
-            if self._channel.closed:
-                return
-            if self._channel.answered:
-                self._idle.append(self._channel)
-            else:  # (started, never answered: the worker may still read and write its buffer)
-                self._channel.close()
-
-
-class TcpCall(Call):
-    transport = "tcp"
-
-    def __init__(self, channel: tcp.TcpChannel, idle: list[tcp.TcpChannel], timeout_s: float,
-                 placement_version: int, layer: int, shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
-        self._channel, self._idle, self._timeout_s = channel, idle, timeout_s
-        self._layer, self._version = layer, placement_version
-        self.hidden, self.slot, self.weight = channel.request(*shape, top_k, dtype)
-        self.nbytes_sent = self.hidden.nbytes + self.slot.nbytes + self.weight.nbytes
-        self._error: TransportError | None = None
-        self._released = False
-
-    def start(self) -> None:
-        try:
-            self._channel.send(self._layer, self._version, self._timeout_s)
-        except TransportError as e:  # (reported by result(), as for the others)
-            self._error = e
-
-    def result(self) -> torch.Tensor:
-        if self._error is not None:
-            raise self._error
-        output, _ = self._channel.result(self._timeout_s)
-        self.nbytes_received = output.nbytes
-        return output
-
-    def cancel(self) -> None:
-        self._channel.close()  # (its answer may still come: the connection is not used again)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
             if not self._channel.closed and self._channel.answered:
-                self._channel.trim()
-                self._idle.append(self._channel)
+                self._reuse()
             else:
                 self._channel.close()
+
+    def _reuse(self) -> None:
+        self._idle.append(self._channel)
+
+
+class ShmCall(ChannelCall):
+    transport = "shm"
+
+    def _send(self) -> None:
+        self._channel.send(self._layer, self._version)
+
+
+class TcpCall(ChannelCall):
+    transport = "tcp"
+
+    def _send(self) -> None:
+        self._channel.send(self._layer, self._version, self._timeout_s)  # (a send has a deadline too)
+
+    def _reuse(self) -> None:
+        self._channel.trim()  # (a long prefill's buffers are not kept)
+        super()._reuse()
 
 
 class Transports:

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import ray
 import torch
 
-from .attention_pool import AttentionPool
+from .attention_pool import AttentionPool, attention_stats
 from .autoscale import AttentionAutoscaler, ExpertAutoscaler, busy_fractions, expert_signals
 from .service import BalancerConfig, BalancerCore
 
@@ -159,7 +159,7 @@ class Balancer:
                 continue
             counters[wid] = (stats.compute_seconds, stats.queue_seconds, stats.dispatch_calls)
             slots[wid] = max(1, stats.compute_slots)
-        attention = await self._attention_stats()
+        attention = await attention_stats(dict(self.core.attention))
         readings = {w: (c[0] / slots[w], now) for w, c in counters.items()}  # (busy: per slot)
         busy, self._busy_readings = busy_fractions(self._busy_readings, readings), readings
         before, self._counters = self._counters, (counters, attention, now)
@@ -174,15 +174,6 @@ class Balancer:
             log.info("autoscaling the expert pool to %d workers: %s", target, self.autoscaler.last_reason)
             await self.core.scale(target, reason="autoscale")
             self._busy_readings, self._counters = {}, None  # (a new pool: measure afresh)
-
-    async def _attention_stats(self) -> dict[str, dict]:
-        """Each attention worker's stats (one that does not answer in 5 s is left out)."""
-        names = list(self.core.attention)
-        replies = await asyncio.gather(
-            *[asyncio.wait_for(self.core.attention[n].stats.remote(), 5.0) for n in names],
-            return_exceptions=True,
-        )
-        return {n: r for n, r in zip(names, replies, strict=True) if isinstance(r, dict)}
 
     async def _autoscale_attention(self) -> None:
         """One tick of the attention pool's autoscaling: each serving worker's KV use and queue ->

@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 ATTENTION_NAME = re.compile(r"^moe-attn-(\d+)$")  # attention_worker_name's: its index
 
 
+async def attention_stats(actors: dict[str, Any]) -> dict[str, dict]:
+    """Each attention worker's `stats()` (one that does not answer in 5 s is left out)."""
+    replies = await asyncio.gather(
+        *[asyncio.wait_for(a.stats.remote(), 5.0) for a in actors.values()], return_exceptions=True
+    )
+    return {n: r for n, r in zip(actors, replies, strict=True) if isinstance(r, dict)}
+
+
 @dataclass
 class AttentionScaling:
     """What the balancer needs to size the attention pool: the policy's settings and how to
@@ -92,14 +100,8 @@ class AttentionPool:
 
     async def measure(self) -> dict[str, AttentionLoad]:
         """Each serving worker's load (a worker that does not answer in 5 s is left out)."""
-        names = self.serving
-        replies = await asyncio.gather(
-            *[asyncio.wait_for(self.core.attention[n].stats.remote(), 5.0) for n in names],
-            return_exceptions=True,
-        )
-        self.loads = {
-            n: AttentionLoad.from_stats(r) for n, r in zip(names, replies, strict=True) if isinstance(r, dict)
-        }
+        stats = await attention_stats({n: self.core.attention[n] for n in self.serving})
+        self.loads = {n: AttentionLoad.from_stats(r) for n, r in stats.items()}
         return self.loads
 
     def ask_capacity(self, num_workers: int) -> None:

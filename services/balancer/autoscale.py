@@ -160,21 +160,22 @@ def expert_signals(
     `waiting`), taken `seconds` apart. Workers in one reading only (new, gone) are left out; a
     counter that went down (a restart) counts from zero."""
 
-    def delta(a: float, b: float) -> float:
-        return b - a if b >= a else b
-
     compute = queue = calls = 0.0
     for w, (c1, q1, n1) in after.items():
         if w in before:
             c0, q0, n0 = before[w]
-            compute, queue, calls = compute + delta(c0, c1), queue + delta(q0, q1), calls + delta(n0, n1)
+            compute, queue, calls = (
+                compute + _increase(c0, c1),
+                queue + _increase(q0, q1),
+                calls + _increase(n0, n1),
+            )
     step = wait = tokens = 0.0
     for a, s1 in attention_after.items():
         if a in attention_before:
             t0, t1 = attention_before[a]["times"], s1["times"]
-            step += delta(t0["step_s"], t1["step_s"])
-            wait += delta(t0["expert_wait_s"], t1["expert_wait_s"])
-            tokens += delta(t0["tokens"], t1["tokens"])
+            step += _increase(t0["step_s"], t1["step_s"])
+            wait += _increase(t0["expert_wait_s"], t1["expert_wait_s"])
+            tokens += _increase(t0["tokens"], t1["tokens"])
     return ExpertSignals(
         queue_delay_s=queue / calls if calls else 0.0,
         compute_s=compute / calls if calls else 0.0,
@@ -182,6 +183,11 @@ def expert_signals(
         tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
         pending=sum(s["waiting"] for s in attention_after.values()),
     )
+
+
+def _increase(before: float, after: float) -> float:
+    """How much a cumulative counter grew (a counter that went down restarted: from zero)."""
+    return after - before if after >= before else after
 
 
 def busy_fractions(
@@ -194,7 +200,7 @@ def busy_fractions(
         if w not in before or t1 <= before[w][1]:
             continue
         busy0, t0 = before[w]
-        spent = busy1 - busy0 if busy1 >= busy0 else busy1
+        spent = _increase(busy0, busy1)
         out[w] = min(1.0, max(0.0, spent / (t1 - t0)))
     return out
 

@@ -114,14 +114,22 @@ def fits(T: int, H: int, K: int, dtype: torch.dtype, capacity: int) -> bool:
     )
 
 
-def _views(region: torch.Tensor, capacity: int, T: int, H: int, K: int, dtype: torch.dtype):
-    """(hidden, slot, weight, output) tensors viewing a channel's regions (region: its bytes)."""
+def request_parts(
+    region: torch.Tensor, T: int, H: int, K: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """(hidden [T, H], slot [T, K] int32, weight [T, K] float32) viewing a request region laid
+    out by `request_layout` (region: its bytes; also the TCP transport's buffers)."""
     slot_at, weight_at, _ = request_layout(T, H, K, dtype)
     hidden = region[: T * H * dtype.itemsize].view(dtype).view(T, H)
     slot = region[slot_at : slot_at + T * K * 4].view(torch.int32).view(T, K)
     weight = region[weight_at : weight_at + T * K * 4].view(torch.float32).view(T, K)
+    return hidden, slot, weight
+
+
+def _views(region: torch.Tensor, capacity: int, T: int, H: int, K: int, dtype: torch.dtype):
+    """(hidden, slot, weight, output) tensors viewing a channel's regions (region: its bytes)."""
     output = region[capacity : capacity + T * H * dtype.itemsize].view(dtype).view(T, H)
-    return hidden, slot, weight, output
+    return *request_parts(region, T, H, K, dtype), output
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,24 +281,18 @@ class ShmServer:
             return len(self._channels)
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError as e:
-                if self._closed:
-                    return
-                log.warning("shared-memory accept failed: %s", e)
-                time.sleep(0.1)
-                continue
-            try:  # another user's process, or too many channels: refused before any thread or read
-                if peer_uid(conn) != os.getuid() or self.channels >= MAX_CHANNELS:
-                    self.refused += 1
-                    conn.close()
-                    continue
-                threading.Thread(target=self._serve, args=(conn,), name="shm-channel", daemon=True).start()
-            except (OSError, RuntimeError) as e:
-                log.warning("shared-memory channel not started: %s", e)
+        accept_each(self._listener, lambda: self._closed, self._admit, "shared-memory")
+
+    def _admit(self, conn: socket.socket) -> None:
+        try:  # another user's process, or too many channels: refused before any thread or read
+            if peer_uid(conn) != os.getuid() or self.channels >= MAX_CHANNELS:
+                self.refused += 1
                 conn.close()
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="shm-channel", daemon=True).start()
+        except (OSError, RuntimeError) as e:
+            log.warning("shared-memory channel not started: %s", e)
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         with self._lock:
@@ -378,6 +380,22 @@ class ShmServer:
         for conn in channels:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+
+
+def accept_each(listener: socket.socket, closed: Callable[[], bool], admit: Callable[[socket.socket], None],
+                what: str) -> None:  # fmt: skip
+    """Accept connections on `listener` until `closed()`, handing each to `admit` (which serves it
+    on a thread of its own or refuses it); a failed accept is logged and tried again after 0.1 s."""
+    while not closed():
+        try:
+            conn, _ = listener.accept()
+        except OSError as e:
+            if closed():
+                return
+            log.warning("%s accept failed: %s", what, e)
+            time.sleep(0.1)
+            continue
+        admit(conn)
 
 
 def peer_uid(sock: socket.socket) -> int:

@@ -33,7 +33,6 @@ import ssl
 import struct
 import tempfile
 import threading
-import time
 
 import grpc
 import torch
@@ -46,7 +45,9 @@ from services.rpc.shm import (
     MAX_ERROR_BYTES,
     Compute,
     TransportError,
+    accept_each,
     request_layout,
+    request_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -98,15 +99,6 @@ def _region(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:
     if buf is None or buf.numel() < nbytes:
         buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
     return buf
-
-
-def _parts(region: torch.Tensor, T: int, H: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """(hidden [T, H], slot [T, K] int32, weight [T, K] float32) viewing a request region."""
-    slot_at, weight_at, _ = request_layout(T, H, K, dtype)
-    hidden = region[: T * H * dtype.itemsize].view(dtype).view(T, H)
-    slot = region[slot_at : slot_at + T * K * 4].view(torch.int32).view(T, K)
-    weight = region[weight_at : weight_at + T * K * 4].view(torch.float32).view(T, K)
-    return hidden, slot, weight
 
 
 def _server_context(secret: str) -> ssl.SSLContext:
@@ -191,7 +183,7 @@ class TcpChannel:
             raise ValueError(f"dtype {dtype} cannot travel by socket")
         self._request = _region(self._request, request_layout(T, H, K, dtype)[2])
         self._shape = (T, H, K, dtype)
-        return _parts(self._request, T, H, K, dtype)
+        return request_parts(self._request, T, H, K, dtype)
 
     def send(self, layer: int, placement_version: int, timeout_s: float) -> None:
         """Send the request (bounded by `timeout_s`: a worker that stopped reading fails it)."""
@@ -299,30 +291,24 @@ class TcpServer:
             return len(self._connections)
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError as e:
-                if self._closed:
-                    return
-                log.warning("socket accept failed: %s", e)
-                time.sleep(0.1)
-                continue
-            with self._lock:
-                admit = len(self._connections) < MAX_CONNECTIONS and self._handshakes < MAX_HANDSHAKES
-                if admit:
-                    self._connections[id(conn)] = conn
-                    self._handshakes += 1
-            if not admit:
-                self.refused += 1
-                conn.close()
-                continue
-            try:
-                threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True).start()
-            except RuntimeError as e:
-                log.warning("socket connection not served: %s", e)
-                self._forget(conn, handshaking=True)
-                conn.close()
+        accept_each(self._listener, lambda: self._closed, self._admit, "socket")
+
+    def _admit(self, conn: socket.socket) -> None:
+        with self._lock:
+            admit = len(self._connections) < MAX_CONNECTIONS and self._handshakes < MAX_HANDSHAKES
+            if admit:
+                self._connections[id(conn)] = conn
+                self._handshakes += 1
+        if not admit:
+            self.refused += 1
+            conn.close()
+            return
+        try:
+            threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True).start()
+        except RuntimeError as e:
+            log.warning("socket connection not served: %s", e)
+            self._forget(conn, handshaking=True)
+            conn.close()
 
     def _forget(self, raw: socket.socket, handshaking: bool) -> None:
         with self._lock:
@@ -400,7 +386,7 @@ class TcpServer:
             raise ValueError(f"a request of {nbytes} bytes (at most {self.max_request_bytes})")
         request = _region(request, nbytes)
         _recv_exact(conn, memoryview(request.numpy())[:nbytes])
-        hidden, slot, weight = _parts(request, T, H, K, dtype)
+        hidden, slot, weight = request_parts(request, T, H, K, dtype)
         output = _region(output, T * H * dtype.itemsize)
         out = output[: T * H * dtype.itemsize].view(dtype).view(T, H)
         self.requests += 1
