@@ -173,6 +173,68 @@ def bench_mla(
     return row
 
 
+FP8_SWEEP_TILES = [
+    (16, 16, 4, 2),
+    (16, 32, 4, 2),
+    (16, 32, 8, 2),
+    (32, 32, 8, 2),
+    (64, 32, 8, 2),
+    (64, 64, 8, 2),
+]
+
+
+def bench_mla_fp8(batch: int, context: int, heads: int = 128, C: int = 512, R: int = 64) -> dict:
+    """#40's FP8 latent cache on the GPU: the Triton kernel over FP8 rows (656 bytes each at V3's
+    dims, read in place) against the same kernel over bf16 rows (1,152 bytes) and the torch path
+    (the context gathered and dequantised, then two bmm), at one V3 decode shape; the default and
+    other tile shapes over FP8 rows (FP8_SWEEP_TILES); the result against the bf16 kernel on the dequantised rows."""
+    from services.model.kernels import triton_mla
+    from services.model.kv_cache import dequantize_latent_rows, fp8_row_bytes, quantize_latent_rows
+
+    blocks, _, n, cache, tables, lens, qs, moved = mla_decode_inputs(batch, context, heads, C, R, None)
+    flat = cache.view(-1, C + R)
+    fp8 = quantize_latent_rows(flat[:, :C], flat[:, C:]).view(*cache.shape[:3], -1)
+    dense = dequantize_latent_rows(fp8, C, R, torch.bfloat16)  # what the FP8 rows hold, in bf16
+    scale = 0.1352338
+    row_bytes = fp8_row_bytes(C, R)
+    fp8_moved = moved - batch * blocks * 64 * ((C + R) * 2 - row_bytes)
+    row = {"batch": batch, "context": context, "heads": heads, "fp8_row_bytes": row_bytes,
+           "bf16_row_bytes": (C + R) * 2, "copies": n}  # fmt: skip
+
+    def torch_fp8(i):
+        ctx = dequantize_latent_rows(
+            fp8[tables[i, :, :blocks].long()].view(batch, -1, row_bytes), C, R, qs.dtype
+        )
+        probs = (torch.bmm(qs[i], ctx.transpose(1, 2)).float() * scale).softmax(-1).to(qs.dtype)
+        return torch.bmm(probs, ctx[..., :C])
+
+    paths = {
+        "triton_fp8": lambda i: triton_mla.mla_decode(qs[i], fp8, tables[i], lens, C, scale),
+        "triton_bf16": lambda i: triton_mla.mla_decode(qs[i], cache, tables[i], lens, C, scale),
+        "torch_fp8": torch_fp8,
+    }
+    for tiles in FP8_SWEEP_TILES:  # (block_h, block_n, num_warps, num_stages)
+        paths["triton_fp8_tiles_" + "_".join(map(str, tiles))] = lambda i, t=tiles: triton_mla.mla_decode(
+            qs[i], fp8, tables[i], lens, C, scale, tiles=triton_mla.DecodeTiles(*t)
+        )
+    got = paths["triton_fp8"](0).float()
+    same = triton_mla.mla_decode(qs[0], dense, tables[0], lens, C, scale).float()
+    row["fp8_vs_bf16_kernel_on_dequantized_max_abs_diff"] = (got - same).abs().max().item()
+    row["fp8_vs_bf16_rows_max_abs_diff"] = (got - paths["triton_bf16"](0).float()).abs().max().item()
+    for name, fn in paths.items():
+        try:
+            ms = graphed_ms([lambda i=i, fn=fn: fn(i) for i in range(n)])
+        except Exception as e:  # (a tile shape that does not fit: the others still run)
+            row[f"{name}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tbps"] = (moved if name == "triton_bf16" else fp8_moved) / ms / 1e9
+    if isinstance(row["triton_fp8_ms"], float):
+        row["fp8_speedup_over_bf16"] = row["triton_bf16_ms"] / row["triton_fp8_ms"]
+        row["fp8_speedup_over_torch_fp8"] = row["torch_fp8_ms"] / row["triton_fp8_ms"]
+    return row
+
+
 SWEEP_TILES = [  # (block_h, block_n, num_warps, num_stages)
     (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
     (32, 32, 4, 3), (64, 16, 4, 2), (64, 32, 4, 2), (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1),
@@ -365,7 +427,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--slots", type=int, default=32, help="experts held by one expert worker")
     ap.add_argument("--sections", default=None, help="comma-separated: only these sections "
-                    "(mla_decode, mla_sweep, fused_moe, rms_norm, mla_latent, fp8_linear)")  # fmt: skip
+                    "(mla_decode, mla_fp8, mla_sweep, fused_moe, rms_norm, mla_latent, fp8_linear)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA device (and triton: pip install -e '.[gpu]')")
@@ -391,6 +453,7 @@ def main() -> None:
             for b, ctx, w in ((64, 4096, None), (8, 4096, None), (64, 1024, 512), (1, 4096, None))
             for row in bench_mla_sweep(b, ctx, w)
         ],  # fmt: skip
+        "mla_fp8": lambda: [bench_mla_fp8(b, args.context) for b in (1, 8, 64)],
         "fused_moe": moe,
         "rms_norm": lambda: [bench_norm(t) for t in (1, 64, 4096)],
         "mla_latent": lambda: [bench_latent(t) for t in (1, 64)],

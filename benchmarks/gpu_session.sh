@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [STEP ...]    # there (device `run`, carry [".whl"], timeout_s 600)
 #
 # Steps, in order (default: all): tests, local, kernels, attention_gpu, attention_cpu, dispatch,
-# kernel_tests; also sweep, prefill and mla_tests when named. Each has its own time limit, cut to
+# kernel_tests; also sweep, prefill, mla_tests, fp8_tests, mla_fp8 and transports when named. Each has its own time limit, cut to
 # what is left of BUDGET seconds (default 540), and writes its results under $OUT as it goes, so a
 # step that overruns costs only itself and the
 # steps after it still run while time is left. Files back ($OUT, at most 8): log.txt (everything,
@@ -92,6 +92,15 @@ for s in $steps; do
         step prefill 150 $GPU python3 -m benchmarks.bench_mla_prefill --out "$OUT/mla_prefill.json" ;;
     mla_tests) # the Triton MLA tests only (tile shapes, the rope's tolerance on a GPU)
         step mla_tests 120 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "mla or latent" ;;
+    fp8_tests) # #40: the Triton MLA kernel over FP8 latent rows (decode, prefill, an engine in graphs)
+        step fp8_tests 150 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+            tests/test_fp8_cache.py -k "fp8_latent or fp8_rows or absorbed or tiles" ;;
+    mla_fp8) # #40: FP8 rows against bf16 rows and the torch path at V3 shapes, and FP8 tile shapes
+        step mla_fp8 150 $GPU python3 -m benchmarks.bench_kernels --sections mla_fp8 --out "$OUT/kernels_fp8.json" ;;
+    transports) # #37 (16 cores): cluster over LocalEngine per transport at batch 1 / 8 / 32
+        step transports 240 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 1,8,32 \
+            --transports shm,tcp,grpc --rounds 2 --attention-threads 4 --local-threads 4 --expert-threads 2 \
+            --out "$OUT/attention_cpu.json" ;;
     kernel_tests) # the kernels' own tests, compiled for this GPU
         step kernel_tests 150 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
             tests/test_triton_moe.py tests/test_decode_graphs.py tests/test_flashmla.py ;;

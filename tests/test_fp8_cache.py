@@ -133,3 +133,44 @@ def test_capacity_and_refusals(tmp_path):
     assert (
         model_mod.mla_forward
     )  # (the model reads FP8 rows in mla_forward / paged_decode / prefill_attention)
+
+
+def test_fp8_rows_on_the_triton_kernels_keep_greedy_outputs(tmp_path, monkeypatch):
+    """The GPU's path over FP8 rows (under triton's interpreter here): the Triton MLA kernel reads
+    them in place in decode and prefill (each query a row of its own causal length), and gives the
+    C++ kernel's / tiled path's greedy tokens and close logits, a prompt across a block boundary
+    and a batch mixing prefill chunks and decodes."""
+    pytest.importorskip("triton")
+    from services.model.kernels import gpu, triton_mla
+
+    from .hf_oracle import generate_with_logits
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    checkpoint = make_hf_checkpoint(
+        tmp_path / "v3", rope_parameters=V3_YARN, kv_lora_rank=512, qk_rope_head_dim=64, vocab_size=320
+    )  # fmt: skip (V3's 656-byte rows)
+    read = []
+    kernel = triton_mla.mla_decode
+    monkeypatch.setattr(
+        triton_mla,
+        "mla_decode",
+        lambda q, cache, *a, **kw: read.append(cache.dtype) or kernel(q, cache, *a, **kw),
+    )
+    prompts = random_prompts(320, seed=2, lengths=[4, 70, 21])
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(flag: str):
+        monkeypatch.setenv("MOE_TRITON", flag)
+        gpu.TRITON.reset()
+        engine = LocalEngine(EngineConfig(model=str(checkpoint), device=device, kv_cache_dtype="fp8",
+                                          max_num_seqs=4, max_num_batched_tokens=48))  # fmt: skip
+        return generate_with_logits(engine, prompts, params)
+
+    ref, ref_logits = run("0")
+    assert not read
+    out, logits = run("1")
+    assert read and set(read) == {torch.uint8} and "mla_decode" in gpu.TRITON.ran  # (not declined)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    tol = 1e-4 if device == "cpu" else 1e-3  # (on an H200 3e-4 apart: other kernels' sums too)
+    for a, b in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)

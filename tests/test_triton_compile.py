@@ -63,9 +63,11 @@ def test_half_precision_kernels_do_not_spill_on_hopper(compiled):
     twice the registers: the fp32 FP8 linear and, on sm_80, fp32 and FP8 prefill MoE tiles spill
     a few bytes; listed in docs/kernels.md.) The MLA decode's wide tiles spill ~250 bytes a thread
     and were still measured 1.4-1.9x the 16-head tiles on an H200 (kernels_h200_mla_sweep.json):
-    held under 512 bytes here."""
+    held under 512 bytes here. So do the MLA kernel's tiles over FP8 rows (dequantised to fp32 in
+    registers first), which were measured the fastest over FP8 rows (kernels_h200_mla_fp8.json)."""
     half = [r for r in compiled if r["arch"] == 90 and "float32" not in r["case"]]
-    spilled = [r for r in half if r["stack"] + r["local"] and "wide tiles" not in r["case"]]
+    measured = ("wide tiles", "fp8 rows")
+    spilled = [r for r in half if r["stack"] + r["local"] and not any(m in r["case"] for m in measured)]
     assert not spilled, spilled
-    wide = [r for r in half if "wide tiles" in r["case"]]
+    wide = [r for r in half if any(m in r["case"] for m in measured)]
     assert wide and all(r["stack"] + r["local"] <= 512 for r in wide), wide

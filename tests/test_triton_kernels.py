@@ -111,6 +111,68 @@ def test_absorbed_prefill_matches_the_tiled_path(kernels, L, n):
     assert absorbed_prefill(q[..., :D], q[..., D:], cache.to(torch.uint8), blocks, L, kv_b, C, 0.3) is None
 
 
+def fp8_context(lens, C, R, device, seed=0):
+    """paged_context's rows as FP8 latent rows (kv_cache.quantize_latent_rows): (uint8 cache
+    [blocks, 64, 1, fp8_row_bytes(C, R)], the same rows dequantised [blocks, 64, 1, C+R] fp32,
+    table, lens)."""
+    from services.model.kv_cache import dequantize_latent_rows, quantize_latent_rows
+
+    dense, table, lens_t = paged_context(lens, C + R, torch.float32, "cpu", seed)
+    dense[..., :C] *= torch.linspace(0.01, 30, C)  # groups of very different scales
+    rows = quantize_latent_rows(dense.view(-1, C + R)[:, :C], dense.view(-1, C + R)[:, C:])
+    cache = rows.view(*dense.shape[:3], -1)
+    exact = dequantize_latent_rows(cache, C, R)
+    return cache.to(device), exact.to(device), table.to(device), lens_t.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens, splits", [([5, 130, 64], None), ([300], 4)])
+def test_mla_decode_reads_fp8_latent_rows(kernels, dtype, lens, splits):
+    """The FP8 cache (656-byte rows on V3: e4m3 latent, fp32 scales per 128, bf16 rope) read in
+    place: the result of the dequantised rows, which is what the torch path attends to."""
+    load, device = kernels
+    mla = load("mla")
+    C, R = 512, 64  # DeepSeek-V3's: 656-byte rows
+    cache, exact, table, lens_t = fp8_context(lens, C, R, device)
+    assert cache.dtype == torch.uint8 and cache.shape[-1] == 656
+    q = torch.randn(len(lens), 4, C + R, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    o = mla.mla_decode(q, cache, table, lens_t, C, 0.05, splits=splits)
+    # the same kernel over the rows dequantised by torch in q's dtype: the same values, so in fp32 the
+    # same bits; in bf16 within a step (on an H200, 1-2 of 6,144 values one bf16 step apart: the
+    # tensor-core sums take the tiles in another order), and under the interpreter, whose fp32 -> bf16
+    # conversion truncates, bf16 noise
+    same = mla.mla_decode(q, exact.to(dtype), table, lens_t, C, 0.05, splits=splits)
+    if dtype == torch.float32:
+        torch.testing.assert_close(o, same, rtol=0, atol=0)
+        want = mla_decode_reference(q, exact, table, lens_t, C, 0.05)  # (values up to ~90 here)
+        torch.testing.assert_close(o, want, rtol=1e-3, atol=1e-3)
+    else:
+        loose = 0.05 if device == "cpu" else 0.01
+        torch.testing.assert_close(o, same, rtol=loose, atol=loose * same.abs().max())
+    assert mla.mla_decode(q, cache[..., :-2].contiguous(), table, lens_t, C, 0.05) is None  # not the layout
+    narrow, *_ = fp8_context(lens, 256, 16, device)  # 296-byte rows: not a multiple of 16 bytes
+    assert mla.mla_decode(q[..., : 256 + 16].contiguous(), narrow, table, lens_t, 256, 0.05) is None
+
+
+def test_absorbed_prefill_over_fp8_rows_matches_the_tiled_path(kernels):
+    """FP8 rows in prefill: the Triton kernel reads them in place, the tiled path dequantises a tile
+    at a time; the same attention."""
+    from services.model.model import absorbed_prefill, prefill_attention
+
+    load, device = kernels
+    N, C, R, D, V, L, n = 4, 512, 64, 24, 20, 150, 40
+    cache, _, table, _ = fp8_context([L], C, R, device, seed=4)
+    blocks = table[0].long()
+    g = torch.Generator().manual_seed(5)
+    kv_b = (torch.randn(N, D + V, C, generator=g) / C**0.5).to(device)
+    q = torch.randn(n, N, D + R, generator=g).to(device)
+    got = absorbed_prefill(q[..., :D], q[..., D:], cache, blocks, L, kv_b, C, 0.3)
+    assert got is not None
+    torch.testing.assert_close(
+        got, prefill_attention(q, cache, blocks, L, kv_b, C, R, 0.3), rtol=1e-4, atol=5e-4
+    )  # (fp32 sums in other orders; values up to ~30 here)
+
+
 def test_decode_tiles_are_wide_only_where_they_were_measured_to_win(monkeypatch):
     """64-head tiles for >= 64 heads, 16-bit rows, batches >= 8, Hopper-class GPUs (the H200 sweep)."""
     cuda = torch.device("cuda")
@@ -118,8 +180,13 @@ def test_decode_tiles_are_wide_only_where_they_were_measured_to_win(monkeypatch)
     assert triton_mla.decode_tiles(8, 128, torch.bfloat16, cuda) == triton_mla.WIDE_TILES
     for batch, heads, dtype in ((1, 128, torch.bfloat16), (8, 16, torch.bfloat16), (64, 128, torch.float32)):
         assert triton_mla.decode_tiles(batch, heads, dtype, cuda) == triton_mla.DECODE_TILES
+    # FP8 rows: the wide tiles at every batch (the H200's mla_fp8 rows), 16-bit queries, >= 64 heads
+    assert triton_mla.decode_tiles(1, 128, torch.bfloat16, cuda, fp8_rows=True) == triton_mla.FP8_WIDE_TILES
+    assert triton_mla.decode_tiles(1, 16, torch.bfloat16, cuda, fp8_rows=True) == triton_mla.FP8_TILES
+    assert triton_mla.decode_tiles(64, 128, torch.float32, cuda, fp8_rows=True) == triton_mla.FP8_TILES
     monkeypatch.setattr(hardware, "hopper_or_newer", lambda device: False)
     assert triton_mla.decode_tiles(64, 128, torch.bfloat16, cuda) == triton_mla.DECODE_TILES
+    assert triton_mla.decode_tiles(64, 128, torch.bfloat16, cuda, fp8_rows=True) == triton_mla.FP8_TILES
 
 
 def test_mla_decode_over_wide_tables_and_small_dims(kernels, monkeypatch):

@@ -40,9 +40,9 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     heads, latent, rope = 128, 512, 64  # DeepSeek-V3's absorbed MLA decode
 
-    def mla(dtype, splits, width=latent + rope, sparse=False, tiles=None):
+    def mla(dtype, splits, width=latent + rope, sparse=False, tiles=None, fp8_rows=False):
         q = torch.empty(2, heads, latent + rope, dtype=dtype)
-        cache = torch.empty(8, 64, 1, width, dtype=dtype)
+        cache = torch.empty(8, 64, 1, width, dtype=torch.uint8 if fp8_rows else dtype)
         lens = torch.tensor([100, 300])
         if sparse:  # V3.2: each row's top-k cache rows (the indexer's keys widen the rows)
             rows = torch.zeros(2, 2048, dtype=torch.int64)
@@ -56,6 +56,9 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
     yield "mla bfloat16 sparse (V3.2)", mla(bf16, 8, width=latent + rope + 128, sparse=True)
     for splits in (1, 4):  # Hopper's tiles at batches of 8 and more, and prefill (decode_tiles)
         yield f"mla bfloat16 wide tiles splits={splits}", mla(bf16, splits, tiles=triton_mla.WIDE_TILES)
+    # the FP8 cache's 656-byte rows: 16-head tiles, and what decode_tiles picks (wide tiles on sm_90)
+    yield "mla fp8 rows 16 heads", mla(bf16, 4, width=656, tiles=triton_mla.FP8_TILES, fp8_rows=True)
+    yield "mla fp8 rows", mla(bf16, 4, width=656, fp8_rows=True)
 
     def latent_to_cache(dtype, interleave=True):  # the per-token work: latent norm, ropes, cache write
         kv, q = torch.empty(2, latent + rope, dtype=dtype), torch.empty(2, heads, 128 + rope, dtype=dtype)
@@ -127,13 +130,14 @@ def record_launches(call: Callable[[], object], arch: int) -> list[tuple[object,
     def record(self, *args, grid, warmup=False, **kwargs):
         launches.append((self, args, kwargs))
 
-    saved = JITFunction.run, hardware.fp8_native, hardware.multiprocessors
+    saved = JITFunction.run, hardware.fp8_native, hardware.multiprocessors, hardware.hopper_or_newer
     JITFunction.run, hardware.fp8_native = record, lambda t: arch >= 89
     hardware.multiprocessors = lambda _: SMS[arch]  # (the split heuristics' input)
+    hardware.hopper_or_newer = lambda _: arch >= 90  # (decode_tiles' choice)
     try:
         call()
     finally:
-        JITFunction.run, hardware.fp8_native, hardware.multiprocessors = saved
+        JITFunction.run, hardware.fp8_native, hardware.multiprocessors, hardware.hopper_or_newer = saved
     return launches
 
 

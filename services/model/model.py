@@ -74,10 +74,13 @@ def absorb_o(o_lat: torch.Tensor, kv_b: torch.Tensor, D: int) -> torch.Tensor:
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, dec: DecodeRows, C: int, scale: float) -> torch.Tensor:
     """Decode attention over each row's paged context: q [Bd, N, C+R] absorbed latent queries,
     cache [blocks, 64, 1, W] -> o_lat [Bd, N, C]. FlashMLA where it applies (Hopper, installed),
-    else the Triton split-KV kernel (CUDA), else the C++ kernel (fp32 CPU), else torch ops."""
-    fp8 = cache.dtype == torch.uint8  # FP8 latent rows: the C++ kernel reads them, or torch dequantizes
+    else the Triton split-KV kernel (CUDA; also over FP8 rows), else the C++ kernel (fp32 CPU),
+    else torch ops."""
+    fp8 = (
+        cache.dtype == torch.uint8
+    )  # FP8 latent rows: the Triton or C++ kernel reads them, or torch dequantizes
     o = None if fp8 else FLASH_MLA.mla_decode(q, cache, dec, C, scale)
-    if o is None and not fp8:
+    if o is None:
         o = TRITON.mla_decode(q, cache, dec.table, dec.lens, C, scale)
     if o is None:  # fp32 CPU: one call over the paged cache in place (cpu_kernels.py)
         o = cpu_kernels.mla_decode(q, cache, dec.table, dec.lens, C, scale)
@@ -179,7 +182,7 @@ def mla_forward(
                                               kv_b, C, R, scale)  # fmt: skip
             continue
         o = absorbed_prefill(q_nope[s0 : s0 + n], q_pe[s0 : s0 + n], cache, blocks, L, kv_b, C, scale)
-        if o is None:  # (CPU, FP8 rows: tiled over keys)
+        if o is None:  # (CPU: tiled over keys)
             qb = torch.cat((q_nope[s0 : s0 + n], q_pe[s0 : s0 + n]), dim=-1)  # [n, N, D+R]
             o = prefill_attention(qb, cache, blocks, L, kv_b, C, R, scale)
         out[s0 : s0 + n] = o.to(x.dtype)
@@ -222,12 +225,12 @@ PREFILL_KEY_TILE = 8 * BLOCK_SIZE  # context tokens whose K/V are expanded at a 
 def absorbed_prefill(q_nope, q_pe, cache, blocks, L: int, kv_b, C: int, scale: float) -> torch.Tensor | None:
     """Causal MLA of one sequence's prefill chunk on the Triton decode kernel: q_nope [n, N, D],
     q_pe [n, N, R] (positions L-n .. L-1), the context's `blocks` [ceil(L / 64)] -> [n, N, V], or
-    None where the kernel does not run (CPU without the interpreter, FP8 rows). Each query is a
+    None where the kernel does not run (CPU without the interpreter). Each query is a
     decode row of its own causal length over the same blocks, in the absorbed form: ~3.4x the
     multiply-adds of the expanded form at V3's dims, but no per-head K/V at all; its scratch is
     the chunk's [n, N, C+R] queries and [n, N, C] outputs, whatever the context. On an H200 at
     V3's heads (bench_mla_prefill, 2,048-query chunk) 16-20x prefill_attention's time."""
-    if cache.dtype != q_nope.dtype or not TRITON.enabled(q_nope):
+    if cache.dtype not in (q_nope.dtype, torch.uint8) or not TRITON.enabled(q_nope):  # (uint8: FP8 rows)
         return None
     n = q_nope.shape[0]
     q_full = torch.cat((absorb_q(q_nope, kv_b), q_pe), dim=-1)  # [n, N, C+R]

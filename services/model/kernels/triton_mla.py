@@ -29,26 +29,47 @@ import torch
 import triton
 import triton.language as tl
 
-from services.model.kv_cache import BLOCK_SIZE
+from services.model.kv_cache import BLOCK_SIZE, FP8_GROUP, fp8_row_bytes
 
 from . import hardware
 from .hardware import INTERPRETED
-from .triton_linear import TL_DTYPE
+from .triton_linear import TL_DTYPE, e4m3_bits_to_fp16
+
+
+@triton.jit
+def _fp8_rows(cache_ptr, scale_ptr, rope_ptr, row, ok, c, r, C, R, W, GROUP: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """One tile of FP8 latent rows (kv_cache.quantize_latent_rows' layout, W bytes each: [c_kv as
+    e4m3 | C / GROUP fp32 scales | k_pe as bf16]) -> (c_kv [rows, BLOCK_C], k_pe [rows, BLOCK_R])
+    in fp32, the values `kv_cache.dequantize_latent_rows` gives. scale_ptr / rope_ptr: the same
+    bytes as fp32 / bf16 (W / 4 and W / 2 of them per row). The e4m3 bits become fp16 values 256
+    times smaller (exact), and the 256 goes into the scale: the product is the torch path's."""
+    ok_c = ok[:, None] & (c[None, :] < C)
+    bits = tl.load(cache_ptr + row[:, None] * W + c[None, :], mask=ok_c, other=0)
+    g = tl.arange(0, BLOCK_C // GROUP)
+    s = tl.load(scale_ptr + row[:, None] * (W // 4) + C // 4 + g[None, :],
+                mask=ok[:, None] & (g[None, :] < C // GROUP), other=0.0)  # fmt: skip
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_C // GROUP, GROUP)), (BLOCK_N, BLOCK_C))
+    kv_c = e4m3_bits_to_fp16(bits).to(tl.float32) * (s * 256.0)
+    rope = rope_ptr + row[:, None] * (W // 2) + (C + 4 * (C // GROUP)) // 2 + r[None, :]
+    k_r = tl.load(rope, mask=ok[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
+    return kv_c, k_r
 
 
 @triton.jit
 def _mla_decode_split(
-    q_ptr, cache_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, cache_ptr, scale_ptr, rope_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
     N, C, R, W, stride_q_b, stride_q_n, stride_table_b, scale, SPARSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: the softmax of heads [BLOCK_H] of row b over its split's context rows.
     mid_o [B, N, SPLITS, C] fp32 (normalised by the split's own sum; not written for a split past
     the end of the row's context), mid_lse [B, N, SPLITS] (-inf there); with one split, the
     output itself: mid_o is o [B, N, C] in its dtype and mid_lse is not used.
     SPARSE: table_ptr holds each row's chosen flat cache rows (V3.2's top-k), not block ids.
+    FP8: the cache holds FP8 latent rows (`_fp8_rows`), dequantised per tile to q's dtype.
     The head group is the fastest-varying program id: a row's groups run side by side and read
     its cache rows once from memory between them (the others hit the L2)."""
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -79,11 +100,21 @@ def _mla_decode_split(
         else:
             block = tl.load(table_ptr + b * stride_table_b + pos // PAGE, mask=pos_ok, other=0)
             row = block.to(tl.int64) * PAGE + pos % PAGE
-        rows = cache_ptr + row * W
-        kv_c = tl.load(rows[:, None] + c[None, :], mask=pos_ok[:, None] & (c[None, :] < C), other=0.0)
-        k_r = tl.load(rows[:, None] + C + r[None, :], mask=pos_ok[:, None] & (r[None, :] < R), other=0.0)
-        if UPCAST:
-            kv_c, k_r = kv_c.to(tl.float32), k_r.to(tl.float32)
+        if FP8:
+            kv_c, k_r = _fp8_rows(
+                cache_ptr, scale_ptr, rope_ptr, row, pos_ok, c, r, C, R, W, GROUP, BLOCK_N, BLOCK_C
+            )
+            if q_ptr.dtype.element_ty != tl.float32:  # rounded to q's dtype as torch rounds
+                kv_c = kv_c.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+                k_r = k_r.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            if UPCAST:
+                kv_c, k_r = kv_c.to(tl.float32), k_r.to(tl.float32)
+        else:
+            rows = cache_ptr + row * W
+            kv_c = tl.load(rows[:, None] + c[None, :], mask=pos_ok[:, None] & (c[None, :] < C), other=0.0)
+            k_r = tl.load(rows[:, None] + C + r[None, :], mask=pos_ok[:, None] & (r[None, :] < R), other=0.0)
+            if UPCAST:
+                kv_c, k_r = kv_c.to(tl.float32), k_r.to(tl.float32)
         score = tl.dot(q_c, tl.trans(kv_c), input_precision=PRECISION)
         score += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
         score = tl.where(pos_ok[None, :], score * scale, float("-inf"))
@@ -145,13 +176,24 @@ WIDE_TILES = DecodeTiles(block_h=64, block_n=64, num_warps=8, num_stages=2)  # a
 # V3 shapes, bf16): 1.9x the default at batch 64 / 4K context, 1.4x at batch 8, 0.8x at batch 1
 
 
-def decode_tiles(batch: int, heads: int, dtype: torch.dtype, device: torch.device) -> DecodeTiles:
+FP8_TILES = DECODE_TILES  # FP8 rows: each tile is dequantised to fp32 in registers first. Measured on
+# an H200 (bench_kernels' mla_fp8, V3 shapes, 4K context): at batch 8 / 64 these 16-head tiles ran
+# 1.5-1.6x the same tiles with 8 warps (which do not spill: these spill 24 bytes on sm_90)
+FP8_WIDE_TILES = WIDE_TILES  # and these the fastest of six shapes at batch 1, 8 and 64 (1.2-2.9x
+# the 16-head tiles; 189 KB of shared memory: Hopper-class GPUs only)
+
+
+def decode_tiles(
+    batch: int, heads: int, dtype: torch.dtype, device: torch.device, fp8_rows: bool = False
+) -> DecodeTiles:
     """WIDE_TILES for 64 heads or more (V3's 128; fewer would leave a program's heads masked),
     16-bit rows and batches of 8 or more on Hopper-class GPUs (their 227 KB of shared memory per
-    block hold its tiles); DECODE_TILES otherwise (at small batches more programs win)."""
-    if batch >= 8 and heads >= 64 and dtype != torch.float32 and hardware.hopper_or_newer(device):
-        return WIDE_TILES
-    return DECODE_TILES
+    block hold its tiles); DECODE_TILES otherwise (at small batches more programs win). FP8 rows
+    (fp8_rows): FP8_WIDE_TILES at any batch, on the same other terms, else FP8_TILES."""
+    wide = heads >= 64 and dtype != torch.float32 and hardware.hopper_or_newer(device)
+    if fp8_rows:
+        return FP8_WIDE_TILES if wide else FP8_TILES
+    return WIDE_TILES if wide and batch >= 8 else DECODE_TILES
 
 
 MIN_SPLIT_BLOCKS = 4  # cache blocks per split at least: a split's partials (heads x C fp32, 256 KB
@@ -188,17 +230,26 @@ def mla_decode(
     rows [B, k] int64 (then `table` is not used): each sequence's chosen flat cache rows (block *
     64 + offset; V3.2's top-k), of which the first lens[b] are attended to.
     `tiles` overrides decode_tiles' choice (bench_kernels' sweep).
+    A uint8 cache holds FP8 latent rows (`kv_cache.quantize_latent_rows`, W = fp8_row_bytes(C, R):
+    656 bytes on V3), read as they are and dequantised per tile in the kernel; rows whose width is
+    not a multiple of 16 bytes are declined (on an H200 they raised "misaligned address").
     None where the kernel does not apply (a cache of another dtype or layout).
     """
     B, N, D = q.shape
     C, R, W = latent_dim, q.shape[-1] - latent_dim, cache.shape[-1]
-    if cache.dtype != q.dtype or D > W or not cache.is_contiguous() or cache.shape[1] != BLOCK_SIZE:
+    fp8 = cache.dtype == torch.uint8
+    if fp8:
+        if C % FP8_GROUP or R % 2 or fp8_row_bytes(C, R) != W or W % 16 or q.dtype not in TL_DTYPE:
+            return None
+    elif cache.dtype != q.dtype or D > W:
+        return None
+    if not cache.is_contiguous() or cache.shape[1] != BLOCK_SIZE:
         return None
     q = q if q.stride(-1) == 1 else q.contiguous()
     table = (table if rows is None else rows).contiguous()
     lens = lens.contiguous()
     fp32 = q.dtype == torch.float32
-    tiles = tiles or decode_tiles(B, N, q.dtype, q.device)
+    tiles = tiles or decode_tiles(B, N, q.dtype, q.device, fp8)
     block_n = max(16, tiles.block_n // 2) if fp32 else tiles.block_n  # (fp32 tiles are twice the
     # registers; tl.dot's K is at least 16)
     groups = triton.cdiv(N, tiles.block_h)
@@ -209,13 +260,14 @@ def mla_decode(
     mid_o = torch.empty(B, N, splits, C, dtype=torch.float32, device=q.device) if splits > 1 else o
     mid_lse = torch.empty(B, N, splits, dtype=torch.float32, device=q.device) if splits > 1 else o
     BLOCK_C = max(16, triton.next_power_of_2(C))
+    scales, ropes = (cache.view(torch.float32), cache.view(torch.bfloat16)) if fp8 else (cache, cache)
     _mla_decode_split[(groups, B, splits)](
-        q, cache, table, lens, mid_o, mid_lse,
+        q, cache, scales, ropes, table, lens, mid_o, mid_lse,
         N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale, rows is not None,
         BLOCK_H=tiles.block_h, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=block_n,
         PAGE=BLOCK_SIZE, SPLITS=splits, MIN_BLOCKS=min_blocks,
         PRECISION="ieee" if fp32 else None,  # fp32: no TF32 rounding
-        UPCAST=INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        UPCAST=INTERPRETED, FP8=fp8, GROUP=FP8_GROUP, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if splits > 1:
         _mla_decode_merge[(B * N,)](mid_o, mid_lse, o, N, C, BLOCK_C=BLOCK_C, SPLITS=splits)
