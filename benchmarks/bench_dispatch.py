@@ -31,7 +31,8 @@ fp32, top-6 of 64, intermediate 128). For T = 1, 8, 32, 64, 256 tokens it measur
   shm_ms           the same Dispatch through shared memory (services/rpc/shm.py): rows copied
                    into the pair's buffer, doorbell, compute from and into the buffer, answer;
                    shm_minus_compute_ms is it beyond the worker's compute (the AFD budget's
-                   measure: ~0.3 ms per MoE layer for both directions), shm_no_compute_* the
+                   measure: ~0.3 ms per MoE layer for both directions); shm_spin_* the same with
+                   both sides polling --spin-us before they block (`--expert-spin-us`); shm_no_compute_* the
                    same with every slot -1; remote_experts_shm_ms the full client path over it
   tcp_ms           the same Dispatch over a TCP connection (services/rpc/tcp.py, plaintext: the
                    benchmark's worker has no secret): the same frames, the rows sent from the
@@ -118,7 +119,7 @@ CASES = {
 }
 
 
-def serve(model_dir: str, dtype: str, port_queue) -> None:
+def serve(model_dir: str, dtype: str, port_queue, spin_us: float) -> None:
     """Server process: the Expert service and a raw echo on one grpc server, set up as
     `ExpertServer` sets up an expert worker's (sync server, a pool of threads), and the
     shared-memory Dispatch beside it (as ExpertServer starts it)."""
@@ -168,6 +169,8 @@ def serve(model_dir: str, dtype: str, port_queue) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     shm_server = shm.ShmServer(f"127.0.0.1:{port}", servicer.compute_into, status_of)  # noqa: F841 (serves)
+    spin_address = f"127.0.0.1:{port}/spin"  # the same compute, both sides polling before they block
+    spinning = shm.ShmServer(spin_address, servicer.compute_into, status_of, spin_s=spin_us * 1e-6)  # noqa: F841
     tcp_server = tcp.TcpServer("127.0.0.1", servicer.compute_into, status_of)
     servicer.socket_port = tcp_server.port
     port_queue.put(port)
@@ -190,10 +193,11 @@ def encode_request(req: wire.DispatchRequest) -> bytes:
 class Client:
     """The ways of sending T tokens to the server process, timed."""
 
-    def __init__(self, address: str, cfg, remote, remote_shm, remote_unary, remote_tcp):
+    def __init__(self, address: str, cfg, remote, remote_shm, remote_unary, remote_tcp, spin_us: float):
         from services.rpc import shm
 
         self.shm = shm.ShmChannel.connect(address)
+        self.shm_spin = shm.ShmChannel.connect(address + "/spin", spin_s=spin_us * 1e-6)  # both sides poll
         self.remote_shm = remote_shm
         self.remote_tcp = remote_tcp
         port = ExpertClient(address).stats().socket_port
@@ -216,14 +220,15 @@ class Client:
         remote = remote or self.remote
         remote.combine(ExpertCombine(remote.dispatch(msg)))
 
-    def run_shm(self, req: wire.DispatchRequest) -> float:
+    def run_shm(self, req: wire.DispatchRequest, channel=None) -> float:
         """The rows written into the shared buffer, the doorbell, the answer; compute_seconds."""
-        hidden, slot, weight = self.shm.request(*req.hidden.shape, req.slot.shape[1], req.hidden.dtype)
+        channel = channel or self.shm
+        hidden, slot, weight = channel.request(*req.hidden.shape, req.slot.shape[1], req.hidden.dtype)
         hidden.copy_(req.hidden)
         slot.copy_(req.slot)
         weight.copy_(req.weight)
-        self.shm.send(req.layer, req.placement_version)
-        return self.shm.result(60)[1]
+        channel.send(req.layer, req.placement_version)
+        return channel.result(60)[1]
 
     def run_tcp(self, req: wire.DispatchRequest) -> float:
         """The rows written into the connection's buffer and sent, the answer read; compute_seconds."""
@@ -255,7 +260,7 @@ class Client:
             self.echo(echo_payload), self.matched(encoded_request), self.run_dispatch(req)
             self.run_dispatch(idle_req), self.run_remote(msg), self.run_shm(req), self.run_shm(idle_req)
             self.run_remote(msg, self.remote_shm), self.run_remote(msg, self.remote_unary)
-            self.run_tcp(req), self.run_remote(msg, self.remote_tcp)
+            self.run_tcp(req), self.run_remote(msg, self.remote_tcp), self.run_shm(req, self.shm_spin)
         self.matched_times(b"")
         kinds = (
             "echo",
@@ -265,6 +270,7 @@ class Client:
             "remote",
             "shm",
             "shm_idle",
+            "shm_spin",
             "remote_shm",
             "remote_unary",
             "tcp",
@@ -280,6 +286,7 @@ class Client:
             ("remote", lambda: self.run_remote(msg)),
             ("shm", lambda: self.run_shm(req)),
             ("shm_idle", lambda: self.run_shm(idle_req)),
+            ("shm_spin", lambda: self.run_shm(req, self.shm_spin)),
             ("remote_shm", lambda: self.run_remote(msg, self.remote_shm)),
             ("remote_unary", lambda: self.run_remote(msg, self.remote_unary)),
             ("tcp", lambda: self.run_tcp(req)),
@@ -305,6 +312,7 @@ class Client:
         output_bytes = T * H * dtype.itemsize
         shm_net_ms = med([t - c for t, c in zip(times["shm"], returned["shm"], strict=True)])
         shm_idle_ms = med([t - c for t, c in zip(times["shm_idle"], returned["shm_idle"], strict=True)])
+        shm_spin_ms = med([t - c for t, c in zip(times["shm_spin"], returned["shm_spin"], strict=True)])
         # this machine's copy bandwidth over the same bytes: a request's and an answer's payloads
         src, dst = torch.empty(req.nbytes() + output_bytes, dtype=torch.uint8), None
         dst = torch.empty_like(src)
@@ -340,6 +348,7 @@ class Client:
             "shm_compute_ms": round(med(returned["shm"]), 4),
             "shm_minus_compute_ms": round(shm_net_ms, 4),
             "shm_no_compute_minus_compute_ms": round(shm_idle_ms, 4),
+            "shm_spin_minus_compute_ms": round(shm_spin_ms, 4),
             "remote_experts_shm_ms": round(med(times["remote_shm"]), 4),
             "tcp_ms": round(med(times["tcp"]), 4),
             "tcp_minus_compute_ms": round(
@@ -356,7 +365,7 @@ class Client:
 
 
 def bench_case(
-    name: str, overrides: dict, dtype_name: str, workdir: Path, iters: dict[int, int]
+    name: str, overrides: dict, dtype_name: str, workdir: Path, iters: dict[int, int], spin_us: float
 ) -> list[dict]:
     from services.attention.dispatch import DispatchConfig, RemoteExperts
     from services.model.config import ModelConfig, parse_dtype
@@ -368,7 +377,7 @@ def bench_case(
     cfg = ModelConfig.from_dir(model_dir)
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    proc = ctx.Process(target=serve, args=(str(model_dir), dtype_name, ports), daemon=True)
+    proc = ctx.Process(target=serve, args=(str(model_dir), dtype_name, ports, spin_us), daemon=True)
     proc.start()
     address = f"127.0.0.1:{ports.get(timeout=120)}"
     placement = Placement.round_robin(
@@ -378,7 +387,7 @@ def bench_case(
     remote_shm = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="shm"))
     remote_unary = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="grpc-unary"))
     remote_tcp = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="tcp"))
-    client = Client(address, cfg, remote, remote_shm, remote_unary, remote_tcp)
+    client = Client(address, cfg, remote, remote_shm, remote_unary, remote_tcp, spin_us)
     rows = []
     try:
         for T in TOKENS:
@@ -389,7 +398,8 @@ def bench_case(
                 f"(compute {row['compute_ms']:6.3f})  remote {row['remote_experts_ms']:7.3f} ms (unary {row['remote_experts_unary_ms']:.3f})  "
                 f"overhead {row['overhead']:+.1%} (no compute {row['no_compute_overhead']:+.1%}, "
                 f"vs matched transport {row['matched_transport_ms']:.3f} ms {row['overhead_vs_matched']:+.1%})  "
-                f"shm {row['shm_ms']:7.3f} ms (beyond compute {row['shm_minus_compute_ms']:.3f})  "
+                f"shm {row['shm_ms']:7.3f} ms (beyond compute {row['shm_minus_compute_ms']:.3f}, "
+                f"spinning {row['shm_spin_minus_compute_ms']:.3f})  "
                 f"remote shm {row['remote_experts_shm_ms']:7.3f} ms  tcp {row['tcp_ms']:7.3f} ms "
                 f"(beyond compute {row['tcp_minus_compute_ms']:.3f})  remote tcp {row['remote_experts_tcp_ms']:7.3f} ms",
                 flush=True,
@@ -399,6 +409,7 @@ def bench_case(
         remote_shm.close()
         remote_unary.close()
         client.shm.close()
+        client.shm_spin.close()
         client.channel.close()
         proc.terminate()
         proc.join(10)
@@ -410,6 +421,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "dispatch.json"))
     parser.add_argument("--label", default="local", help="run name; other runs in --out are kept")
+    parser.add_argument(
+        "--spin-us", type=float, default=100.0, help="the shm_spin rows' polling before blocking"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -418,7 +432,7 @@ def main() -> None:
         for name, (overrides, dtype, iters) in CASES.items():
             if args.quick:
                 iters = dict.fromkeys(TOKENS, 10)
-            rows += bench_case(name, overrides, dtype, Path(tmp), iters)
+            rows += bench_case(name, overrides, dtype, Path(tmp), iters, args.spin_us)
     big = [r for r in rows if r["tokens"] >= 64]
     result = {
         "benchmark": "dispatch round trip vs raw gRPC echo (loopback, server in another process)",
@@ -440,6 +454,10 @@ def main() -> None:
         "max_overhead_vs_matched_tokens_ge_64": max(r["overhead_vs_matched"] for r in big),
         "shm_target": "shm_minus_compute_ms <= 0.3 at 1 token (the AFD budget per MoE layer, both ways)",
         "shm_target_met": all(r["shm_minus_compute_ms"] <= 0.3 for r in rows if r["tokens"] == 1),
+        "spin_us": args.spin_us,
+        "shm_spin_minus_compute_ms_at_1_token": {
+            r["case"]: r["shm_spin_minus_compute_ms"] for r in rows if r["tokens"] == 1
+        },
         "shm_minus_compute_ms_at_1_token": {
             r["case"]: r["shm_minus_compute_ms"] for r in rows if r["tokens"] == 1
         },

@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [STEP ...]    # there (device `run`, carry [".whl"], timeout_s 600)
 #
 # Steps, in order (default: all): tests, local, kernels, attention_gpu, attention_cpu, dispatch,
-# kernel_tests; also sweep, prefill, mla_tests, fp8_tests, mla_fp8 and transports when named. Each has its own time limit, cut to
+# kernel_tests; also sweep, prefill, mla_tests, fp8_tests, mla_fp8, transports and spin when named. Each has its own time limit, cut to
 # what is left of BUDGET seconds (default 540), and writes its results under $OUT as it goes, so a
 # step that overruns costs only itself and the
 # steps after it still run while time is left. Files back ($OUT, at most 8): log.txt (everything,
@@ -101,6 +101,14 @@ for s in $steps; do
         step transports 240 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 1,8,32 \
             --transports shm,tcp,grpc --rounds 2 --attention-threads 4 --local-threads 4 --expert-threads 2 \
             --out "$OUT/attention_cpu.json" ;;
+    spin) # #37 (16 cores): shared memory with both sides polling 200 us before they block, against blocking
+        step spin_off 100 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 1,8,32 --transports shm \
+            --rounds 2 --attention-threads 4 --local-threads 4 --expert-threads 2 --out "$OUT/attention_spin0.json"
+        step spin_on 100 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 1,8,32 --transports shm \
+            --rounds 2 --attention-threads 4 --local-threads 4 --expert-threads 2 --spin-us 200 \
+            --out "$OUT/attention_spin200.json"
+        step dispatch_spin 90 python3 -m benchmarks.bench_dispatch --quick --spin-us 200 --label gpu-host-16core-spin \
+            --out "$OUT/dispatch_spin.json" ;;
     kernel_tests) # the kernels' own tests, compiled for this GPU
         step kernel_tests 150 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
             tests/test_triton_moe.py tests/test_decode_graphs.py tests/test_flashmla.py ;;

@@ -159,6 +159,44 @@ def test_a_closed_server_or_a_slow_one_fails_the_call_at_once_or_at_the_deadline
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5
 
 
+def test_spinning_doorbells_carry_the_same_calls_and_keep_the_deadlines():
+    """spin_s on both sides (`--expert-spin-us`): the same answers and errors; a slow worker still
+    misses the deadline (the spin is part of the wait, not added to it), a closed one fails the
+    call at once, and a channel idle past the spin blocks and still wakes for the next request."""
+    fake, address = Fake(), f"test-{os.getpid()}-{time.monotonic_ns()}:1"
+    server = shm.ShmServer(address, fake, status_of, spin_s=0.002)
+    try:
+        channel = shm.ShmChannel.connect(address, capacity=1 << 16, spin_s=0.002)
+        assert channel.spin_s == 0.002
+        for seed, T in enumerate((1, 7)):
+            out, want = _roundtrip(channel, T=T, seed=seed)
+            assert torch.equal(out, want)
+        time.sleep(0.05)  # past both spins: each side blocks in recv, and a doorbell still wakes it
+        out, want = _roundtrip(channel, T=3, seed=5)
+        assert torch.equal(out, want)
+        channel.request(2, 8, 2, torch.float32)
+        channel.send(0, 7)  # (version 7: the fake's KeyError)
+        with pytest.raises(shm.TransportError) as e:
+            channel.result(10)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and not channel.closed
+        fake.sleep = 0.5
+        channel.request(2, 8, 2, torch.float32)
+        channel.send(0, 1)
+        t0 = time.monotonic()
+        with pytest.raises(shm.TransportError) as e:
+            channel.result(0.1)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 0.4
+        fake.sleep = 0.0
+        channel = shm.ShmChannel.connect(address, capacity=1 << 16, spin_s=0.002)
+        channel.request(2, 8, 2, torch.float32)
+    finally:
+        server.close()
+    with pytest.raises(shm.TransportError) as e:
+        channel.send(0, 1)
+        channel.result(30)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
 def test_the_dispatch_client_gives_the_same_sums_over_each_transport(tiny_model):
     with expert_servers_in_process(tiny_model, n=2) as (placement, cfg):
         sums, stats = {}, {}

@@ -70,6 +70,9 @@ class DispatchConfig:
     transport: str = "auto"  # "auto" (shared memory on this node, else TCP, else gRPC streams), "tcp", "grpc", "grpc-unary", "shm"
     shm_capacity: int = shm.DEFAULT_CAPACITY  # bytes of a shared-memory channel's request (and answer) buffer
     secret: str | None = field(default=None, repr=False)  # the cluster's data-plane secret (rpc/auth.py)
+    spin_us: float = (
+        0.0  # a shared-memory call polls for its answer this long before it blocks (shm.recv_spinning)
+    )
 
 
 @dataclass
@@ -122,7 +125,13 @@ class RemoteExperts:
         self.stats = DispatchStats()
         d = self.dispatch_cfg
         self.transports = Transports(
-            d.transport, d.timeout_s, d.max_message_bytes, d.rpc_threads, d.shm_capacity, d.secret
+            d.transport,
+            d.timeout_s,
+            d.max_message_bytes,
+            d.rpc_threads,
+            d.shm_capacity,
+            d.secret,
+            d.spin_us * 1e-6,
         )
         self._retired: set[str] = set()
         self._pending = 0

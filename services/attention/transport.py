@@ -200,10 +200,11 @@ class Transports:
     address, opened on first use. Not thread-safe (one driver thread)."""
 
     def __init__(self, transport: str, timeout_s: float, max_message_bytes: int, rpc_threads: int,
-                 shm_capacity: int = shm.DEFAULT_CAPACITY, secret: str | None = None):  # fmt: skip
+                 shm_capacity: int = shm.DEFAULT_CAPACITY, secret: str | None = None, spin_s: float = 0.0):  # fmt: skip
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: one of {', '.join(TRANSPORTS)}")
         self.transport, self.timeout_s, self.shm_capacity = transport, timeout_s, shm_capacity
+        self.spin_s = spin_s  # shared-memory answers: polled this long before blocking
         self.max_message_bytes, self.secret = (
             max_message_bytes,
             secret,
@@ -301,7 +302,7 @@ class Transports:
             channel = idle.pop()
             if not channel.closed:
                 return channel
-        channel = shm.ShmChannel.connect(address, self.shm_capacity, secret=self.secret)
+        channel = shm.ShmChannel.connect(address, self.shm_capacity, secret=self.secret, spin_s=self.spin_s)
         if channel is None and not idle:
             self._no_shm[address] = time.monotonic()
             del self._idle[address]

@@ -50,6 +50,7 @@ class AttentionWorkerConfig:
     expert_transport: str = (
         "auto"  # DispatchConfig.transport: auto (shm on this node, else gRPC streams), shm, grpc, grpc-unary
     )
+    expert_spin_us: float = 0.0  # DispatchConfig.spin_us
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
     step_retry_wait_s: float = 0.05  # pause between retries of a failing step
     idle_wait_s: float = 0.05
@@ -300,7 +301,8 @@ class AttentionWorker:
                 return LocalExperts.load_all(reader, mcfg, dtype).to(cfg.engine.device)
             self.remote_experts = RemoteExperts(mcfg, Placement.from_dict(placement), addresses,
                                                 DispatchConfig(timeout_s=cfg.dispatch_timeout_s, secret=cfg.shared.secret,
-                                                               transport=cfg.expert_transport))  # fmt: skip
+                                                               transport=cfg.expert_transport,
+                                                               spin_us=cfg.expert_spin_us))  # fmt: skip
             return self.remote_experts
 
         mcfg, model, experts, tokenizer = load_engine(cfg.engine, make_experts)

@@ -77,6 +77,7 @@ class BalancerConfig:
     expert_gpus: float = 0.0  # Ray num_gpus per expert worker; > 0: its experts compute on CUDA
     expert_host: str | None = None  # None: each worker's node IP
     expert_shm: bool = True  # ExpertWorkerConfig.shm: also serve Dispatch through shared memory
+    expert_spin_us: float = 0.0  # ExpertWorkerConfig.spin_us
     autoscale: AutoscaleConfig | None = None  # the pool sizes itself (autoscale.py); None: fixed
     attention: AttentionScaling | None = None  # the attention pool sizes itself (attention_pool.py)
     watch_s: float = 0.5  # health check / reconcile period (0: off)
@@ -96,7 +97,8 @@ class BalancerCore:
             keep_fp8_experts=cfg.expert_keep_fp8, spare_rows=cfg.expert_spare_rows,
             num_threads=cfg.expert_threads, compute_concurrency=cfg.expert_concurrency, host=cfg.expert_host,
             model_config=read_model_config(cfg.model),  # their nodes need no checkpoint (peer copy)
-            device="cuda" if cfg.expert_gpus > 0 else "cpu", shm=cfg.expert_shm, secret=cfg.shared.secret,
+            device="cuda" if cfg.expert_gpus > 0 else "cpu", shm=cfg.expert_shm, spin_us=cfg.expert_spin_us,
+            secret=cfg.shared.secret,
             namespace=cfg.shared.namespace,
         )  # fmt: skip
         self.pool = ExpertPool(cfg.shared, worker_cfg, cfg.expert_resources, num_gpus=cfg.expert_gpus)

@@ -60,6 +60,7 @@ class ExpertWorkerConfig:
     peer_timeout_s: float = 600.0  # deadline of one FetchExperts stream from a peer
     # also serve Dispatch through shared memory to clients on this node (services/rpc/shm.py)
     shm: bool = True
+    spin_us: float = 0.0  # a shared-memory channel polls for its next request this long before it blocks
     # also serve Dispatch over plain TCP connections beside the gRPC port (services/rpc/tcp.py)
     socket: bool = True
     # the cluster's data-plane secret (services/rpc/auth.py): calls without it are refused; None: open
@@ -140,7 +141,11 @@ class ExpertServer:
         if self.cfg.shm:
             try:
                 self.shm = shm.ShmServer(
-                    self.address, self.servicer.compute_into, status_of, secret=self.cfg.secret
+                    self.address,
+                    self.servicer.compute_into,
+                    status_of,
+                    secret=self.cfg.secret,
+                    spin_s=self.cfg.spin_us * 1e-6,
                 )
             except OSError as e:  # (another process holds the name: clients use gRPC)
                 log.warning("no shared-memory data plane on %s: %s", self.address, e)
@@ -185,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--secret", default=None, help="refuse calls without this data-plane secret")
+    ap.add_argument(
+        "--spin-us", type=float, default=0.0, help="shared memory: poll this long before blocking"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -198,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             host=args.host,
             port=args.port,
             secret=args.secret,
+            spin_us=args.spin_us,
         )
     )
     print(server.start(), flush=True)

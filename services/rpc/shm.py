@@ -59,6 +59,25 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 SUPPORTED = hasattr(os, "memfd_create") and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "send_fds")
 
 
+def recv_spinning(sock: socket.socket, size: int, spin_s: float, timeout_s: float | None) -> bytes:
+    """sock.recv(size), first polling for up to spin_s seconds without sleeping, then blocking up
+    to timeout_s (None: no limit; TimeoutError past it). A blocked recv's wake-up is a scheduler
+    round trip: a doorbell round trip took ~70 us blocked and ~7 us spinning on this project's VM
+    (docs/experts.md). Spinning burns the core it runs on, so it pays only where each process has
+    cores of its own (`--expert-spin-us`)."""
+    if spin_s > 0:
+        sock.settimeout(None)  # (blocking mode: with a timeout Python polls before each recv)
+        end = time.perf_counter() + spin_s
+        while True:
+            try:
+                return sock.recv(size, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() >= end:
+                    break
+    sock.settimeout(timeout_s)
+    return sock.recv(size)
+
+
 class TransportError(Exception):
     """A Dispatch call that failed, on either transport (the dispatch client's gRPC calls raise it
     too): `code`, the grpc.StatusCode that means it, and `details`."""
@@ -138,8 +157,8 @@ def _views(region: torch.Tensor, capacity: int, T: int, H: int, K: int, dtype: t
 class ShmChannel:
     """One request at a time to one expert worker through shared memory. Not thread-safe."""
 
-    def __init__(self, sock: socket.socket, buf: mmap.mmap, capacity: int):
-        self._sock, self._buf, self.capacity = sock, buf, capacity
+    def __init__(self, sock: socket.socket, buf: mmap.mmap, capacity: int, spin_s: float = 0.0):
+        self._sock, self._buf, self.capacity, self.spin_s = sock, buf, capacity, spin_s
         self._views = _Views(torch.frombuffer(buf, dtype=torch.uint8), capacity)
         self._seq = 0
         self.answered = True  # the last request's answer frame was read (the buffer is free)
@@ -153,9 +172,11 @@ class ShmChannel:
         capacity: int = DEFAULT_CAPACITY,
         timeout_s: float = 5.0,
         secret: str | None = None,
+        spin_s: float = 0.0,
     ) -> ShmChannel | None:
         """A channel to the expert worker serving `grpc_address`, or None where it has no
-        shared-memory listener on this node (another node, or a worker without one)."""
+        shared-memory listener on this node (another node, or a worker without one). spin_s: how
+        long `result` polls for the answer before it blocks (`recv_spinning`)."""
         if not SUPPORTED:
             return None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -187,7 +208,7 @@ class ShmChannel:
         finally:
             os.close(fd)  # (the mapping and the peer's copy keep the memory)
         sock.settimeout(None)
-        return cls(sock, buf, capacity)
+        return cls(sock, buf, capacity, spin_s)
 
     def fits(self, T: int, H: int, K: int, dtype: torch.dtype) -> bool:
         return fits(T, H, K, dtype, self.capacity)
@@ -214,8 +235,7 @@ class ShmChannel:
         """Wait for the answer: (output [T, H] viewing the response region, valid until the next
         request; compute seconds). TransportError: the worker's error, or UNAVAILABLE / DEADLINE_EXCEEDED."""
         try:
-            self._sock.settimeout(timeout_s)
-            frame = self._sock.recv(_ANSWER.size + MAX_ERROR_BYTES)
+            frame = recv_spinning(self._sock, _ANSWER.size + MAX_ERROR_BYTES, self.spin_s, timeout_s)
         except TimeoutError:
             self.close()  # (an answer may still come: nobody must read it in a later call)
             raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout_s} s") from None
@@ -256,14 +276,15 @@ class ShmServer:
     abstract Unix address and one thread per channel, which waits on its doorbell, checks the
     request against its buffer and runs `compute` straight from and into the shared regions.
     `status_of` maps a compute error to its gRPC status code (the worker keeps serving after any
-    error; a malformed frame closes only its own channel)."""
+    error; a malformed frame closes only its own channel). spin_s: how long a channel's thread
+    polls for the next request after each answer before it blocks (`recv_spinning`)."""
 
     def __init__(self, grpc_address: str, compute: Compute, status_of: Callable[[Exception], grpc.StatusCode],
-                 max_capacity: int = 1 << 30, secret: str | None = None):  # fmt: skip
+                 max_capacity: int = 1 << 30, secret: str | None = None, spin_s: float = 0.0):  # fmt: skip
         if not SUPPORTED:
             raise OSError("shared-memory channels need Linux (memfd, abstract Unix sockets, SO_PEERCRED)")
         self.compute, self.status_of, self.max_capacity = compute, status_of, max_capacity
-        self.secret = secret
+        self.secret, self.spin_s = secret, spin_s
         self.refused = 0  # handshakes refused: another user's process, or no / a wrong secret
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(abstract_address(grpc_address))
@@ -321,7 +342,7 @@ class ShmServer:
                 os.close(fds[0])
             conn.send(_ACK.pack(MAGIC, 1))
             while True:
-                frame = conn.recv(_REQUEST.size + 1)
+                frame = recv_spinning(conn, _REQUEST.size + 1, self.spin_s, None)
                 if not frame:
                     return  # the client closed
                 conn.send(self._answer(frame, region, capacity))
