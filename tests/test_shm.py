@@ -197,6 +197,28 @@ def test_spinning_doorbells_carry_the_same_calls_and_keep_the_deadlines():
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_polling_receives_without_blocking_and_counts_toward_the_deadline(monkeypatch):
+    """recv_spinning: a message sent while it polls is taken by a non-blocking recv (no blocking
+    recv at all), and the deadline counts from the start of the wait, polling included."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    threading.Timer(0.02, b.send, (b"ring",)).start()
+    blocking = []
+    real_settimeout = socket.socket.settimeout
+    monkeypatch.setattr(socket.socket, "settimeout", lambda s, t: blocking.append(t) or real_settimeout(s, t))
+    assert shm.recv_spinning(a, 64, 1.0, 5.0) == b"ring" and blocking == [None]  # (only the poll's mode)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        shm.recv_spinning(a, 64, 0.5, 0.05)  # polls 0.05 s at most, then no time is left
+    assert time.monotonic() - t0 < 0.3
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        shm.recv_spinning(a, 64, 0.02, 0.1)  # polls 0.02 s, then blocks for the rest
+    assert 0.08 < time.monotonic() - t0 < 0.4
+    b.close()
+    assert shm.recv_spinning(a, 64, 0.01, 1.0) == b""  # the peer closed: seen while polling
+    a.close()
+
+
 def test_the_dispatch_client_gives_the_same_sums_over_each_transport(tiny_model):
     with expert_servers_in_process(tiny_model, n=2) as (placement, cfg):
         sums, stats = {}, {}

@@ -154,6 +154,21 @@ def test_mla_decode_reads_fp8_latent_rows(kernels, dtype, lens, splits):
     assert mla.mla_decode(q[..., : 256 + 16].contiguous(), narrow, table, lens_t, 256, 0.05) is None
 
 
+@pytest.mark.parametrize("C, R", [(384, 18), (128, 6)])
+def test_mla_decode_reads_fp8_rows_of_other_widths(kernels, C, R):
+    """C not a power of two (a masked scale group), one scale group, R not a power of two: rows of
+    432 / 144 bytes (multiples of 16)."""
+    load, device = kernels
+    mla = load("mla")
+    cache, exact, table, lens_t = fp8_context([70, 3], C, R, device, seed=6)
+    q = torch.randn(2, 4, C + R, generator=torch.Generator().manual_seed(7)).to(device)
+    for splits in (None, 2):
+        o = mla.mla_decode(q, cache, table, lens_t, C, 0.05, splits=splits)
+        torch.testing.assert_close(
+            o, mla_decode_reference(q, exact, table, lens_t, C, 0.05), rtol=1e-3, atol=1e-3
+        )
+
+
 def test_absorbed_prefill_over_fp8_rows_matches_the_tiled_path(kernels):
     """FP8 rows in prefill: the Triton kernel reads them in place, the tiled path dequantises a tile
     at a time; the same attention."""

@@ -103,22 +103,25 @@ class EngineConfig:
             )
         return blocks
 
-    def fp8_dims(self, cfg: ModelConfig) -> tuple[int, int] | None:
-        """(C, R) of FP8 latent rows when kv_cache_dtype is "fp8" (ValueError where the model's
-        rows cannot be: V3.2's indexer keys and V4's cache are not in this format yet)."""
+    def fp8_dims(self, cfg: ModelConfig) -> tuple[int, int, int] | None:
+        """(C, R, Di) of FP8 rows when kv_cache_dtype is "fp8" (Di: V3.2's indexer key, else 0;
+        ValueError where the model's rows cannot be: V4's cache is not in this format yet)."""
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: 'auto' or 'fp8'")
         if self.kv_cache_dtype == "auto":
             return None
-        if cfg.is_v4 or cfg.cache_dim != cfg.kv_lora_rank + cfg.qk_rope_head_dim:
-            raise ValueError(
-                "kv_cache_dtype fp8: DeepSeek-V3-style caches only (not V3.2's indexer keys or V4's)"
-            )
+        if cfg.is_v4:
+            raise ValueError("kv_cache_dtype fp8: DeepSeek-V3 and V3.2 caches only (not V4's yet)")
         if cfg.kv_lora_rank % FP8_GROUP:
             raise ValueError(
                 f"kv_cache_dtype fp8 needs kv_lora_rank % {FP8_GROUP} == 0, got {cfg.kv_lora_rank}"
             )
-        return cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        Di = cfg.cache_dim - cfg.kv_lora_rank - cfg.qk_rope_head_dim  # (V3.2's indexer key; 0 for V3)
+        if Di > FP8_GROUP and Di % FP8_GROUP:
+            raise ValueError(
+                f"kv_cache_dtype fp8 needs index_head_dim <= {FP8_GROUP} or a multiple of it, got {Di}"
+            )
+        return cfg.kv_lora_rank, cfg.qk_rope_head_dim, Di
 
     def latent_bytes_per_token(self, cfg: ModelConfig) -> int:
         """Cache bytes one token takes over all layers."""

@@ -45,43 +45,74 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -
 
 # FP8 latent rows (`kv_cache_dtype="fp8"`), FlashMLA's "FP8 with scale" layout: per token
 # [c_kv as float8_e4m3fn (C bytes) | one fp32 scale per FP8_GROUP values of c_kv | k_pe as bf16]
-# (V3: 512 + 4 x 4 + 64 x 2 = 656 bytes against 1,152 in bf16 and 2,304 in fp32). A group's
-# scale is its largest |value| / 448 (e4m3's largest finite value), so nothing saturates.
+# (V3: 512 + 4 x 4 + 64 x 2 = 656 bytes against 1,152 in bf16 and 2,304 in fp32), and for
+# DeepSeek-V3.2 then the indexer's key [Di as float8_e4m3fn | one fp32 scale per FP8_GROUP values,
+# one for Di <= FP8_GROUP] (V3.2: 128 + 4 = 132 bytes, 788 in all). A group's scale is its largest |value| / 448 (e4m3's largest finite
+# value), so nothing saturates.
 FP8_GROUP = 128
 FP8_MAX = 448.0
 
 
-def fp8_row_bytes(C: int, R: int) -> int:
-    """Bytes of one FP8 latent row for kv_lora_rank C (a multiple of FP8_GROUP) and rope dim R."""
-    return C + 4 * (C // FP8_GROUP) + 2 * R
+def key_groups(Di: int) -> int:
+    """Scale groups of a Di-wide indexer key: one per FP8_GROUP values, one for a shorter key."""
+    return max(1, Di // FP8_GROUP)
 
 
-def quantize_latent_rows(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """c_kv [T, C], k_pe [T, R] -> uint8 [T, fp8_row_bytes(C, R)] FP8 latent rows."""
+def fp8_row_bytes(C: int, R: int, Di: int = 0) -> int:
+    """Bytes of one FP8 row for kv_lora_rank C (a multiple of FP8_GROUP), rope dim R and, for
+    V3.2, index_head_dim Di (<= FP8_GROUP or a multiple of it; 0: none)."""
+    return C + 4 * (C // FP8_GROUP) + 2 * R + (Di + 4 * key_groups(Di) if Di else 0)
+
+
+def _quantize_groups(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, n] -> (e4m3 bytes uint8 [T, n], fp32 scales as bytes uint8 [T, 4 * groups])."""
+    T, n = x.shape
+    g = x.float().view(T, groups, n // groups)
+    scale = (g.abs().amax(-1) / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)  # [T, groups]
+    fp8 = (g / scale[..., None]).view(T, n).to(torch.float8_e4m3fn)
+    return fp8.view(torch.uint8), scale.view(torch.uint8).view(T, -1)
+
+
+def _dequantize_groups(flat: torch.Tensor, n: int, groups: int) -> torch.Tensor:
+    """uint8 [T, n + 4 * groups] (e4m3 values, then fp32 scales) -> fp32 [T, n]."""
+    fp8 = flat[:, :n].contiguous().view(torch.float8_e4m3fn).float().view(-1, groups, n // groups)
+    scale = flat[:, n : n + 4 * groups].contiguous().view(torch.float32).view(-1, groups, 1)
+    return (fp8 * scale).view(-1, n)
+
+
+def quantize_latent_rows(
+    c_kv: torch.Tensor, k_pe: torch.Tensor, index_key: torch.Tensor | None = None
+) -> torch.Tensor:
+    """c_kv [T, C], k_pe [T, R] (and V3.2's index_key [T, Di]) -> uint8 [T, fp8_row_bytes(C, R, Di)]
+    FP8 rows."""
     T, C = c_kv.shape
-    groups = c_kv.float().view(T, C // FP8_GROUP, FP8_GROUP)
-    scale = (groups.abs().amax(-1) / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)  # [T, C/128]
-    fp8 = (groups / scale[..., None]).view(T, C).to(torch.float8_e4m3fn)
-    return torch.cat([fp8.view(torch.uint8), scale.view(torch.uint8).view(T, -1),
-                      k_pe.to(torch.bfloat16).view(torch.uint8).view(T, -1)], dim=-1)  # fmt: skip
+    parts = [*_quantize_groups(c_kv, C // FP8_GROUP), k_pe.to(torch.bfloat16).view(torch.uint8).view(T, -1)]
+    if index_key is not None:
+        parts += _quantize_groups(index_key, key_groups(index_key.shape[1]))
+    return torch.cat(parts, dim=-1)
 
 
 def dequantize_latent_rows(
     rows: torch.Tensor, C: int, R: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """uint8 [..., fp8_row_bytes(C, R)] FP8 latent rows -> [..., C + R] in `dtype` ([c_kv | k_pe])."""
+    """uint8 [..., W] FP8 rows (W >= fp8_row_bytes(C, R)) -> [..., C + R] in `dtype` ([c_kv | k_pe])."""
     lead, G = rows.shape[:-1], C // FP8_GROUP
     flat = rows.reshape(-1, rows.shape[-1])
-    fp8 = flat[:, :C].contiguous().view(torch.float8_e4m3fn).float().view(-1, G, FP8_GROUP)
-    scale = flat[:, C : C + 4 * G].contiguous().view(torch.float32).view(-1, G, 1)
-    rope = flat[:, C + 4 * G :].contiguous().view(torch.bfloat16).float()
-    return torch.cat([(fp8 * scale).view(-1, C), rope], dim=-1).to(dtype).view(*lead, C + R)
+    rope = flat[:, C + 4 * G : C + 4 * G + 2 * R].contiguous().view(torch.bfloat16).float()
+    return torch.cat([_dequantize_groups(flat, C, G), rope], dim=-1).to(dtype).view(*lead, C + R)
+
+
+def dequantize_index_keys(tails: torch.Tensor, Di: int) -> torch.Tensor:
+    """uint8 [..., Di + 4 * key_groups(Di)]: the tails of V3.2's FP8 rows (from fp8_row_bytes(C, R)
+    on) -> the indexer keys [..., Di] fp32."""
+    lead = tails.shape[:-1]
+    return _dequantize_groups(tails.reshape(-1, tails.shape[-1]), Di, key_groups(Di)).view(*lead, Di)
 
 
 class PagedLatentCache:
     """`kv[layer]` is `[num_blocks, BLOCK_SIZE, 1, latent_dim]`, all layers in one tensor
-    (`latent_dim` here is the whole row: `ModelConfig.cache_dim`); with `fp8` = (C, R) the rows
-    are FP8 latent rows instead: uint8 `[..., fp8_row_bytes(C, R)]`."""
+    (`latent_dim` here is the whole row: `ModelConfig.cache_dim`); with `fp8` = (C, R, Di) the
+    rows are FP8 rows instead: uint8 `[..., fp8_row_bytes(C, R, Di)]`."""
 
     num_state_blocks = 0
 
@@ -92,7 +123,7 @@ class PagedLatentCache:
         latent_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        fp8: tuple[int, int] | None = None,
+        fp8: tuple[int, int, int] | None = None,
     ):
         if fp8 is not None:
             latent_dim, dtype = fp8_row_bytes(*fp8), torch.uint8

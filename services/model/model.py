@@ -29,7 +29,13 @@ from .fp8 import Fp8Weight
 from .indexer import IndexQueries, index_keys
 from .kernels import cpu_kernels
 from .kernels.gpu import FLASH_MLA, TRITON
-from .kv_cache import BLOCK_SIZE, dequantize_latent_rows, quantize_latent_rows
+from .kv_cache import (
+    BLOCK_SIZE,
+    dequantize_index_keys,
+    dequantize_latent_rows,
+    fp8_row_bytes,
+    quantize_latent_rows,
+)
 from .layers import Rope, add_rms_norm, dense_ffn, rms_norm, route
 from .messages import ExpertCombine, ExpertDispatch, StepGen
 from .weights import LayerWeights, MLAWeights, load_layer, load_layers, shard_heads
@@ -43,15 +49,25 @@ NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, De
 def sparse_decode(q, cache, rows, count, C: int, scale: float) -> torch.Tensor:
     """Decode attention over chosen cache rows (V3.2's top-k): q [Bd, N, C+R], rows [Bd, k] flat
     cache rows (block * 64 + offset), the first count[b] of them used -> o_lat [Bd, N, C]. The
-    Triton kernel where it runs (CUDA), else a torch gather."""
+    Triton kernel where it runs (CUDA), else a torch gather (FP8 rows: dequantised as gathered)."""
     o = TRITON.mla_decode(q, cache, None, count, C, scale, rows=rows)
     if o is None:
         ctx = cache.view(-1, cache.shape[-1])[rows]  # [Bd, k, W]
+        if ctx.dtype == torch.uint8:
+            ctx = dequantize_latent_rows(ctx, C, q.shape[-1] - C, q.dtype)
         scores = torch.bmm(q, ctx[..., : q.shape[-1]].transpose(1, 2)).float() * scale  # [Bd, N, k]
         unused = torch.arange(rows.shape[1], device=q.device)[None, :] >= count[:, None]
         probs = scores.masked_fill_(unused[:, None], float("-inf")).softmax(dim=-1).to(q.dtype)
         o = torch.bmm(probs, ctx[..., :C])
     return o
+
+
+def cached_index_keys(flat: torch.Tensor, slots: torch.Tensor, C: int, R: int, Di: int) -> torch.Tensor:
+    """V3.2's indexer keys [..., Di] of the rows `slots` (flat cache rows, any shape) of flat [rows,
+    W]: each row's tail, dequantised where the rows are FP8 (kv_cache.quantize_latent_rows)."""
+    if flat.dtype != torch.uint8:
+        return flat[slots, C + R :]
+    return dequantize_index_keys(flat[slots, fp8_row_bytes(C, R) :], Di)
 
 
 def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
@@ -76,9 +92,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, dec: DecodeRows, C: int, 
     cache [blocks, 64, 1, W] -> o_lat [Bd, N, C]. FlashMLA where it applies (Hopper, installed),
     else the Triton split-KV kernel (CUDA; also over FP8 rows), else the C++ kernel (fp32 CPU),
     else torch ops."""
-    fp8 = (
-        cache.dtype == torch.uint8
-    )  # FP8 latent rows: the Triton or C++ kernel reads them, or torch dequantizes
+    # FP8 latent rows: the Triton or C++ kernel reads them, or torch dequantizes
+    fp8 = cache.dtype == torch.uint8
     o = None if fp8 else FLASH_MLA.mla_decode(q, cache, dec, C, scale)
     if o is None:
         o = TRITON.mla_decode(q, cache, dec.table, dec.lens, C, scale)
@@ -162,7 +177,8 @@ def mla_forward(
             slots = (dec.table[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=x.device)).view(
                 Bd, -1
             )
-            pos, count = index.select(dec.rows, flat[slots, C + R :], ~dec.pad[:, 0])
+            keys = cached_index_keys(flat, slots, C, R, index.q.shape[-1])  # [Bd, L, Di]
+            pos, count = index.select(dec.rows, keys, ~dec.pad[:, 0])
             o_lat = sparse_decode(q_full, cache, slots.gather(1, pos), count, C, scale)
         else:
             o_lat = paged_decode(q_full, cache, dec, C, scale)
@@ -204,7 +220,7 @@ def sparse_prefill(q_nope, q_pe, s0: int, index: IndexQueries, cache, blocks, L:
     k, W] stay within SPARSE_PREFILL_BYTES."""
     n, D, W = q_nope.shape[0], q_nope.shape[-1], cache.shape[-1]
     flat_rows = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=blocks.device)).view(-1)[:L]
-    keys = cache.view(-1, W)[flat_rows][:, C + R :]  # [L, Di] the context's indexer keys
+    keys = cached_index_keys(cache.view(-1, W), flat_rows, C, R, index.q.shape[-1])  # [L, Di]
     k, heads = min(index.topk, L), index.q.shape[1]
     tile = max(1, SPARSE_PREFILL_BYTES // (4 * max(k * W, heads * L)))
     out = []

@@ -60,20 +60,26 @@ SUPPORTED = hasattr(os, "memfd_create") and hasattr(socket, "SO_PEERCRED") and h
 
 
 def recv_spinning(sock: socket.socket, size: int, spin_s: float, timeout_s: float | None) -> bytes:
-    """sock.recv(size), first polling for up to spin_s seconds without sleeping, then blocking up
-    to timeout_s (None: no limit; TimeoutError past it). A blocked recv's wake-up is a scheduler
-    round trip: a doorbell round trip took ~70 us blocked and ~7 us spinning on this project's VM
-    (docs/experts.md). Spinning burns the core it runs on, so it pays only where each process has
-    cores of its own (`--expert-spin-us`)."""
+    """sock.recv(size), first polling for up to spin_s seconds without sleeping, then blocking until
+    timeout_s after the call began (None: no limit; TimeoutError past it: the polling counts). A
+    blocked recv's wake-up is a scheduler round trip: a doorbell round trip took ~70 us blocked and
+    ~7 us polling on this project's VM (docs/experts.md). Polling burns the core it runs on (and
+    holds the GIL between its syscalls), so it pays only where each process has cores of its own
+    (`--expert-spin-us`)."""
     if spin_s > 0:
+        start = time.perf_counter()
         sock.settimeout(None)  # (blocking mode: with a timeout Python polls before each recv)
-        end = time.perf_counter() + spin_s
+        end = start + (spin_s if timeout_s is None else min(spin_s, timeout_s))
         while True:
             try:
                 return sock.recv(size, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 if time.perf_counter() >= end:
                     break
+        if timeout_s is not None:
+            timeout_s -= time.perf_counter() - start
+            if timeout_s <= 0:
+                raise TimeoutError(f"no message in {spin_s} s of polling")
     sock.settimeout(timeout_s)
     return sock.recv(size)
 

@@ -13,8 +13,8 @@ only its log-sum-exp (-inf).
 
 Every group of heads reads each cache row once for all of them (DeepSeek-V3 has 128 heads sharing
 one latent KV head): 16 heads per program and tiles of 32 rows by default (SGLang's Triton MLA
-decode sizes), 64 heads and tiles of 64 rows on Hopper-class GPUs at batches of 8 and more
-(`decode_tiles`, chosen from bench_kernels' sweep). Softmax and sums in fp32 whatever the cache
+decode sizes), 64 heads and tiles of 64 rows on Hopper-class GPUs at batches of 8 and more, and
+at every batch over FP8 rows (`decode_tiles`, chosen from bench_kernels' sweeps). Softmax and sums in fp32 whatever the cache
 dtype.
 
 The same kernel runs prefill on the GPU (model.absorbed_prefill): a chunk's queries are rows of
