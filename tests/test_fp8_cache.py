@@ -186,10 +186,14 @@ def test_fp8_rows_on_the_triton_kernels_keep_greedy_outputs(tmp_path, monkeypatc
                                           max_num_seqs=4, max_num_batched_tokens=48))  # fmt: skip
         return generate_with_logits(engine, prompts, params)
 
-    ref, ref_logits = run("0")
-    assert not read
-    out, logits = run("1")
-    assert read and set(read) == {torch.uint8} and "mla_decode" in gpu.TRITON.ran  # (not declined)
+    try:
+        ref, ref_logits = run("0")
+        assert not read
+        out, logits = run("1")
+        assert read and set(read) == {torch.uint8} and "mla_decode" in gpu.TRITON.ran  # (not declined)
+    finally:
+        monkeypatch.undo()
+        gpu.reset()  # (the backend remembers the environment's answer: later tests must not inherit it)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     tol = 1e-4 if device == "cpu" else 1e-3  # (on an H200 3e-4 apart: other kernels' sums too)
     for a, b in zip(logits, ref_logits, strict=True):
