@@ -92,6 +92,20 @@ def _run(path, prompts, **engine):
     ]
 
 
+def top1_agreement(full, other, prompts, outs) -> tuple[int, int]:
+    """Teacher-forced along `full`'s greedy outputs `outs` (prompt logprobs of prompt + output, so
+    one early difference does not derail the rest): (positions where `other`'s top-1 is `full`'s,
+    positions)."""
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    agree = total = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = prompt + out.token_ids
+        a, b = (e.generate([ids], scored)[0].prompt_logprobs[len(prompt) :] for e in (full, other))
+        agree += sum(x.top[0][0] == y.top[0][0] for x, y in zip(a, b, strict=True))
+        total += len(a)
+    return agree, total
+
+
 def test_fp8_engine_follows_the_full_precision_cache(checkpoint):
     """Teacher-forced along the full-precision cache's greedy output (prompt logprobs of prompt +
     output, so one early difference does not derail the rest): the FP8 cache's top-1 agrees at
@@ -103,13 +117,7 @@ def test_fp8_engine_follows_the_full_precision_cache(checkpoint):
     greedy = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     outs = full.generate(prompts, greedy)
     assert [c.token_ids[:2] for c in outs] == [c.token_ids[:2] for c in fp8.generate(prompts, greedy)]
-    scored = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    agree = total = 0
-    for prompt, out in zip(prompts, outs, strict=True):
-        ids = prompt + out.token_ids
-        a, b = (e.generate([ids], scored)[0].prompt_logprobs[len(prompt) :] for e in (full, fp8))
-        agree += sum(x.top[0][0] == y.top[0][0] for x, y in zip(a, b, strict=True))
-        total += len(a)
+    agree, total = top1_agreement(full, fp8, prompts, outs)
     assert agree >= 0.75 * total, agree / total
 
 
@@ -186,14 +194,10 @@ def test_fp8_rows_on_the_triton_kernels_keep_greedy_outputs(tmp_path, monkeypatc
                                           max_num_seqs=4, max_num_batched_tokens=48))  # fmt: skip
         return generate_with_logits(engine, prompts, params)
 
-    try:
-        ref, ref_logits = run("0")
-        assert not read
-        out, logits = run("1")
-        assert read and set(read) == {torch.uint8} and "mla_decode" in gpu.TRITON.ran  # (not declined)
-    finally:
-        monkeypatch.undo()
-        gpu.reset()  # (the backend remembers the environment's answer: later tests must not inherit it)
+    ref, ref_logits = run("0")
+    assert not read
+    out, logits = run("1")
+    assert read and set(read) == {torch.uint8} and "mla_decode" in gpu.TRITON.ran  # (not declined)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     tol = 1e-4 if device == "cpu" else 1e-3  # (on an H200 3e-4 apart: other kernels' sums too)
     for a, b in zip(logits, ref_logits, strict=True):
@@ -221,13 +225,7 @@ def test_v32_fp8_rows_follow_the_full_precision_cache(v32_checkpoint):
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     outs = full.generate(prompts, greedy)
     assert [c.token_ids[:1] for c in outs] == [c.token_ids[:1] for c in fp8.generate(prompts, greedy)]
-    scored = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    agree = total = 0
-    for prompt, out in zip(prompts, outs, strict=True):
-        ids = prompt + out.token_ids
-        a, b = (e.generate([ids], scored)[0].prompt_logprobs[len(prompt) :] for e in (full, fp8))
-        agree += sum(x.top[0][0] == y.top[0][0] for x, y in zip(a, b, strict=True))
-        total += len(a)
+    agree, total = top1_agreement(full, fp8, prompts, outs)
     assert agree >= 0.6 * total, agree / total  # (measured 82 / 120: see below)
     # what the rows hold, layer 0 (before any FP8 difference upstream): each part within its
     # format's rounding of the full cache's values (e4m3: 3 bits, ~2.5 % here; bf16 rope)

@@ -21,9 +21,7 @@ def kernels(monkeypatch):
     monkeypatch.setenv("MOE_TRITON", "1")
     gpu.reset()
     modules = {"mla": triton_mla, "moe": triton_moe, "norm": triton_norm, "linear": triton_linear}
-    yield modules.__getitem__, device
-    monkeypatch.undo()
-    gpu.reset()
+    yield modules.__getitem__, device  # (conftest's autouse fixture resets the backends after the test)
 
 
 def paged_context(lens, width, dtype, device, seed=0, num_blocks=None):

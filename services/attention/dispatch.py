@@ -70,9 +70,7 @@ class DispatchConfig:
     transport: str = "auto"  # "auto" (shared memory on this node, else TCP, else gRPC streams), "tcp", "grpc", "grpc-unary", "shm"
     shm_capacity: int = shm.DEFAULT_CAPACITY  # bytes of a shared-memory channel's request (and answer) buffer
     secret: str | None = field(default=None, repr=False)  # the cluster's data-plane secret (rpc/auth.py)
-    spin_us: float = (
-        0.0  # a shared-memory call polls for its answer this long before it blocks (shm.recv_spinning)
-    )
+    spin_us: float = 0.0  # shared memory: poll for the answer this long before blocking (shm.recv_spinning)
 
 
 @dataclass

@@ -47,8 +47,8 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -
 # [c_kv as float8_e4m3fn (C bytes) | one fp32 scale per FP8_GROUP values of c_kv | k_pe as bf16]
 # (V3: 512 + 4 x 4 + 64 x 2 = 656 bytes against 1,152 in bf16 and 2,304 in fp32), and for
 # DeepSeek-V3.2 then the indexer's key [Di as float8_e4m3fn | one fp32 scale per FP8_GROUP values,
-# one for Di <= FP8_GROUP] (V3.2: 128 + 4 = 132 bytes, 788 in all). A group's scale is its largest |value| / 448 (e4m3's largest finite
-# value), so nothing saturates.
+# one for Di <= FP8_GROUP] (V3.2: 128 + 4 = 132 bytes, 788 in all). A group's scale is its
+# largest |value| / 448 (e4m3's largest finite value), so nothing saturates.
 FP8_GROUP = 128
 FP8_MAX = 448.0
 

@@ -14,8 +14,8 @@ only its log-sum-exp (-inf).
 Every group of heads reads each cache row once for all of them (DeepSeek-V3 has 128 heads sharing
 one latent KV head): 16 heads per program and tiles of 32 rows by default (SGLang's Triton MLA
 decode sizes), 64 heads and tiles of 64 rows on Hopper-class GPUs at batches of 8 and more, and
-at every batch over FP8 rows (`decode_tiles`, chosen from bench_kernels' sweeps). Softmax and sums in fp32 whatever the cache
-dtype.
+at every batch over FP8 rows (`decode_tiles`, chosen from bench_kernels' sweeps). Softmax and
+sums in fp32 whatever the cache dtype.
 
 The same kernel runs prefill on the GPU (model.absorbed_prefill): a chunk's queries are rows of
 their own causal lengths over one block table.
@@ -107,14 +107,12 @@ def _mla_decode_split(
             if q_ptr.dtype.element_ty != tl.float32:  # rounded to q's dtype as torch rounds
                 kv_c = kv_c.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
                 k_r = k_r.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-            if UPCAST:
-                kv_c, k_r = kv_c.to(tl.float32), k_r.to(tl.float32)
         else:
             rows = cache_ptr + row * W
             kv_c = tl.load(rows[:, None] + c[None, :], mask=pos_ok[:, None] & (c[None, :] < C), other=0.0)
             k_r = tl.load(rows[:, None] + C + r[None, :], mask=pos_ok[:, None] & (r[None, :] < R), other=0.0)
-            if UPCAST:
-                kv_c, k_r = kv_c.to(tl.float32), k_r.to(tl.float32)
+        if UPCAST:
+            kv_c, k_r = kv_c.to(tl.float32), k_r.to(tl.float32)
         score = tl.dot(q_c, tl.trans(kv_c), input_precision=PRECISION)
         score += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
         score = tl.where(pos_ok[None, :], score * scale, float("-inf"))
