@@ -14,7 +14,9 @@ and DeepSeek-V4's (`tiny-v4`: a window of 8, CSA entries every 4 tokens of which
 step time at contexts of 2K / 8K / 32K (`--sparse-lengths`), each in a fresh process; the sparse
 decode step should stay nearly flat once the context exceeds top-k (only the indexer's one dot
 per entry and index head grows, and V4's HCA entries, one per 16 tokens here), the dense one
-grows with the context. `--lengths "" --sparse` measures only these, into the existing file.
+grows with the context; `tiny-v4:fp8` is tiny-v4 on the FP8 cache (`--kv-cache-dtype fp8`).
+`--lengths "" --sparse [--sparse-presets tiny-v4,tiny-v4:fp8]` measures only these, into the
+existing file.
 
 With `--model DIR --llama-bench BIN --gguf FILE` (the same checkpoint as an f32 GGUF, built as
 docs/benchmarks.md says): llama.cpp's prefill of the same lengths beside ours (llama-batched-bench,
@@ -76,14 +78,14 @@ def _one(model_dir: str, length: int, threads: int, chunk: int) -> dict:
             "peak_growth_beyond_cache_bytes": max(0, peak - before - rows), "latent_cache_bytes": cache}  # fmt: skip
 
 
-def _decode(model_dir: str, length: int, threads: int, steps: int = 16) -> dict:
+def _decode(model_dir: str, length: int, threads: int, kv_cache_dtype: str = "auto", steps: int = 16) -> dict:
     """Prefill one `length`-token prompt, then time `steps` decode steps."""
     from services.engine.engine import EngineConfig, LocalEngine
     from services.engine.sampling import SamplingParams
 
     torch.set_num_threads(threads)
     engine = LocalEngine(EngineConfig(model=model_dir, max_num_seqs=1, max_model_len=length + steps + 8,
-                                      kv_cache_gib=4.0, prefix_caching=False))  # fmt: skip
+                                      kv_cache_gib=4.0, prefix_caching=False, kv_cache_dtype=kv_cache_dtype))  # fmt: skip
     prompt = [0] + torch.randint(
         4, engine.cfg.vocab_size, (length - 1,), generator=torch.Generator().manual_seed(1)
     ).tolist()
@@ -99,23 +101,29 @@ def _decode(model_dir: str, length: int, threads: int, steps: int = 16) -> dict:
     return {"context": length, "prefill_s": prefill, "decode_step_s": (time.perf_counter() - t0) / steps}
 
 
-def sparse_rows(lengths: list[int], threads: int) -> dict:
+SPARSE_PRESETS = "tiny-v32,tiny-v4,tiny-v4:fp8,tiny"  # preset[:kv_cache_dtype]
+
+
+def sparse_rows(lengths: list[int], threads: int, presets: str = SPARSE_PRESETS) -> dict:
     tmp = Path(tempfile.mkdtemp())
     from services.presets import init_model
 
     out = {}
     ctx = multiprocessing.get_context("spawn")
-    for preset in ("tiny-v32", "tiny-v4", "tiny"):
+    for name in presets.split(","):
+        preset, _, kv_cache_dtype = name.partition(":")
         # (tiny-v4's config says 4096 positions: the timing runs longer contexts on the same weights)
-        model_dir = str(init_model(tmp / preset, preset, overrides={"max_position_embeddings": 65536}))
+        model_dir = tmp / preset
+        if not model_dir.exists():
+            init_model(model_dir, preset, overrides={"max_position_embeddings": 65536})
         rows = []
         for length in lengths:
             with ctx.Pool(1) as pool:
-                rows.append(pool.apply(_decode, (model_dir, length, threads)))
-            print(preset, json.dumps(rows[-1]), flush=True)
+                rows.append(pool.apply(_decode, (str(model_dir), length, threads, kv_cache_dtype or "auto")))
+            print(name, json.dumps(rows[-1]), flush=True)
         for row in rows:
             row["decode_step_over_first"] = row["decode_step_s"] / rows[0]["decode_step_s"]
-        out[preset] = rows
+        out[name] = rows
     return out
 
 
@@ -145,6 +153,7 @@ def main() -> None:
         "--sparse", action="store_true", help="also V3.2 / V4 sparse vs dense MLA decode (tiny dims)"
     )
     ap.add_argument("--sparse-lengths", default="2048,8192,32768")
+    ap.add_argument("--sparse-presets", default=SPARSE_PRESETS, help="preset[:kv_cache_dtype],...")
     ap.add_argument("--out", default="benchmarks/results/long_context.json")
     ap.add_argument("--model", help="checkpoint dir (default: generate the small preset)")
     ap.add_argument("--llama-bench", help="llama.cpp's llama-batched-bench binary (adds its prefill times)")
@@ -155,9 +164,12 @@ def main() -> None:
     if not args.lengths:  # (`--lengths "" --sparse`: only the sparse rows, into the existing file)
         result = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
         result.pop("sparse_v32_vs_dense", None)
-        result["sparse_vs_dense"] = sparse_rows(
-            [int(x) for x in args.sparse_lengths.split(",")], args.threads
-        )
+        result["sparse_vs_dense"] = {  # (the presets measured replace theirs, the others stay)
+            **result.get("sparse_vs_dense", {}),
+            **sparse_rows(
+                [int(x) for x in args.sparse_lengths.split(",")], args.threads, args.sparse_presets
+            ),
+        }
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         return
     model_dir = args.model or str(init_model(Path(tempfile.mkdtemp()) / PRESET, PRESET))
@@ -200,7 +212,7 @@ def main() -> None:
     }
     if args.sparse:
         result["sparse_vs_dense"] = sparse_rows(
-            [int(x) for x in args.sparse_lengths.split(",")], args.threads
+            [int(x) for x in args.sparse_lengths.split(",")], args.threads, args.sparse_presets
         )
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))

@@ -64,22 +64,30 @@ def test_greedy_tokens_and_logits_match_transformers(oracle, chunk):
     engine = _engine(path, max_num_batched_tokens=chunk)
     cfg = engine.cfg
     assert cfg.is_v4 and type(engine.model).__name__ == "DeepseekV4"
-    state_dims = [state.shape[-1] for state, _ in engine.cache.kv]
+    state_dims = [state.data.shape[-1] for state, _ in engine.cache.kv]
     assert state_dims[:3] == [32, 32 * 5 + 16 * 4, 32 * 3]  # sliding, CSA, HCA: D = 32, Di = 16
     outs, logits = generate_with_logits(engine, prompts, GREEDY)
     _check(outs, logits, expected, f"chunk {chunk}")
     assert engine.scheduler.num_free_blocks == engine.cache.num_blocks
 
 
-def test_prefill_picks_in_tiles_match_transformers(oracle, monkeypatch):
-    """Prefill scores and gathers each query's top-k entries a tile of queries at a time
-    (v4_attention.PICK_QUERIES): tiles of 5 give transformers' tokens and logits too."""
+def test_prefill_in_tiles_matches_transformers(oracle, monkeypatch):
+    """Prefill attends a tile of queries at a time (v4_attention.PREFILL_QUERIES), each tile to its
+    band of window rows and its entries (CSA: each query's top-k, scored and gathered per tile):
+    tiles of 5 (less than the window of 8) give transformers' tokens and logits too."""
     from services.model import v4_attention
 
-    monkeypatch.setattr(v4_attention, "PICK_QUERIES", 5)
+    monkeypatch.setattr(v4_attention, "PREFILL_QUERIES", 5)
+    widths = []  # keys each softmax sees: at most a tile's band (5 + 8 - 1) and 4 entries
+    for name in ("_attend", "_attend_picked"):
+        attend = getattr(v4_attention, name)
+        monkeypatch.setattr(
+            v4_attention, name, lambda q, keys, *a, f=attend: widths.append(keys.shape[-2]) or f(q, keys, *a)
+        )
     path, _, prompts, expected = oracle
     outs, logits = generate_with_logits(_engine(path), prompts, GREEDY)
-    _check(outs, logits, expected, "picks in tiles of 5")
+    _check(outs, logits, expected, "prefill in tiles of 5")
+    assert max(widths) <= 12 + 4 and max(map(len, prompts)) == 97
 
 
 @pytest.mark.parametrize(
@@ -140,13 +148,16 @@ def _poison_unheld(engine, value: float) -> None:
         held = {alloc.state(b) for b in alloc._state_refs}
         states = [i for i in range(engine.cache.num_state_blocks) if i not in held]
         blocks = [b for b in range(engine.cache.num_blocks) if alloc.refs(b) == 0]
-        saved = [(state[states].clone(), None if ent is None else ent[blocks].clone()) for state, ent in kv]
-        for state, ent in kv:
+        tensors = [(state.data, None if ent is None else ent.data) for state, ent in kv]
+        saved = [
+            (state[states].clone(), None if ent is None else ent[blocks].clone()) for state, ent in tensors
+        ]
+        for state, ent in tensors:
             state[states] = value
             if ent is not None:
                 ent[blocks] = value
         out = yield from forward(batch, kv)
-        for (state, ent), (old_state, old_ent) in zip(kv, saved, strict=True):
+        for (state, ent), (old_state, old_ent) in zip(tensors, saved, strict=True):
             state[states] = old_state
             if ent is not None:
                 ent[blocks] = old_ent
@@ -155,18 +166,84 @@ def _poison_unheld(engine, value: float) -> None:
     engine.model.forward = poisoned
 
 
-@pytest.mark.parametrize("value", [1e3, float("nan")], ids=["garbage", "nan"])
-def test_unheld_cache_rows_never_reach_the_outputs(oracle, value):
+@pytest.mark.parametrize(
+    "value, cache",
+    [(1e3, "auto"), (float("nan"), "auto"), (0xFF, "fp8")],
+    ids=["garbage", "nan", "fp8-nan-bytes"],
+)
+def test_unheld_cache_rows_never_reach_the_outputs(oracle, value, cache):
     """Freed and released cache rows are poisoned before every step (NaN too: a masked padding
-    row times NaN would be NaN): tokens still match. Decode rows of very different lengths (1,216
-    vs 80 tokens) attend in separate padded groups."""
+    row times NaN would be NaN; in FP8 blocks 0xFF bytes: e4m3 and bf16 NaN, a 2^128 scale): tokens
+    still match (transformers', or the unpoisoned FP8 cache's). Decode rows of very different
+    lengths (1,216 vs 80 tokens) attend in separate padded groups."""
     path, hf, _, _ = oracle
     prompts = _prompts(hf.config.vocab_size, seed=11, lengths=[1200, 300, 170, 64, 65, 3])
-    engine = LocalEngine(EngineConfig(model=str(path), max_num_seqs=8, max_model_len=2048,
-                                      max_num_batched_tokens=64, num_state_blocks=3))  # fmt: skip
-    _poison_unheld(engine, value)
-    outs, logits = generate_with_logits(engine, prompts, GREEDY)
-    _check(outs, logits, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts], f"poisoned with {value}")
+
+    def engine():
+        return LocalEngine(EngineConfig(model=str(path), max_num_seqs=8, max_model_len=2048, max_num_batched_tokens=64,
+                                        num_state_blocks=3, kv_cache_dtype=cache))  # fmt: skip
+
+    if cache == "fp8":
+        clean, clean_logits = generate_with_logits(engine(), prompts, GREEDY)
+        expected = [(o.token_ids, row) for o, row in zip(clean, clean_logits, strict=True)]
+    else:
+        expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    poisoned = engine()
+    _poison_unheld(poisoned, value)
+    outs, logits = generate_with_logits(poisoned, prompts, GREEDY)
+    _check(outs, logits, expected, f"poisoned with {value}", atol=0.0 if cache == "fp8" else 1e-4)
+
+
+def test_fp8_cache_follows_the_full_cache(oracle):
+    """DeepSeek-V4 on FP8 rows (window rows and compressed entries in MODEL1, the indexer's
+    entries as FP8 keys, compressor inputs as they are): the first tokens are the full cache's and
+    the top-1 agrees at most positions teacher-forced along the full cache's output (89 % measured:
+    71 / 80), prompts past the indexer's top-k and HCA's ratio; the first layer's window rows hold
+    the full cache's within each format's rounding; the cache is smaller and status says FP8."""
+    from .test_fp8_cache import top1_agreement
+
+    path, hf, _, _ = oracle
+    prompts = _prompts(hf.config.vocab_size, seed=1, lengths=[3, 23, 50, 97, 300])
+    full, fp8 = _engine(path, prefix_caching=False), _engine(path, prefix_caching=False, kv_cache_dtype="fp8")
+    assert fp8.cache.nbytes < full.cache.nbytes and fp8.stats()["kv_cache_dtype"] == "fp8"
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = full.generate(prompts, greedy)
+    assert [o.token_ids[:3] for o in outs] == [o.token_ids[:3] for o in fp8.generate(prompts, greedy)]
+    agree, total = top1_agreement(full, fp8, prompts, outs)
+    assert agree >= 0.75 * total, agree / total
+    # layer 0's window rows (sliding: before any FP8 difference upstream) hold the full cache's
+    # kv within each format's rounding (e4m3 on 24 no-rope dims, bf16 on 8 rope dims)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # (rows of the prompt only)
+    full, fp8 = _engine(path, prefix_caching=False), _engine(path, prefix_caching=False, kv_cache_dtype="fp8")
+    full.generate(prompts[-1:], one), fp8.generate(prompts[-1:], one)
+    ref, rows = full.cache.kv[0][0], fp8.cache.kv[0][0]
+    used = torch.nonzero(ref.flat.abs().sum(-1) > 0)[:, 0]
+    assert len(used) >= 64
+
+    def rel(cols):
+        got, want = rows.read(used, cols), ref.flat[used, cols]
+        return ((got - want).norm() / want.norm()).item()
+
+    assert rel(slice(0, 24)) < 0.04 and rel(slice(24, 32)) < 0.005
+
+
+def test_fp8_cache_under_chunks_prefix_hits_and_preemption(oracle):
+    """The FP8 cache under chunked prefill (entries completed from compressor inputs an earlier
+    chunk cached), a prefix hit on FP8 blocks and preemption (3 state blocks): the same tokens as
+    one unchunked pass over it."""
+    path, hf, prompts, _ = oracle
+    second = prompts[3][:80] + _prompts(hf.config.vocab_size, seed=9, lengths=[20])[0]
+    todo = [prompts[3], second, *_prompts(hf.config.vocab_size, seed=5, lengths=[300, 190, 130])]
+    want = [
+        o.token_ids for o in _engine(path, kv_cache_dtype="fp8", prefix_caching=False).generate(todo, GREEDY)
+    ]
+    engine = _engine(path, kv_cache_dtype="fp8", max_num_batched_tokens=32)
+    got = [engine.generate([p], GREEDY)[0].token_ids for p in todo[:2]]
+    assert engine.scheduler.prefix_hit_tokens == 64
+    tight = _engine(path, kv_cache_dtype="fp8", max_num_batched_tokens=64, num_state_blocks=3)
+    got += [o.token_ids for o in tight.generate(todo[2:], GREEDY)]
+    assert tight.stats()["preemptions"] > 0
+    assert got == want
 
 
 def test_decode_groups_bound_the_padding():

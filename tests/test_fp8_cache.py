@@ -13,6 +13,10 @@ from services.model.config import ModelConfig
 from services.model.kernels import cpu_kernels
 from services.model.kv_cache import (
     BLOCK_SIZE,
+    Fp8Groups,
+    Model1,
+    PackedRows,
+    V4Cache,
     dequantize_index_keys,
     dequantize_latent_rows,
     fp8_row_bytes,
@@ -55,6 +59,83 @@ def test_v32_rows_carry_fp8_indexer_keys():
     short = quantize_latent_rows(c_kv[:, :128], k_pe[:, :16], key[:, :16])
     assert short.shape == (3, fp8_row_bytes(128, 16, 16))
     torch.testing.assert_close(dequantize_index_keys(short[:, 164:], 16), key[:, :16], atol=0.1, rtol=0.07)
+
+
+def test_v4_model1_rows():
+    """DeepSeek-V4's FP8 rows, FlashMLA's MODEL1: 448 e4m3 + 64 bf16 rope, then 7 UE8M0 scales (a
+    power of two each, the least >= the tile's largest |value| / 448, stored as its exponent +
+    127) and 1 pad byte: 584 bytes."""
+    m = Model1(512, 64)
+    assert m.sections == (448 + 128, 8)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 512, generator=g) * 3
+    x[0, :64] = torch.linspace(-448 * 4, 100, 64)  # largest |value| exactly 448 * 2^2: scale 2^2
+    x[1, 64:128] = 0.0
+    data, scales = m.encode(x)
+    assert data.shape == (5, 576) and scales.shape == (5, 8) and not scales[:, 7].any()
+    amax = x[:, :448].view(5, 7, 64).abs().amax(-1)
+    assert scales[0, 0] == 2 + 127 and scales[1, 1] == 127  # (a zero tile: scale 1)
+    expected = torch.ceil(torch.log2(amax / 448)).clamp(min=0) * (amax > 0) + 127
+    assert torch.equal(
+        scales[:, :7].float(), torch.where(amax > 0, torch.ceil(torch.log2(amax / 448)) + 127, expected)
+    )
+    assert torch.equal(data[:, 448:].contiguous().view(torch.bfloat16), x[:, 448:].to(torch.bfloat16))
+    back = m.decode([data, scales], torch.float32)
+    step = torch.exp2(scales[:, :7].float() - 127)[..., None]  # each tile's scale
+    err = (back[:, :448] - x[:, :448]).abs().view(5, 7, 64)
+    assert bool((err <= x[:, :448].abs().view(5, 7, 64) * 2**-4 + step * 2**-9).all())  # e4m3: 3 bits
+    assert back[0, 0] == -448 * 4 and not back[1, 64:128].any()
+    assert torch.equal(back[:, 448:], x[:, 448:].to(torch.bfloat16).float())
+    assert Model1(32, 8).sections == (24 + 16, 8)  # (one shorter tile: the tiny preset)
+    with pytest.raises(ValueError, match="MODEL1 rows need head_dim - rope <= 64 or a multiple, got 96"):
+        Model1(104, 8)
+
+
+def test_v4_fp8_blocks_hold_their_rows_section_by_section():
+    """A block of V4 FP8 rows holds, as FlashMLA's MODEL1 blocks do, all its rows' [nope | rope]
+    bytes, then all their scales (then, for CSA entries, the indexer keys and their scales);
+    reads give the model's dtype, a column range within one field."""
+    rows = PackedRows([Model1(32, 8), Fp8Groups(16)], num_blocks=3, rows_per_block=16, dtype=torch.float32)
+    assert rows.data.shape == (3, 16 * (40 + 8 + 16 + 4))
+    g = torch.Generator().manual_seed(3)
+    at, values = torch.tensor([5, 20, 47]), torch.randn(3, 48, generator=g)
+    rows.write(at, slice(0, None), values)
+    block = rows.data[1]  # row 20: block 1, slot 4
+    data, scales = Model1(32, 8).encode(values[1:2, :32])
+    keys = Fp8Groups(16).encode(values[1:2, 32:])
+    assert torch.equal(block[4 * 40 : 5 * 40], data[0]) and torch.equal(
+        block[640 + 4 * 8 : 640 + 5 * 8], scales[0]
+    )
+    assert torch.equal(block[768 + 4 * 16 : 768 + 5 * 16], keys[0][0])
+    assert torch.equal(block[1024 + 4 * 4 : 1024 + 5 * 4], keys[1][0])
+    assert block[: 4 * 40].eq(0).all() and rows.data[0, : 5 * 40].eq(0).all()  # nothing else written
+    got = rows.read(at.view(3, 1), slice(0, 32))
+    assert got.shape == (3, 1, 32) and got.dtype == torch.float32
+    torch.testing.assert_close(got[:, 0], values[:, :32], atol=0.1, rtol=0.07)
+    torch.testing.assert_close(rows.read(at, slice(32, 48)), values[:, 32:], atol=0.1, rtol=0.07)
+    torch.testing.assert_close(rows.read(at, slice(34, 40)), rows.read(at, slice(32, 48))[:, 2:8])
+
+
+def test_v4_fp8_capacity():
+    """DeepSeek-V4 (the published config): compressed entries, the cache that grows with the
+    context, take 1.79x fewer bytes in FP8 than in bf16 (CSA: 584 + 132 against 1,280 bytes; HCA 584
+    against 1,024); the window state keeps its compressor inputs in bf16 (1.1x)."""
+    import json
+
+    from transformers import DeepseekV4Config
+
+    cfg = ModelConfig.from_hf(json.loads(DeepseekV4Config().to_json_string()))
+    (entries, state), (entries8, state8) = (
+        V4Cache.bytes_per_block(cfg, torch.bfloat16, fp8) for fp8 in (False, True)
+    )
+    assert entries == 64 * 6768 and entries8 == 20 * 16 * (584 + 132) + 23 * 584
+    assert entries / entries8 > 1.78 and 1.1 < state / state8 < 1.2
+    fp8, full = (EngineConfig(model="-", dtype="bfloat16", kv_cache_gib=12, num_state_blocks=64, max_num_seqs=64,
+                              kv_cache_dtype=kv) for kv in ("fp8", "auto"))  # fmt: skip
+    assert fp8.kv_blocks(cfg, 65536) > 1.78 * full.kv_blocks(cfg, 65536)  # (the same GiB)
+    with pytest.raises(ValueError, match="index_head_dim <= 128 or a multiple, got 144"):
+        fp8.fp8_cache(ModelConfig.from_hf({**PRESETS["tiny-v4"], "index_head_dim": 144}))
+    assert fp8.fp8_dims(cfg) is None  # (V3 / V3.2 rows only)
 
 
 @pytest.mark.parametrize("lens", [[1, 70, 200], [130]])

@@ -27,6 +27,7 @@ from services.model.kv_cache import (
     V4Cache,
     blocks_needed,
     fp8_row_bytes,
+    v4_fp8_fields,
 )
 from services.model.messages import ExpertBackend, ExpertTally, run_interleaved
 from services.model.model import DeepseekV3
@@ -103,15 +104,22 @@ class EngineConfig:
             )
         return blocks
 
-    def fp8_dims(self, cfg: ModelConfig) -> tuple[int, int, int] | None:
-        """(C, R, Di) of FP8 rows when kv_cache_dtype is "fp8" (Di: V3.2's indexer key, else 0;
-        ValueError where the model's rows cannot be: V4's cache is not in this format yet)."""
+    def fp8_cache(self, cfg: ModelConfig) -> bool:
+        """Whether the cache holds FP8 rows (kv_cache_dtype "fp8"); ValueError for another value,
+        or where DeepSeek-V4's rows cannot be FP8 (kv_cache.v4_fp8_fields; V3's: `fp8_dims`)."""
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: 'auto' or 'fp8'")
-        if self.kv_cache_dtype == "auto":
+        if self.kv_cache_dtype == "fp8" and cfg.is_v4:
+            for kind in set(cfg.layer_types):
+                v4_fp8_fields(cfg, kind, torch.float32)
+        return self.kv_cache_dtype == "fp8"
+
+    def fp8_dims(self, cfg: ModelConfig) -> tuple[int, int, int] | None:
+        """(C, R, Di) of DeepSeek-V3 / V3.2's FP8 rows when kv_cache_dtype is "fp8" (Di: V3.2's
+        indexer key, else 0; ValueError where the model's rows cannot be); None otherwise and for
+        DeepSeek-V4 (its FP8 rows: kv_cache.v4_fp8_fields)."""
+        if not self.fp8_cache(cfg) or cfg.is_v4:
             return None
-        if cfg.is_v4:
-            raise ValueError("kv_cache_dtype fp8: DeepSeek-V3 and V3.2 caches only (not V4's yet)")
         if cfg.kv_lora_rank % FP8_GROUP:
             raise ValueError(
                 f"kv_cache_dtype fp8 needs kv_lora_rank % {FP8_GROUP} == 0, got {cfg.kv_lora_rank}"
@@ -138,7 +146,7 @@ class EngineConfig:
         set; otherwise what max_num_seqs full-length sequences want (their entries; their
         lookback's state blocks plus a max_num_batched_tokens prefill, twice over for prefix
         hits), scaled down together to fit kv_cache_gib. Too little for one sequence: an error."""
-        per_block, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype))
+        per_block, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype), self.fp8_cache(cfg))
         per_seq = V4Cache.state_blocks_per_seq(cfg, max_model_len)
         want = (
             self.num_kv_blocks or self.max_num_seqs * blocks_needed(max_model_len),
@@ -164,7 +172,8 @@ class EngineConfig:
         for DeepSeek-V3.2; DeepSeek-V4 has its entry blocks and state blocks (V4Cache)."""
         max_model_len = self.scheduler_config(cfg).max_model_len
         if cfg.is_v4:
-            return V4Cache(cfg, *self._v4_sizes(cfg, max_model_len), model.dtype, model.device)
+            sizes = self._v4_sizes(cfg, max_model_len)
+            return V4Cache(cfg, *sizes, model.dtype, model.device, self.fp8_cache(cfg))
         blocks = self.kv_blocks(cfg, max_model_len)
         return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.cache_dim, model.dtype, model.device,
                                 self.fp8_dims(cfg))  # fmt: skip

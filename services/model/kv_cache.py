@@ -12,7 +12,8 @@ DeepSeek-V4 (`V4Cache`) splits what it keeps by lifetime: compressed entries, a 
 needed for ever, live in blocks addressed by the block table like the rows above; each token's
 window state (its K=V row and compressor inputs), needed only while it is among a sequence's
 last few dozen tokens, lives in *state blocks*: a second, much smaller pool, attached to a block
-while some sequence still reads that block's recent tokens (`BlockAllocator.hold_state`).
+while some sequence still reads that block's recent tokens (`BlockAllocator.hold_state`). Its
+FP8 format (`kv_cache_dtype="fp8"`) is FlashMLA's "MODEL1" (`Model1`, `PackedRows`).
 
 Blocks are shared between requests with a common prompt prefix (automatic prefix caching,
 `BlockAllocator`): a full block's identity is the chained hash of its tokens and everything
@@ -138,8 +139,143 @@ class PagedLatentCache:
         return self.kv.nbytes
 
 
+# DeepSeek-V4's FP8 rows (`kv_cache_dtype="fp8"`): a K=V row (window kv, compressed entry) of D
+# values whose last R are rope is FlashMLA's "MODEL1" row: [D - R as float8_e4m3fn | R as bf16],
+# and apart from those, one UE8M0 scale (a power of two, the byte its exponent + 127) per
+# MODEL1_TILE values, padded to 8 bytes (V4: 448 + 128 + 7 + 1 = 584 bytes against 1,024 in bf16).
+# A tile's scale is the least power of two >= its largest |value| / 448, so nothing saturates.
+# Like FlashMLA's MODEL1 blocks, each block holds its rows' [nope | rope] bytes, then their scales.
+MODEL1_TILE = 64
+
+
+class Model1:
+    """The MODEL1 format of D-wide rows with R rope dims (D - R a multiple of MODEL1_TILE, or one
+    shorter tile): sections (the [nope | rope] bytes, the scale bytes) of one row."""
+
+    def __init__(self, D: int, R: int):
+        n = D - R
+        if n % MODEL1_TILE and n > MODEL1_TILE:
+            raise ValueError(f"MODEL1 rows need head_dim - rope <= {MODEL1_TILE} or a multiple, got {n}")
+        self.width, self.nope, self.tiles = D, n, max(1, n // MODEL1_TILE)
+        self.sections = (n + 2 * R, -(-self.tiles // 8) * 8)
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [T, D] -> [uint8 [T, D - R + 2R], uint8 [T, scale bytes]]."""
+        T, n = x.shape[0], self.nope
+        tiles = x[:, :n].float().view(T, self.tiles, -1)
+        mantissa, exponent = torch.frexp(tiles.abs().amax(-1) / FP8_MAX)  # m * 2^e, m in [0.5, 1)
+        exponent = (exponent - (mantissa == 0.5).int()).clamp_(-126, 127)  # ceil(log2(amax / 448))
+        fp8 = torch.ldexp(tiles, -exponent[..., None].float()).view(T, n).to(torch.float8_e4m3fn)
+        scales = torch.zeros(T, self.sections[1], dtype=torch.uint8, device=x.device)
+        scales[:, : self.tiles] = (exponent + 127).to(torch.uint8)
+        rope = x[:, n:].to(torch.bfloat16).view(torch.uint8).view(T, -1)
+        return [torch.cat((fp8.view(torch.uint8), rope), dim=-1), scales]
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The sections of T rows -> [T, D] in `dtype`."""
+        data, scales = parts
+        T, n = data.shape[0], self.nope
+        exponent = scales[:, : self.tiles].float() - 127
+        nope = data[:, :n].contiguous().view(torch.float8_e4m3fn).float().view(T, self.tiles, -1)
+        rope = data[:, n:].contiguous().view(torch.bfloat16).float()
+        return torch.cat((torch.ldexp(nope, exponent[..., None]).view(T, n), rope), dim=-1).to(dtype)
+
+
+class Fp8Groups:
+    """n-wide keys as e4m3 with an fp32 scale per FP8_GROUP values (one for n <= FP8_GROUP), as
+    V3.2's FP8 indexer keys: sections (the e4m3 bytes, the scales)."""
+
+    def __init__(self, n: int):
+        if n > FP8_GROUP and n % FP8_GROUP:
+            raise ValueError(f"FP8 indexer keys need index_head_dim <= {FP8_GROUP} or a multiple, got {n}")
+        self.width, self.groups = n, key_groups(n)
+        self.sections = (n, 4 * self.groups)
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(_quantize_groups(x, self.groups))
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return _dequantize_groups(torch.cat(parts, dim=-1), self.width, self.groups).to(dtype)
+
+
+class Raw:
+    """n values kept as they are, in `dtype` (V4's compressor states)."""
+
+    def __init__(self, n: int, dtype: torch.dtype):
+        self.width, self.dtype = n, dtype
+        self.sections = (n * dtype.itemsize,)
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x.to(self.dtype).contiguous().view(torch.uint8)]
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return parts[0].contiguous().view(self.dtype).to(dtype)
+
+
+class PlainRows:
+    """One V4 layer's state rows or entries as they are: `data` [blocks, rows per block, W] in the
+    model's dtype, read and written by flat row (block * rows per block + row) and columns."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data, self.flat = data, data.view(-1, data.shape[-1])
+
+    def read(self, rows: torch.Tensor, cols: slice) -> torch.Tensor:
+        """rows [...] flat row indices -> [..., cols] values."""
+        return self.flat[rows, cols]
+
+    def write(self, rows: torch.Tensor, cols: slice, values: torch.Tensor) -> None:
+        """rows [T], values [T, cols]."""
+        self.flat[rows, cols] = values.to(self.flat.dtype)
+
+
+class PackedRows:
+    """One V4 layer's state rows or entries in FP8 (`Model1`, `Fp8Groups`, `Raw` fields covering a
+    row's columns in order): `data` uint8 [blocks, rows_per_block * row bytes], each block holding
+    its rows section by section (all rows' first section, then all rows' second, ...), as
+    FlashMLA's MODEL1 blocks do. Reads give the model's `dtype`; the same read/write as PlainRows."""
+
+    def __init__(self, fields: list, num_blocks: int, rows_per_block: int, dtype: torch.dtype, device="cpu"):
+        self.fields, self.rows_per_block, self.dtype = fields, rows_per_block, dtype
+        widths = [w for f in fields for w in f.sections]
+        self.row_bytes = sum(widths)
+        self.data = zeros(num_blocks, rows_per_block * self.row_bytes, dtype=torch.uint8, device=device)
+        views, start = [], 0
+        for w in widths:  # [blocks, rows_per_block, w] views of each section
+            views.append(self.data[:, start : start + rows_per_block * w].view(num_blocks, rows_per_block, w))
+            start += rows_per_block * w
+        self._sections, self._starts, k, col = [], [], 0, 0
+        for f in fields:
+            self._sections.append(views[k : k + len(f.sections)])
+            self._starts.append(col)
+            k, col = k + len(f.sections), col + f.width
+
+    def read(self, rows: torch.Tensor, cols: slice) -> torch.Tensor:
+        """rows [...] flat row indices -> [..., cols] values (cols within one field)."""
+        first = cols.start or 0
+        i = max(i for i, start in enumerate(self._starts) if start <= first)
+        f, start = self.fields[i], self._starts[i]
+        stop = start + f.width if cols.stop is None else cols.stop
+        block, slot = rows // self.rows_per_block, rows % self.rows_per_block
+        parts = [s[block, slot].view(-1, s.shape[-1]) for s in self._sections[i]]
+        return f.decode(parts, self.dtype)[:, first - start : stop - start].view(*rows.shape, -1)
+
+    def write(self, rows: torch.Tensor, cols: slice, values: torch.Tensor) -> None:
+        """rows [T], values [T, cols] (cols whole fields)."""
+        first, block, slot = cols.start or 0, rows // self.rows_per_block, rows % self.rows_per_block
+        for f, sections, start in zip(self.fields, self._sections, self._starts, strict=True):
+            if first <= start < first + values.shape[1]:
+                at = start - first
+                for s, part in zip(sections, f.encode(values[:, at : at + f.width]), strict=True):
+                    s[block, slot] = part
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
 class V4Cache:
-    """DeepSeek-V4's paged cache. Per layer i, `kv[i]` = (state, entries):
+    """DeepSeek-V4's paged cache. Per layer i, `kv[i]` = (state, entries), each a PlainRows (the
+    model's dtype) or, with `fp8`, a PackedRows (`v4_fp8_fields`):
     state [num_state_blocks, BLOCK_SIZE, state_dim]: the window-state rows of recent tokens
         (`ModelConfig.v4_state_dim`), addressed through `StepBatch.state_table`;
     entries [num_blocks, entries_per_block(r), entry_dim] (None for sliding layers): the
@@ -147,29 +283,40 @@ class V4Cache:
         last token (`v4_attention.entry_rows`), addressed through the block table.
     """
 
-    def __init__(self, cfg, num_blocks: int, num_state_blocks: int, dtype: torch.dtype, device="cpu"):
+    def __init__(
+        self, cfg, num_blocks: int, num_state_blocks: int, dtype: torch.dtype, device="cpu", fp8: bool = False
+    ):
         self.num_blocks, self.num_state_blocks = num_blocks, num_state_blocks
         self.kv = []
         for i, kind in enumerate(cfg.layer_types):
-            state = zeros(num_state_blocks, BLOCK_SIZE, cfg.v4_state_dim(kind), dtype=dtype, device=device)
-            r, width = cfg.compress_ratio(i), cfg.v4_entry_dim(kind)
-            entries = None
-            if r:
-                entries = zeros(num_blocks, entries_per_block(r), width, dtype=dtype, device=device)
-            self.kv.append((state, entries))
+            r = cfg.compress_ratio(i)
+            shapes = [(num_state_blocks, BLOCK_SIZE)] + ([(num_blocks, entries_per_block(r))] if r else [])
+            if fp8:
+                fields = v4_fp8_fields(cfg, kind, dtype)
+                layer = [PackedRows(f, *sh, dtype, device) for f, sh in zip(fields, shapes, strict=True)]
+            else:
+                widths = [cfg.v4_state_dim(kind), cfg.v4_entry_dim(kind)]
+                layer = [PlainRows(zeros(*shape, w, dtype=dtype, device=device))
+                         for shape, w in zip(shapes, widths[: len(shapes)], strict=True)]  # fmt: skip
+            self.kv.append((layer[0], layer[1] if r else None))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.kv for t in layer if t is not None)
+        return sum(rows.data.nbytes for layer in self.kv for rows in layer if rows is not None)
 
     @staticmethod
-    def bytes_per_block(cfg, dtype: torch.dtype) -> tuple[int, int]:
+    def bytes_per_block(cfg, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int]:
         """(bytes of one block's entries, bytes of one state block), all layers."""
-        size = torch.empty((), dtype=dtype).element_size()
-        entries = sum(entries_per_block(cfg.compress_ratio(i)) * cfg.v4_entry_dim(kind)
-                      for i, kind in enumerate(cfg.layer_types) if cfg.compress_ratio(i))  # fmt: skip
-        state = sum(BLOCK_SIZE * cfg.v4_state_dim(kind) for kind in cfg.layer_types)
-        return entries * size, state * size
+        entries = state = 0
+        for i, kind in enumerate(cfg.layer_types):
+            if fp8:
+                widths = [sum(sum(f.sections) for f in fields) for fields in v4_fp8_fields(cfg, kind, dtype)]
+            else:
+                widths = [cfg.v4_state_dim(kind) * dtype.itemsize, cfg.v4_entry_dim(kind) * dtype.itemsize]
+            state += BLOCK_SIZE * widths[0]
+            if r := cfg.compress_ratio(i):
+                entries += entries_per_block(r) * widths[1]
+        return entries, state
 
     @staticmethod
     def state_blocks_per_seq(cfg, max_model_len: int) -> int:
@@ -177,6 +324,19 @@ class V4Cache:
         (`ModelConfig.v4_state_start`) plus the new token, across a block boundary."""
         lookback = max(cfg.sliding_window - 1, 2 * cfg.compress_ratio_csa - 1, cfg.compress_ratio_hca - 1)
         return blocks_needed(min(lookback, max_model_len) + 1) + 1
+
+
+def v4_fp8_fields(cfg, layer_type: str, dtype: torch.dtype) -> list[list]:
+    """The fields of a DeepSeek-V4 layer's FP8 rows, in column order ([state] or [state, entries],
+    as `ModelConfig.v4_state_dim` / `v4_entry_dim` lay them out): kv and entries in MODEL1, the
+    indexer's entries as FP8 keys, the compressor states (inputs of entries not yet complete) as
+    they are."""
+    D, R, Di = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
+    if layer_type == "sliding_attention":
+        return [[Model1(D, R)]]
+    if layer_type == "heavily_compressed_attention":
+        return [[Model1(D, R), Raw(2 * D, dtype)], [Model1(D, R)]]
+    return [[Model1(D, R), Raw(4 * D, dtype), Raw(4 * Di, dtype)], [Model1(D, R), Fp8Groups(Di)]]
 
 
 def entries_per_block(ratio: int) -> int:

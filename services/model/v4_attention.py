@@ -33,7 +33,10 @@ The cache (kv_cache.V4Cache) keeps, per layer, two things with their own lifetim
 projections; a window's entry is pooled from them when a step computes the window's last token
 (the earlier tokens' states read from the cache, so windows straddle chunks and blocks). An entry
 depends only on its window's tokens, so a cached block carries exact entries; the scheduler keeps
-state rows only as far back as `ModelConfig.v4_state_start` reads.
+state rows only as far back as `ModelConfig.v4_state_start` reads. Both are read and written by
+flat row and columns (`read` / `write`): in the model's dtype (kv_cache.PlainRows) or FP8
+(kv_cache.PackedRows: kv and entries in FlashMLA's MODEL1 rows, the indexer's entries as FP8
+keys, compressor inputs as they are).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ import torch.nn.functional as F
 from .batch import DecodeRows, StepBatch
 from .config import ModelConfig, rope_inv_freq
 from .kernels import cpu_kernels
-from .kv_cache import BLOCK_SIZE, entries_per_block
+from .kv_cache import BLOCK_SIZE, PackedRows, PlainRows, entries_per_block
+
+Rows = PlainRows | PackedRows  # a layer's state rows or entries, read and written by flat row
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -211,16 +216,16 @@ def entry_rows(block_table: torch.Tensor, w: torch.Tensor, r: int) -> torch.Tens
 
 def emit_entries(
     c: CompressorWeights,
-    rows: torch.Tensor,
-    entries: torch.Tensor,
+    rows: Rows,
+    entries: Rows,
     batch: StepBatch,
     rope: V4Rope,
     eps: float,
 ) -> None:
     """Compute the entries of the windows this step's tokens complete (of every sequence at
-    once), from the compressor states in the state rows `rows` [state blocks*64, Ws] (this
-    step's included), into `entries` [blocks*entries_per_block, We]."""
-    r, d, device = c.ratio, c.dim, rows.device
+    once), from the compressor states in the state rows `rows` (this step's included), into
+    `entries`."""
+    r, d, device = c.ratio, c.dim, batch.state_table.device
     seqs, windows = [], []
     for b, n in enumerate(batch.query_lens):
         end = batch.context_lens[b]
@@ -232,7 +237,8 @@ def emit_entries(
     b, w = torch.tensor(seqs, device=device), torch.tensor(windows, device=device)  # [nw]
     span = 2 * r if c.overlap else r
     pos = (w[:, None] - (1 if c.overlap else 0)) * r + torch.arange(span, device=device)  # [nw, span]
-    src = rows[_state_rows(batch.state_table[b], pos.clamp(min=0)), c.offset : c.state_end]  # [nw, span, 2Sd]
+    at = _state_rows(batch.state_table[b], pos.clamp(min=0))
+    src = rows.read(at, slice(c.offset, c.state_end))  # [nw, span, 2Sd]
     kv, gate = src[..., : c.width], src[..., c.width :].float()
     if c.overlap:  # slots 0..r-1: window w-1's Ca series; r..2r-1: window w's Cb series
         kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)  # [nw, 2r, d]
@@ -244,7 +250,7 @@ def emit_entries(
     pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [nw, d]
     entry = rope_tail(rms_norm_f32(pooled, c.norm, eps), *rope.cos_sin(w * r))
     at = entry_rows(batch.block_table[b], w[:, None], r)[:, 0]  # [nw]
-    entries[at, c.entry_cols] = entry.to(entries.dtype)
+    entries.write(at, c.entry_cols, entry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +290,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: t
     return torch.einsum("...nqk,...kd->...qnd", probs, keys)
 
 
-PICK_QUERIES = 256  # prefill queries whose top-k entries are scored and gathered at once
+PREFILL_QUERIES = 256  # prefill queries attended at once (their band of window rows, their picks)
 
 
 def _attend_picked(
@@ -329,8 +335,8 @@ def _decode_groups(d: DecodeRows) -> list[DecodeRows]:
 def _decode_context(
     w: V4AttentionWeights,
     cfg: ModelConfig,
-    rows: torch.Tensor,
-    entries: torch.Tensor | None,
+    rows: Rows,
+    entries: Rows | None,
     batch: StepBatch,
     d: DecodeRows,
     q_idx: torch.Tensor | None,
@@ -341,24 +347,68 @@ def _decode_context(
     indexer, only the entries it keeps: E = top-k), visible [Bd, 1, window + E]. Padding reads other rows and entries of the cache; they are masked and
     zeroed (a non-finite value left in a freed block must not reach this step)."""
     D, window = cfg.head_dim, min(cfg.sliding_window, int(d.lens.max()))  # (no row sees further)
-    kpos = d.lens[:, None] - window + torch.arange(window, device=rows.device)  # [Bd, window]
-    keys = rows[_state_rows(batch.state_table[d.seqs], kpos.clamp(min=0)), :D]  # (released rows: masked)
+    kpos = d.lens[:, None] - window + torch.arange(window, device=d.lens.device)  # [Bd, window]
+    at = _state_rows(batch.state_table[d.seqs], kpos.clamp(min=0))
+    keys = rows.read(at, slice(0, D))  # (released rows: masked)
     visible = kpos >= 0
     c = w.compressor
     num = None if c is None else d.lens // c.ratio  # [Bd] complete windows (= entries) of each
     if num is not None and (most := int(num.max())) > 0:
-        e = torch.arange(most, device=rows.device)
+        e = torch.arange(most, device=d.lens.device)
         at = entry_rows(d.table, e, c.ratio)  # [Bd, E] (the longest sequence's blocks hold them all)
         seen = e[None] < num[:, None]  # [Bd, E]
         if w.indexer is not None and most > cfg.index_topk:  # gather the kept entries: attention
             # then costs the window plus top-k, whatever the context (the indexer's scores are
             # the part that still grows with it)
-            index_keys = entries[at, w.indexer.compressor.entry_cols].masked_fill(~seen[..., None], 0)
+            index_keys = entries.read(at, w.indexer.compressor.entry_cols).masked_fill(~seen[..., None], 0)
             top, seen = _indexer_top(q_idx[d.rows], idx_weights[d.rows], index_keys, num, cfg.index_topk)
             at = at.gather(1, top)  # [Bd, topk]
-        keys = torch.cat((keys, entries[at, c.entry_cols]), dim=1)
+        keys = torch.cat((keys, entries.read(at, c.entry_cols)), dim=1)
         visible = torch.cat((visible, seen), dim=1)
     return keys.masked_fill(~visible[..., None], 0), visible[:, None]
+
+
+def _prefill(
+    w: V4AttentionWeights,
+    cfg: ModelConfig,
+    rows: Rows,
+    entries: Rows | None,
+    batch: StepBatch,
+    b: int,
+    q: torch.Tensor,
+    q_idx: torch.Tensor | None,
+    idx_weights: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """Attention of sequence b's prefill chunk into `out` [T, N, D], PREFILL_QUERIES queries at a
+    time: each tile reads the band of window rows its queries see (tile + window - 1 rows, not the
+    chunk's) and the entries (CSA past top-k: each query's own top-k, gathered), so its scores are
+    [N, tile, tile + window - 1 + entries or top-k] however long the chunk."""
+    n, end, s0 = batch.query_lens[b], batch.context_lens[b], batch.query_starts[b]
+    D, window, device, c = cfg.head_dim, cfg.sliding_window, q.device, w.compressor
+    at, pick = None, False
+    if c is not None and end >= c.ratio:
+        e = torch.arange(end // c.ratio, device=device)  # the entries so far
+        at = entry_rows(batch.block_table[b], e, c.ratio)
+        pick = w.indexer is not None and len(e) > cfg.index_topk
+        ent = entries.read(at, (w.indexer.compressor if pick else c).entry_cols)  # [E, Di] keys / [E, D]
+    for t0 in range(0, n, PREFILL_QUERIES):
+        t1 = min(n, t0 + PREFILL_QUERIES)
+        tile = slice(s0 + t0, s0 + t1)
+        qpos = torch.arange(end - n + t0, end - n + t1, device=device)  # [t]
+        kpos = torch.arange(max(0, end - n + t0 - window + 1), end - n + t1, device=device)  # their band
+        keys = rows.read(_state_rows(batch.state_table[b], kpos), slice(0, D))  # [band, D]
+        visible = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - window)  # [t, band]
+        if at is not None:
+            num = (qpos + 1) // c.ratio  # [t] complete windows (= entries) each query sees
+            if pick:  # each query's own top-k, gathered: scores [t, E], picked rows [t, top-k, D]
+                top, seen = _indexer_top(q_idx[tile], idx_weights[tile], ent, num, cfg.index_topk)
+                picked = entries.read(at[top], c.entry_cols)
+                out[tile] = _attend_picked(q[tile], keys, visible, picked, seen, w.sinks)
+                continue
+            keys = torch.cat((keys, ent), dim=0)
+            visible = torch.cat((visible, e[None] < num[:, None]), dim=1)
+        out[tile] = _attend(q[tile], keys, visible, w.sinks)
 
 
 def v4_attention(
@@ -367,11 +417,11 @@ def v4_attention(
     cfg: ModelConfig,
     ropes: dict[str, V4Rope],
     cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    cache: tuple[torch.Tensor, torch.Tensor | None],
+    cache: tuple[Rows, Rows | None],
     batch: StepBatch,
 ) -> torch.Tensor:
-    """x [T, H] (the layer's normed attention input) -> [T, H]. cache = (state [state blocks, 64,
-    Ws], entries [blocks, entries_per_block, We] or None; kv_cache.V4Cache). Writes this step's
+    """x [T, H] (the layer's normed attention input) -> [T, H]. cache = (state rows, entries or
+    None; kv_cache.V4Cache). Writes this step's
     state rows (and the entries of the windows the step completes), then each sequence's queries
     attend to their window rows and compressed entries."""
     T, D, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
@@ -384,11 +434,8 @@ def v4_attention(
 
     compressors = [c for c in (w.compressor, w.indexer and w.indexer.compressor) if c is not None]
     new = torch.cat([kv] + [col for c in compressors for col in _compressor_states(c, x)], dim=-1)
-    state, entries = cache
-    rows = state.view(-1, state.shape[-1])  # [state blocks*64, Ws]
-    rows[batch.state_slot_mapping] = new.to(rows.dtype)
-    if entries is not None:
-        entries = entries.view(-1, entries.shape[-1])  # [blocks*entries_per_block, We]
+    rows, entries = cache
+    rows.write(batch.state_slot_mapping, slice(0, None), new)
     for c in compressors:
         emit_entries(c, rows, entries, batch, ropes["compress"], eps)
     q_idx = idx_weights = None
@@ -402,35 +449,9 @@ def v4_attention(
         for d in _decode_groups(batch.decode):
             keys, visible = _decode_context(w, cfg, rows, entries, batch, d, q_idx, idx_weights)
             out[d.rows] = _attend(q[d.rows, None], keys, visible, w.sinks)[:, 0]
-    window, device = cfg.sliding_window, x.device
     for b, n in enumerate(batch.query_lens):  # prefill chunks one sequence at a time
-        if n == 1:
-            continue
-        end, s0 = batch.context_lens[b], batch.query_starts[b]
-        qpos = torch.arange(end - n, end, device=device)  # [n]
-        kpos = torch.arange(max(0, end - n - window + 1), end, device=device)  # the queries' windows
-        keys = rows[_state_rows(batch.state_table[b], kpos), :D]  # [Lw, D]
-        visible = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - window)  # [n, Lw]
-        c = w.compressor
-        if c is not None and end >= c.ratio:
-            e = torch.arange(end // c.ratio, device=device)  # the entries so far
-            at = entry_rows(batch.block_table[b], e, c.ratio)
-            num = (qpos + 1) // c.ratio  # [n] complete windows (= entries) each query sees
-            if w.indexer is not None and len(e) > cfg.index_topk:  # each query's own top-k, gathered,
-                # PICK_QUERIES queries at a time: scores [tile, E] and picked rows [tile, top-k, D]
-                index_keys = entries[at, w.indexer.compressor.entry_cols]  # [E, Di]
-                for t0 in range(0, n, PICK_QUERIES):
-                    t = slice(t0, min(n, t0 + PICK_QUERIES))
-                    tile = slice(s0 + t.start, s0 + t.stop)
-                    top, seen = _indexer_top(
-                        q_idx[tile], idx_weights[tile], index_keys, num[t], cfg.index_topk
-                    )
-                    picked = entries[at[top], c.entry_cols]  # [tile, topk, D]
-                    out[tile] = _attend_picked(q[tile], keys, visible[t], picked, seen, w.sinks)
-                continue
-            keys = torch.cat((keys, entries[at, c.entry_cols]), dim=0)
-            visible = torch.cat((visible, e[None] < num[:, None]), dim=1)
-        out[s0 : s0 + n] = _attend(q[s0 : s0 + n], keys, visible, w.sinks)
+        if n > 1:
+            _prefill(w, cfg, rows, entries, batch, b, q, q_idx, idx_weights, out)
 
     out = rope_tail(out, cos, -sin)  # undo the rope the values (= keys) carried
     G = cfg.o_groups * N // cfg.num_attention_heads  # (a tensor-parallel rank: its heads' groups)
