@@ -19,6 +19,7 @@ from services.model.kv_cache import (
     V4Cache,
     dequantize_index_keys,
     dequantize_latent_rows,
+    fp8_latent_bytes,
     fp8_row_bytes,
     quantize_latent_rows,
 )
@@ -46,12 +47,15 @@ def test_row_layout_bytes():
 
 def test_v32_rows_carry_fp8_indexer_keys():
     """DeepSeek-V3.2's rows: the V3 row, then the indexer key as e4m3 with one fp32 scale per 128
-    values (FlashMLA's V3.2 format: 656 + 132 = 788 bytes); keys of <= 128 values take one scale."""
-    assert fp8_row_bytes(512, 64, 128) == 788 and fp8_row_bytes(128, 16, 16) == 128 + 4 + 32 + 16 + 4
+    values (FlashMLA's V3.2 format: 656 + 132 = 788 bytes, zero-padded to 800: rows are multiples
+    of 16 bytes for the GPU kernels); keys of <= 128 values take one scale."""
+    assert fp8_row_bytes(512, 64, 128) == 800 and fp8_row_bytes(128, 16, 16) == 192  # (184 used)
+    assert fp8_latent_bytes(128, 16) == 128 + 4 + 32 and fp8_row_bytes(128, 16) == 176
     g = torch.Generator().manual_seed(1)
     c_kv, k_pe, key = (torch.randn(3, n, generator=g) for n in (512, 64, 128))
     rows = quantize_latent_rows(c_kv, k_pe, key * 5)
-    assert rows.shape == (3, 788) and torch.equal(rows[:, :656], quantize_latent_rows(c_kv, k_pe))
+    assert rows.shape == (3, 800) and torch.equal(rows[:, :656], quantize_latent_rows(c_kv, k_pe))
+    assert not rows[:, 788:].any()  # the pad
     assert torch.equal(rows[:, 784:].contiguous().view(torch.float32)[:, 0], (key * 5).abs().amax(-1) / 448)
     back = dequantize_index_keys(rows[:, 656:], 128)
     assert bool(((back - key * 5).abs() <= (key * 5).abs() * 2**-4 + 1e-6).all())
@@ -244,20 +248,26 @@ def test_capacity_and_refusals(tmp_path):
     )  # (the model reads FP8 rows in mla_forward / paged_decode / prefill_attention)
 
 
-def test_fp8_rows_on_the_triton_kernels_keep_greedy_outputs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", ["v3", "v32"])
+def test_fp8_rows_on_the_triton_kernels_keep_greedy_outputs(tmp_path, monkeypatch, model):
     """The GPU's path over FP8 rows (under triton's interpreter here): the Triton MLA kernel reads
-    them in place in decode and prefill (each query a row of its own causal length), and gives the
-    C++ kernel's / tiled path's greedy tokens and close logits, a prompt across a block boundary
-    and a batch mixing prefill chunks and decodes."""
+    them in place in decode and prefill (V3: each query a row of its own causal length; V3.2: the
+    rows its indexer picks, its keys in the rows' tails), and gives the C++ kernel's / torch
+    path's greedy tokens and close logits, a prompt across a block boundary and a batch mixing
+    prefill chunks and decodes."""
     pytest.importorskip("triton")
     from services.model.kernels import gpu, triton_mla
 
     from .hf_oracle import generate_with_logits
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    checkpoint = make_hf_checkpoint(
-        tmp_path / "v3", rope_parameters=V3_YARN, kv_lora_rank=512, qk_rope_head_dim=64, vocab_size=320
-    )  # fmt: skip (V3's 656-byte rows)
+    if model == "v3":  # V3's 656-byte rows
+        checkpoint = make_hf_checkpoint(tmp_path / "v3", rope_parameters=V3_YARN, kv_lora_rank=512,
+                                        qk_rope_head_dim=64, vocab_size=320)  # fmt: skip
+    else:  # V3.2's rows: 148 latent bytes, the 16-value key and its scale, padded to 176
+        checkpoint = make_hf_checkpoint(
+            tmp_path / "v32", model_type="deepseek_v32", kv_lora_rank=128, vocab_size=320
+        )
     read = []
     kernel = triton_mla.mla_decode
     monkeypatch.setattr(
@@ -322,7 +332,7 @@ def test_v32_fp8_rows_follow_the_full_precision_cache(v32_checkpoint):
     C, R = 128, 8  # (hf_oracle BASE: qk_rope_head_dim 8)
     lat, keys = (
         dequantize_latent_rows(rows[used], C, R),
-        dequantize_index_keys(rows[used, fp8_row_bytes(C, R) :], 16),
+        dequantize_index_keys(rows[used, fp8_latent_bytes(C, R) :], 16),
     )
 
     def rel(x, y):

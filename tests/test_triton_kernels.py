@@ -148,7 +148,9 @@ def test_mla_decode_reads_fp8_latent_rows(kernels, dtype, lens, splits):
         loose = 0.05 if device == "cpu" else 0.01
         torch.testing.assert_close(o, same, rtol=loose, atol=loose * same.abs().max())
     assert mla.mla_decode(q, cache[..., :-2].contiguous(), table, lens_t, C, 0.05) is None  # not the layout
-    narrow, *_ = fp8_context(lens, 256, 16, device)  # 296-byte rows: not a multiple of 16 bytes
+    narrow, *_ = fp8_context(lens, 256, 16, device)  # 296 bytes used, padded to 304
+    assert narrow.shape[-1] == 304
+    narrow = narrow[..., :296].contiguous()  # rows not a multiple of 16 bytes
     assert mla.mla_decode(q[..., : 256 + 16].contiguous(), narrow, table, lens_t, 256, 0.05) is None
 
 
@@ -269,24 +271,37 @@ def test_a_failing_kernel_leaves_its_work_to_torch(kernels, monkeypatch, caplog)
     assert gpu.TRITON.add_rms_norm(x, x, w, 1e-6) is not None
 
 
-def test_mla_decode_over_chosen_rows(kernels):
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32-rows", "fp8-rows"])
+def test_mla_decode_over_chosen_rows(kernels, fp8):
     """V3.2's sparse decode: each row attends to its own list of flat cache rows (top-k), the
-    first count[b] of them; the same as model.sparse_decode's torch gather."""
+    first count[b] of them; the same as model.sparse_decode's torch gather. FP8 rows carry V3.2's
+    indexer key after the latent and a pad (kv_cache.quantize_latent_rows: 176 bytes here, the
+    kernel reads the first 148)."""
+    from services.model.kv_cache import fp8_row_bytes, quantize_latent_rows
     from services.model.model import sparse_decode
 
     load, device = kernels
-    cache, _, _ = paged_context([300], 64 + 16 + 8, torch.float32, device, seed=8)
+    C, R, Di = (128, 8, 16) if fp8 else (64, 16, 8)
+    cache, _, _ = paged_context([300], C + R + Di, torch.float32, "cpu", seed=8)
+    if fp8:
+        flat = cache.view(-1, C + R + Di)
+        rows = quantize_latent_rows(flat[:, :C] * 10, flat[:, C : C + R], flat[:, C + R :])
+        cache = rows.view(*cache.shape[:3], -1)
+        assert cache.shape[-1] == fp8_row_bytes(C, R, Di) == 176
+    cache = cache.to(device)
     g = torch.Generator().manual_seed(9)
     rows = torch.stack([torch.randperm(cache.shape[0] * 64, generator=g)[:70] for _ in range(3)]).to(device)
     count = torch.tensor([70, 1, 33], device=device)
-    q = torch.randn(3, 20, 80, generator=g).to(device)
+    q = torch.randn(3, 20, C + R, generator=g).to(device)
     with gpu.TRITON.off(cuda=q.is_cuda):  # the reference: sparse_decode's torch gather
         assert not gpu.TRITON.enabled(q)
-        ref = sparse_decode(q, cache, rows, count, 64, 0.2)
+        ref = sparse_decode(q, cache, rows, count, C, 0.2)
     assert gpu.TRITON.enabled(q)
     for splits in (None, 2):
-        o = load("mla").mla_decode(q, cache, None, count, 64, 0.2, splits=splits, rows=rows)
-        torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
+        o = load("mla").mla_decode(q, cache, None, count, C, 0.2, splits=splits, rows=rows)
+        assert o is not None
+        tol = 1e-3 if fp8 else 1e-5  # (FP8: latent values up to ~40, summed in another order)
+        torch.testing.assert_close(o, ref, rtol=tol, atol=tol)
 
 
 def test_mla_decode_at_deepseek_v3_head_dims(kernels):

@@ -48,10 +48,12 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -
 # [c_kv as float8_e4m3fn (C bytes) | one fp32 scale per FP8_GROUP values of c_kv | k_pe as bf16]
 # (V3: 512 + 4 x 4 + 64 x 2 = 656 bytes against 1,152 in bf16 and 2,304 in fp32), and for
 # DeepSeek-V3.2 then the indexer's key [Di as float8_e4m3fn | one fp32 scale per FP8_GROUP values,
-# one for Di <= FP8_GROUP] (V3.2: 128 + 4 = 132 bytes, 788 in all). A group's scale is its
-# largest |value| / 448 (e4m3's largest finite value), so nothing saturates.
+# one for Di <= FP8_GROUP] (V3.2: 128 + 4 = 132 bytes). A group's scale is its largest |value| /
+# 448 (e4m3's largest finite value), so nothing saturates. Rows are zero-padded to a multiple of
+# FP8_ROW_ALIGN bytes, which GPU kernels need to load them (V3's 656 need none; V3.2's 788 take 800).
 FP8_GROUP = 128
 FP8_MAX = 448.0
+FP8_ROW_ALIGN = 16
 
 
 def key_groups(Di: int) -> int:
@@ -59,10 +61,16 @@ def key_groups(Di: int) -> int:
     return max(1, Di // FP8_GROUP)
 
 
+def fp8_latent_bytes(C: int, R: int) -> int:
+    """Bytes of an FP8 row's [c_kv | scales | k_pe] (where V3.2's indexer key starts)."""
+    return C + 4 * (C // FP8_GROUP) + 2 * R
+
+
 def fp8_row_bytes(C: int, R: int, Di: int = 0) -> int:
-    """Bytes of one FP8 row for kv_lora_rank C (a multiple of FP8_GROUP), rope dim R and, for
-    V3.2, index_head_dim Di (<= FP8_GROUP or a multiple of it; 0: none)."""
-    return C + 4 * (C // FP8_GROUP) + 2 * R + (Di + 4 * key_groups(Di) if Di else 0)
+    """Bytes of one FP8 row, padded, for kv_lora_rank C (a multiple of FP8_GROUP), rope dim R and,
+    for V3.2, index_head_dim Di (<= FP8_GROUP or a multiple of it; 0: none)."""
+    used = fp8_latent_bytes(C, R) + (Di + 4 * key_groups(Di) if Di else 0)
+    return -(-used // FP8_ROW_ALIGN) * FP8_ROW_ALIGN
 
 
 def _quantize_groups(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,13 +98,15 @@ def quantize_latent_rows(
     parts = [*_quantize_groups(c_kv, C // FP8_GROUP), k_pe.to(torch.bfloat16).view(torch.uint8).view(T, -1)]
     if index_key is not None:
         parts += _quantize_groups(index_key, key_groups(index_key.shape[1]))
+    width = fp8_row_bytes(C, k_pe.shape[1], 0 if index_key is None else index_key.shape[1])
+    parts.append(c_kv.new_zeros(T, width - sum(p.shape[1] for p in parts), dtype=torch.uint8))  # the pad
     return torch.cat(parts, dim=-1)
 
 
 def dequantize_latent_rows(
     rows: torch.Tensor, C: int, R: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """uint8 [..., W] FP8 rows (W >= fp8_row_bytes(C, R)) -> [..., C + R] in `dtype` ([c_kv | k_pe])."""
+    """uint8 [..., W] FP8 rows (W >= fp8_latent_bytes(C, R)) -> [..., C + R] in `dtype` ([c_kv | k_pe])."""
     lead, G = rows.shape[:-1], C // FP8_GROUP
     flat = rows.reshape(-1, rows.shape[-1])
     rope = flat[:, C + 4 * G : C + 4 * G + 2 * R].contiguous().view(torch.bfloat16).float()
@@ -104,8 +114,8 @@ def dequantize_latent_rows(
 
 
 def dequantize_index_keys(tails: torch.Tensor, Di: int) -> torch.Tensor:
-    """uint8 [..., Di + 4 * key_groups(Di)]: the tails of V3.2's FP8 rows (from fp8_row_bytes(C, R)
-    on) -> the indexer keys [..., Di] fp32."""
+    """uint8 [..., >= Di + 4 * key_groups(Di)]: the tails of V3.2's FP8 rows (from
+    fp8_latent_bytes(C, R) on) -> the indexer keys [..., Di] fp32."""
     lead = tails.shape[:-1]
     return _dequantize_groups(tails.reshape(-1, tails.shape[-1]), Di, key_groups(Di)).view(*lead, Di)
 

@@ -33,7 +33,7 @@ from .kv_cache import (
     BLOCK_SIZE,
     dequantize_index_keys,
     dequantize_latent_rows,
-    fp8_row_bytes,
+    fp8_latent_bytes,
     quantize_latent_rows,
 )
 from .layers import Rope, add_rms_norm, dense_ffn, rms_norm, route
@@ -67,7 +67,7 @@ def cached_index_keys(flat: torch.Tensor, slots: torch.Tensor, C: int, R: int, D
     W]: each row's tail, dequantised where the rows are FP8 (kv_cache.quantize_latent_rows)."""
     if flat.dtype != torch.uint8:
         return flat[slots, C + R :]
-    return dequantize_index_keys(flat[slots, fp8_row_bytes(C, R) :], Di)
+    return dequantize_index_keys(flat[slots, fp8_latent_bytes(C, R) :], Di)
 
 
 def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.model.kv_cache import BLOCK_SIZE, FP8_GROUP, fp8_row_bytes
+from services.model.kv_cache import BLOCK_SIZE, FP8_GROUP, fp8_latent_bytes
 
 from . import hardware
 from .hardware import INTERPRETED
@@ -228,16 +228,17 @@ def mla_decode(
     rows [B, k] int64 (then `table` is not used): each sequence's chosen flat cache rows (block *
     64 + offset; V3.2's top-k), of which the first lens[b] are attended to.
     `tiles` overrides decode_tiles' choice (bench_kernels' sweep).
-    A uint8 cache holds FP8 latent rows (`kv_cache.quantize_latent_rows`, W = fp8_row_bytes(C, R):
-    656 bytes on V3), read as they are and dequantised per tile in the kernel; rows whose width is
-    not a multiple of 16 bytes are declined (on an H200 they raised "misaligned address").
+    A uint8 cache holds FP8 latent rows (`kv_cache.quantize_latent_rows`, W = fp8_row_bytes(C, R,
+    Di): 656 bytes on V3, 800 on V3.2, whose indexer key the kernel skips), read as they are and
+    dequantised per tile in the kernel; rows whose width is not a multiple of 16 bytes (not ours:
+    they are padded) are declined (on an H200 they raised "misaligned address").
     None where the kernel does not apply (a cache of another dtype or layout).
     """
     B, N, D = q.shape
     C, R, W = latent_dim, q.shape[-1] - latent_dim, cache.shape[-1]
     fp8 = cache.dtype == torch.uint8
     if fp8:
-        if C % FP8_GROUP or R % 2 or fp8_row_bytes(C, R) != W or W % 16 or q.dtype not in TL_DTYPE:
+        if C % FP8_GROUP or R % 2 or fp8_latent_bytes(C, R) > W or W % 16 or q.dtype not in TL_DTYPE:
             return None
     elif cache.dtype != q.dtype or D > W:
         return None

@@ -94,9 +94,9 @@ struct F32Rows {
   const float* row(int64_t r, float*) const { return p + r * W; }
 };
 struct Fp8CacheRows {
-  const uint8_t* p; int64_t bytes, C, R;
+  const uint8_t* p; int64_t stride, C, R;  // stride: the row's bytes, padding (and V3.2's key) included
   const float* row(int64_t r, float* buf) const {
-    const uint8_t* b = p + r * bytes;
+    const uint8_t* b = p + r * stride;
     float scales[64];  // (C / 128 <= 64)
     __builtin_memcpy(scales, b + C, 4 * (C / 128));
     dequant_fp8_row(b, scales, C, 128, buf);
@@ -321,14 +321,15 @@ torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& cache, con
   NO_GIL;
   return mla_decode_impl(q, cache, table, lens, C, scale);
 }
-// mla_decode over FP8 latent rows: cache [blocks, 64, 1, C + 4 C / 128 + 2 R] uint8; C % 128 == 0.
+// mla_decode over FP8 latent rows: cache [blocks, 64, 1, W] uint8, each row's first
+// C + 4 C / 128 + 2 R bytes read (then padding); C % 128 == 0.
 torch::Tensor mla_decode_fp8(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
                              const torch::Tensor& lens, int64_t C, int64_t R, double scale) {
   NO_GIL;
-  const int64_t bytes = C + 4 * (C / 128) + 2 * R;
-  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.size(-1) == bytes && C % 128 == 0 && C / 128 <= 64 &&
-              q.size(2) == C + R && cache.is_contiguous(), "mla_decode_fp8: FP8 latent rows of ", bytes, " bytes");
-  return mla_decode_rows(q, cache, Fp8CacheRows{cache.data_ptr<uint8_t>(), bytes, C, R}, table, lens, C, scale);
+  const int64_t bytes = C + 4 * (C / 128) + 2 * R, W = cache.size(-1);
+  TORCH_CHECK(cache.scalar_type() == at::kByte && W >= bytes && C % 128 == 0 && C / 128 <= 64 &&
+              q.size(2) == C + R && cache.is_contiguous(), "mla_decode_fp8: FP8 latent rows of ", bytes, "+ bytes");
+  return mla_decode_rows(q, cache, Fp8CacheRows{cache.data_ptr<uint8_t>(), W, C, R}, table, lens, C, scale);
 }
 // DeepSeek-V3.2's lightning-indexer scores, fused (no [Q, Hi, L] temporaries): out[q, l] =
 // sum_h w[q, h] * relu(scale * q[q, h] . k[l]) for l < lens[q], -inf beyond. q [Q, Hi, Di],
