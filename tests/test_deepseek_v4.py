@@ -71,10 +71,12 @@ def test_greedy_tokens_and_logits_match_transformers(oracle, chunk):
     assert engine.scheduler.num_free_blocks == engine.cache.num_blocks
 
 
-def test_prefill_in_tiles_matches_transformers(oracle, monkeypatch):
+@pytest.mark.parametrize("chunk", [2048, 13], ids=["whole-prefill", "chunked-prefill"])
+def test_prefill_in_tiles_matches_transformers(oracle, monkeypatch, chunk):
     """Prefill attends a tile of queries at a time (v4_attention.PREFILL_QUERIES), each tile to its
     band of window rows and its entries (CSA: each query's top-k, scored and gathered per tile):
-    tiles of 5 (less than the window of 8) give transformers' tokens and logits too."""
+    tiles of 5 (less than the window of 8), of whole prompts or of 13-token chunks (tiles
+    starting mid-sequence, a last tile of 3), give transformers' tokens and logits too."""
     from services.model import v4_attention
 
     monkeypatch.setattr(v4_attention, "PREFILL_QUERIES", 5)
@@ -85,8 +87,8 @@ def test_prefill_in_tiles_matches_transformers(oracle, monkeypatch):
             v4_attention, name, lambda q, keys, *a, f=attend: widths.append(keys.shape[-2]) or f(q, keys, *a)
         )
     path, _, prompts, expected = oracle
-    outs, logits = generate_with_logits(_engine(path), prompts, GREEDY)
-    _check(outs, logits, expected, "prefill in tiles of 5")
+    outs, logits = generate_with_logits(_engine(path, max_num_batched_tokens=chunk), prompts, GREEDY)
+    _check(outs, logits, expected, f"prefill in tiles of 5, chunks of {chunk}")
     assert max(widths) <= 12 + 4 and max(map(len, prompts)) == 97
 
 

@@ -33,7 +33,7 @@ from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .layers import swiglu_act
 from .messages import ExpertCombine, ExpertDispatch, StepGen
-from .v4_attention import V4AttentionWeights, V4Rope, rms_norm_f32, shard_heads, v4_attention
+from .v4_attention import Rows, V4AttentionWeights, V4Rope, rms_norm_f32, shard_heads, v4_attention
 from .weights import load_layers
 
 
@@ -201,7 +201,7 @@ class DeepseekV4:
             self.ropes = {"main": V4Rope(self.cfg, False, device), "compress": V4Rope(self.cfg, True, device)}
         return self
 
-    def forward(self, batch: StepBatch, cache: list[tuple[torch.Tensor, torch.Tensor | None]]) -> StepGen:
+    def forward(self, batch: StepBatch, cache: list[tuple[Rows, Rows | None]]) -> StepGen:
         """One step. cache: per layer (state, entries) (kv_cache.V4Cache.kv, v4_attention.py). Yields
         expert messages at every layer; returns fp32 logits [len(batch.logits_index), vocab]."""
         cfg = self.cfg

@@ -153,7 +153,8 @@ class PagedLatentCache:
 # values whose last R are rope is FlashMLA's "MODEL1" row: [D - R as float8_e4m3fn | R as bf16],
 # and apart from those, one UE8M0 scale (a power of two, the byte its exponent + 127) per
 # MODEL1_TILE values, padded to 8 bytes (V4: 448 + 128 + 7 + 1 = 584 bytes against 1,024 in bf16).
-# A tile's scale is the least power of two >= its largest |value| / 448, so nothing saturates.
+# A tile's scale is the least power of two >= its largest |value| / 448 (at least 2^-126; 1 for a
+# zero tile), so nothing saturates.
 # Like FlashMLA's MODEL1 blocks, each block holds its rows' [nope | rope] bytes, then their scales.
 MODEL1_TILE = 64
 
@@ -240,43 +241,63 @@ class PlainRows:
 
 class PackedRows:
     """One V4 layer's state rows or entries in FP8 (`Model1`, `Fp8Groups`, `Raw` fields covering a
-    row's columns in order): `data` uint8 [blocks, rows_per_block * row bytes], each block holding
-    its rows section by section (all rows' first section, then all rows' second, ...), as
-    FlashMLA's MODEL1 blocks do. Reads give the model's `dtype`; the same read/write as PlainRows."""
+    row's columns in order): `data` uint8 [blocks, block_bytes(fields, rows_per_block)], each block
+    holding its rows section by section (all rows' first section, then all rows' second, ...), as
+    FlashMLA's MODEL1 blocks do, then zeros to a multiple of FP8_ROW_ALIGN bytes (GPU loads).
+    Reads give the model's `dtype`; the same read/write as PlainRows."""
 
     def __init__(self, fields: list, num_blocks: int, rows_per_block: int, dtype: torch.dtype, device="cpu"):
         self.fields, self.rows_per_block, self.dtype = fields, rows_per_block, dtype
-        widths = [w for f in fields for w in f.sections]
-        self.row_bytes = sum(widths)
-        self.data = zeros(num_blocks, rows_per_block * self.row_bytes, dtype=torch.uint8, device=device)
-        views, start = [], 0
-        for w in widths:  # [blocks, rows_per_block, w] views of each section
-            views.append(self.data[:, start : start + rows_per_block * w].view(num_blocks, rows_per_block, w))
-            start += rows_per_block * w
-        self._sections, self._starts, k, col = [], [], 0, 0
-        for f in fields:
-            self._sections.append(views[k : k + len(f.sections)])
+        self.data = zeros(
+            num_blocks, self.block_bytes(fields, rows_per_block), dtype=torch.uint8, device=device
+        )
+        self._sections, self._starts, start, col = [], [], 0, 0
+        for f in fields:  # per field: [blocks, rows_per_block, w] views of its sections
+            views = []
+            for w in f.sections:
+                views.append(
+                    self.data[:, start : start + rows_per_block * w].view(num_blocks, rows_per_block, w)
+                )
+                start += rows_per_block * w
+            self._sections.append(views)
             self._starts.append(col)
-            k, col = k + len(f.sections), col + f.width
+            col += f.width
+        self.width = col  # a row's columns
+
+    @staticmethod
+    def block_bytes(fields: list, rows_per_block: int) -> int:
+        used = rows_per_block * sum(sum(f.sections) for f in fields)
+        return -(-used // FP8_ROW_ALIGN) * FP8_ROW_ALIGN
+
+    def _fields(self, first: int, last: int) -> list[int]:
+        """The fields columns first .. last-1 cover, whole; else ValueError."""
+        covered = [i for i, s in enumerate(self._starts) if first <= s < last]
+        ends = [self._starts[i] + self.fields[i].width for i in covered]
+        if not covered or self._starts[covered[0]] != first or ends[-1] != last:
+            raise ValueError(f"columns {first}:{last} are not whole fields (they start at {self._starts})")
+        return covered
 
     def read(self, rows: torch.Tensor, cols: slice) -> torch.Tensor:
-        """rows [...] flat row indices -> [..., cols] values (cols within one field)."""
-        first = cols.start or 0
+        """rows [...] flat row indices -> [..., cols] values (cols within one field, or whole fields)."""
+        first, stop = cols.start or 0, self.width if cols.stop is None else cols.stop
         i = max(i for i, start in enumerate(self._starts) if start <= first)
         f, start = self.fields[i], self._starts[i]
-        stop = start + f.width if cols.stop is None else cols.stop
+        if stop > start + f.width:  # whole fields, one after the other
+            fields = self._fields(first, stop)
+            return torch.cat([self.read(rows, slice(self._starts[j], self._starts[j] + self.fields[j].width))
+                              for j in fields], dim=-1)  # fmt: skip
         block, slot = rows // self.rows_per_block, rows % self.rows_per_block
         parts = [s[block, slot].view(-1, s.shape[-1]) for s in self._sections[i]]
         return f.decode(parts, self.dtype)[:, first - start : stop - start].view(*rows.shape, -1)
 
     def write(self, rows: torch.Tensor, cols: slice, values: torch.Tensor) -> None:
         """rows [T], values [T, cols] (cols whole fields)."""
-        first, block, slot = cols.start or 0, rows // self.rows_per_block, rows % self.rows_per_block
-        for f, sections, start in zip(self.fields, self._sections, self._starts, strict=True):
-            if first <= start < first + values.shape[1]:
-                at = start - first
-                for s, part in zip(sections, f.encode(values[:, at : at + f.width]), strict=True):
-                    s[block, slot] = part
+        block, slot = rows // self.rows_per_block, rows % self.rows_per_block
+        first = cols.start or 0
+        for i in self._fields(first, first + values.shape[1] if cols.stop is None else cols.stop):
+            f, at = self.fields[i], self._starts[i] - first
+            for s, part in zip(self._sections[i], f.encode(values[:, at : at + f.width]), strict=True):
+                s[block, slot] = part
 
     @property
     def nbytes(self) -> int:
@@ -285,7 +306,8 @@ class PackedRows:
 
 class V4Cache:
     """DeepSeek-V4's paged cache. Per layer i, `kv[i]` = (state, entries), each a PlainRows (the
-    model's dtype) or, with `fp8`, a PackedRows (`v4_fp8_fields`):
+    model's dtype; shapes below) or, with `fp8`, a PackedRows (`v4_fp8_fields`; uint8 [blocks,
+    block bytes], the same rows):
     state [num_state_blocks, BLOCK_SIZE, state_dim]: the window-state rows of recent tokens
         (`ModelConfig.v4_state_dim`), addressed through `StepBatch.state_table`;
     entries [num_blocks, entries_per_block(r), entry_dim] (None for sliding layers): the
@@ -319,13 +341,16 @@ class V4Cache:
         """(bytes of one block's entries, bytes of one state block), all layers."""
         entries = state = 0
         for i, kind in enumerate(cfg.layer_types):
+            r = cfg.compress_ratio(i)
+            rows = [BLOCK_SIZE] + ([entries_per_block(r)] if r else [])
             if fp8:
-                widths = [sum(sum(f.sections) for f in fields) for fields in v4_fp8_fields(cfg, kind, dtype)]
+                fields = v4_fp8_fields(cfg, kind, dtype)
+                sizes = [PackedRows.block_bytes(f, n) for f, n in zip(fields, rows, strict=True)]
             else:
-                widths = [cfg.v4_state_dim(kind) * dtype.itemsize, cfg.v4_entry_dim(kind) * dtype.itemsize]
-            state += BLOCK_SIZE * widths[0]
-            if r := cfg.compress_ratio(i):
-                entries += entries_per_block(r) * widths[1]
+                widths = [cfg.v4_state_dim(kind), cfg.v4_entry_dim(kind)]
+                sizes = [n * w * dtype.itemsize for n, w in zip(rows, widths, strict=False)]
+            state += sizes[0]
+            entries += sizes[1] if r else 0
         return entries, state
 
     @staticmethod

@@ -40,7 +40,8 @@ from .triton_linear import TL_DTYPE, e4m3_bits_to_fp16
 def _fp8_rows(cache_ptr, scale_ptr, rope_ptr, row, ok, c, r, C, R, W, GROUP: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
     """One tile of FP8 latent rows (kv_cache.quantize_latent_rows' layout, W bytes each: [c_kv as
-    e4m3 | C / GROUP fp32 scales | k_pe as bf16]) -> (c_kv [rows, BLOCK_C], k_pe [rows, BLOCK_R])
+    e4m3 | C / GROUP fp32 scales | k_pe as bf16 | V3.2's key, the pad: not read]) -> (c_kv [rows,
+    BLOCK_C], k_pe [rows, BLOCK_R])
     in fp32, the values `kv_cache.dequantize_latent_rows` gives. scale_ptr / rope_ptr: the same
     bytes as fp32 / bf16 (W / 4 and W / 2 of them per row). The e4m3 bits become fp16 values 256
     times smaller (exact), and the 256 goes into the scale: the product is the torch path's."""
