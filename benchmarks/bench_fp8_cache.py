@@ -9,10 +9,18 @@ decode speed.
   cache): a random model's next-token distribution is flat, so any rounding flips many top-1s;
   the oracle checkpoint (tests/hf_oracle.py, an lm_head scaled for well-separated choices) is
   the case closer to a trained model;
+- accuracy on a trained model (`--trained-steps N`: the small preset trained N steps on this
+  repository's text by benchmarks/train_small.py, into `--trained-dir` when given; or
+  `--trained-dir` alone: reuse that checkpoint), greedy after a README line: the rows above, and
+  issue #40's comparison with bf16 weights in both engines, the FP8 cache against "auto" rows
+  (fp32 on CPU), and in a bf16 engine (`dtype="bfloat16"`), the FP8 cache against bf16 rows;
+  the same along `positions` tokens of held-out text (the greedy output is a loop of a few
+  tokens: an easy path); the training's settings, losses and wall time come with it;
 - decode: step time at batch 8 over ~1,000-token contexts, fp32 rows against FP8 rows (the C++
   kernel dequantizes each row as it reads it).
 
     python -m benchmarks.bench_fp8_cache [--positions 1000] [--out benchmarks/results/fp8_cache.json]
+                                         [--trained-steps 250] [--trained-dir build/small-trained]
 """
 
 from __future__ import annotations
@@ -53,33 +61,83 @@ def capacity() -> dict:
     return out
 
 
-def accuracy(model_dir: str, positions: int) -> dict:
-    reference = LocalEngine(EngineConfig(model=model_dir))
-    prompt = [0, 5, 6, 7]
-    out = reference.generate(
+def accuracy(
+    model_dir: str,
+    positions: int,
+    prompt: list[int] | None = None,
+    reference: dict | None = None,
+    rows: dict[str, dict] | None = None,
+) -> dict:
+    """Teacher-forced along the reference engine's greedy output of `positions` tokens after
+    `prompt` (default ids 0, 5, 6, 7): `agreement` over those tokens. `reference`: the reference
+    engine's own EngineConfig kwargs (default none: fp32 weights and cache)."""
+    reference = reference or {}
+    prompt = prompt or [0, 5, 6, 7]
+    out = LocalEngine(EngineConfig(model=model_dir, **reference)).generate(
         [prompt], SamplingParams(max_tokens=positions, temperature=0.0, ignore_eos=True)
     )[0]
-    ids = prompt + out.token_ids
+    return agreement(model_dir, prompt + out.token_ids, len(prompt), reference, rows)
+
+
+def agreement(
+    model_dir: str,
+    ids: list[int],
+    start: int,
+    reference: dict | None = None,
+    rows: dict[str, dict] | None = None,
+) -> dict:
+    """Teacher-forced along `ids` (prompt logprobs, so one early difference does not derail the
+    rest), positions `start` on: per row of `rows` (name: EngineConfig kwargs over `reference`'s;
+    default the FP8 cache and bf16 weights) how often its top-1 is the reference engine's, and the
+    largest and mean |logprob difference| of the tokens in `ids`."""
+    reference = reference or {}
+    rows = rows or {"fp8_cache": {"kv_cache_dtype": "fp8"}, "bf16_weights": {"weight_dtype": "bfloat16"}}
     scored = SamplingParams(max_tokens=1, prompt_logprobs=1)
 
     def scores(engine):
-        return engine.generate([ids], scored)[0].prompt_logprobs[len(prompt) :]
+        return engine.generate([ids], scored)[0].prompt_logprobs[start:]
 
-    base = scores(reference)
-    rows = {}
-    for name, extra in {
-        "fp8_cache": {"kv_cache_dtype": "fp8"},
-        "bf16_weights": {"weight_dtype": "bfloat16"},
-    }.items():
-        got = scores(LocalEngine(EngineConfig(model=model_dir, **extra)))
+    base = scores(LocalEngine(EngineConfig(model=model_dir, **reference)))
+    result = {"positions": len(base)}
+    for name, extra in rows.items():
+        got = scores(LocalEngine(EngineConfig(model=model_dir, **{**reference, **extra})))
         diffs = [abs(a.token_logprob - b.token_logprob) for a, b in zip(base, got, strict=True)]
-        rows[name] = {
+        result[name] = {
             "top1_agreement": sum(a.top[0][0] == b.top[0][0] for a, b in zip(base, got, strict=True))
             / len(base),
             "max_abs_logprob_diff": max(diffs),
             "mean_abs_logprob_diff": sum(diffs) / len(diffs),
         }
-    return {"positions": len(base), **rows}
+    return result
+
+
+def trained_accuracy(trained_dir: Path, positions: int) -> dict:
+    """The accuracy rows on the trained small preset (benchmarks/train_small.py), greedy after a
+    README line: (a) as the random rows (FP8 cache and bf16 weights against the fp32 engine);
+    (b) issue #40's comparison, bf16 weights in both engines, the FP8 cache against
+    kv_cache_dtype "auto" (on CPU under dtype float32 those rows are fp32, not bf16); (c) a
+    bf16 engine (dtype bfloat16: bf16 weights, activations and cache rows), the FP8 cache
+    against its bf16 rows; then (a) and (c) along the held-out text (the corpus's last 5 %)."""
+    from benchmarks.train_small import held_out_tokens, readme_prompt
+
+    text, prompt = readme_prompt(trained_dir)
+    held_out = held_out_tokens(trained_dir)[: positions + 1]
+    model = str(trained_dir)
+    fp8 = {"fp8_cache": {"kv_cache_dtype": "fp8"}}
+    return {
+        "training": json.loads((trained_dir / "training.json").read_text()),
+        "prompt": text,
+        "vs_fp32_engine": accuracy(model, positions, prompt),
+        "bf16_weights_fp8_vs_auto_cache": accuracy(
+            model, positions, prompt, {"weight_dtype": "bfloat16"}, fp8
+        ),
+        "bf16_engine_fp8_vs_bf16_cache": accuracy(model, positions, prompt, {"dtype": "bfloat16"}, fp8),
+        # along text it did not train on (its greedy output above is a loop of a few tokens)
+        "held_out_text": {
+            "vs_fp32_engine": agreement(model, held_out, 1),
+            "bf16_engine_fp8_vs_bf16_cache": agreement(model, held_out, 1, {"dtype": "bfloat16"}, fp8),
+        },
+    }
 
 
 def decode_speed(model_dir: str, steps: int = 32) -> dict:
@@ -106,9 +164,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--positions", type=int, default=1000)
     ap.add_argument("--out", default="benchmarks/results/fp8_cache.json")
+    ap.add_argument("--trained-steps", type=int, default=0, help="train the small preset (0: skip)")
+    ap.add_argument("--trained-dir", help="a train_small checkpoint to reuse, or where to train one")
     args = ap.parse_args()
     torch.set_num_threads(2)
     tmp = Path(tempfile.mkdtemp())
+    trained = args.trained_dir and Path(args.trained_dir)
+    if args.trained_steps:  # first: the slowest part, and it checks the checkpoint round-trips
+        from benchmarks.train_small import train_small
+
+        trained = train_small(trained or tmp / "trained", steps=args.trained_steps)
     small = str(init_model(tmp / "small", "small"))
     sys.path.insert(0, str(REPO))
     from tests.hf_oracle import V3_YARN, make_hf_checkpoint  # (transformers: a dev dependency)
@@ -132,6 +197,8 @@ def main() -> None:
         "decode_batch8_ctx1000_small": decode_speed(small),
         "small_preset_rows": {"C": cfg.kv_lora_rank, "R": cfg.qk_rope_head_dim},
     }
+    if trained:
+        result["accuracy_teacher_forced"]["trained_small_preset"] = trained_accuracy(trained, args.positions)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 

@@ -1,0 +1,204 @@
+"""Train the `small` preset briefly on this repository's own text, so benchmarks can measure a model
+whose next-token predictions are confident (a random model's distribution is flat, so any rounding
+flips its top-1: bench_fp8_cache's random rows).
+
+The checkpoint starts as our own generator writes it (`services.presets.init_model`), is loaded
+and trained by Hugging Face transformers (a dev dependency: AdamW, random windows of `seq_len`
+byte-level tokens from docs/*.md, README.md and services/**/*.py, the router's bias left as
+transformers leaves it), and is saved back by `save_pretrained` with the tokenizer files, then
+checked: LocalEngine's greedy tokens on a README prompt must equal transformers' `generate`.
+`training.json` in the output records the settings, losses and wall time.
+
+    python -m benchmarks.train_small [--out DIR] [--steps 250] [--seq-len 1024] [--batch 2] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from services.presets import init_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def corpus_files(repo: Path = REPO) -> list[Path]:
+    """The training text: docs/*.md, README.md and services/**/*.py (in every checkout), sorted."""
+    return sorted([*repo.glob("docs/*.md"), repo / "README.md", *repo.glob("services/**/*.py")])
+
+
+def encode(model_dir: Path, text: str) -> list[int]:
+    """Token ids of `text` under the checkpoint's byte-level tokenizer.json (no BOS)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+
+
+def corpus_tokens(model_dir: Path) -> torch.Tensor:
+    """The whole training text's token ids (its last HELD_OUT share is held out)."""
+    return torch.tensor(encode(model_dir, "\n\n".join(p.read_text(errors="replace") for p in corpus_files())))
+
+
+HELD_OUT = 0.05  # the corpus's last 5 %: not trained on
+
+
+def held_out_tokens(model_dir: Path) -> list[int]:
+    tokens = corpus_tokens(model_dir)
+    return tokens[int(len(tokens) * (1 - HELD_OUT)) :].tolist()
+
+
+def readme_prompt(model_dir: Path, repo: Path = REPO) -> tuple[str, list[int]]:
+    """A real text prefix: the README's first line of prose (it starts with a capital letter), and
+    its token ids."""
+    lines = (repo / "README.md").read_text().splitlines()
+    line = next(s for s in lines if s[:1].isupper())
+    return line, encode(model_dir, line)
+
+
+def _lr(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warmup to `peak`, then cosine decay to a tenth of it."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
+
+
+def _windows(tokens: torch.Tensor, n: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
+    """n random windows of seq_len tokens, [n, seq_len]."""
+    starts = torch.randint(0, len(tokens) - seq_len, (n,), generator=g)
+    return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def _mean_loss(model, batches: list[torch.Tensor]) -> float:
+    """Mean next-token loss over fixed batches (eval mode)."""
+    model.eval()
+    loss = sum(model(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
+    model.train()
+    return loss
+
+
+def check_round_trip(model, out_dir: Path, prompt: list[int], new_tokens: int = 24) -> list[int]:
+    """LocalEngine on the saved checkpoint and transformers' trained `model` must pick the same
+    greedy tokens after `prompt` (the weights round-trip through save_pretrained and our loader);
+    returns them, RuntimeError otherwise."""
+    from services.engine.engine import EngineConfig, LocalEngine
+    from services.engine.sampling import SamplingParams
+
+    model.eval()
+    with torch.no_grad():
+        hf = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )[0, len(prompt) :].tolist()
+    engine = LocalEngine(EngineConfig(model=str(out_dir)))
+    ours = engine.generate([prompt], SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
+    if ours != hf:
+        raise RuntimeError(f"{out_dir}: LocalEngine's greedy tokens {ours} differ from transformers' {hf}")
+    return ours
+
+
+def train_small(
+    out_dir: str | Path,
+    steps: int = 250,
+    seq_len: int = 1024,
+    batch: int = 2,
+    seed: int = 0,
+    lr: float = 1e-3,
+    log_every: int = 25,
+) -> Path:
+    """Train the small preset (our generator's weights, `seed`) for `steps` AdamW steps of `batch`
+    random `seq_len`-token windows of the repository's text; write the checkpoint (config.json,
+    model.safetensors, tokenizer files, training.json) to `out_dir` and return it.
+
+    The last 5 % of the text is held out: training.json's start/end losses are the mean loss
+    over 8 fixed held-out windows before and after training (cleaner than one noisy batch), plus
+    the training loss every `log_every` steps."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.set_num_threads(2)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = init_model(Path(tmp) / "small", "small", seed=seed)
+        # grouped_mm: ~3x faster than the per-expert eager loop for training on CPU
+        model = DeepseekV3ForCausalLM.from_pretrained(
+            init, dtype=torch.float32, experts_implementation="grouped_mm"
+        )
+        tokens = corpus_tokens(init)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(init / name, out / name)
+    split = int(len(tokens) * (1 - HELD_OUT))
+    train, held_out = tokens[:split], tokens[split:]
+    g = torch.Generator().manual_seed(seed)
+    eval_batches = list(_windows(held_out, 8, seq_len, g).split(batch))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 20)
+    start_loss = _mean_loss(model, eval_batches)
+    print(f"corpus {len(tokens)} tokens; held-out loss before training {start_loss:.3f}", flush=True)
+    log = []
+    t_train = time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, lr, warmup)
+        ids = _windows(train, batch, seq_len, g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % log_every == 0 or step == steps - 1:
+            log.append({"step": step, "loss": loss.item(), "s": round(time.perf_counter() - t_train, 1)})
+            print(f"step {step} loss {loss.item():.3f} ({log[-1]['s']} s)", flush=True)
+    train_s = time.perf_counter() - t_train
+    end_loss = _mean_loss(model, eval_batches)
+    print(f"held-out loss {start_loss:.3f} -> {end_loss:.3f}; {train_s:.0f} s training", flush=True)
+    model.save_pretrained(out)
+    prompt_text, prompt = readme_prompt(out)
+    greedy = check_round_trip(model, out, prompt)
+    info = {
+        "steps": steps,
+        "seq_len": seq_len,
+        "batch": batch,
+        "seed": seed,
+        "lr": lr,
+        "corpus_tokens": len(tokens),
+        "held_out_loss_start": start_loss,
+        "held_out_loss_end": end_loss,
+        "train_loss_log": log,
+        "train_wall_s": train_s,
+        "total_wall_s": time.perf_counter() - t0,
+        "round_trip": {"prompt": prompt_text, "greedy_tokens_match_transformers": len(greedy)},
+    }
+    (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="build/small-trained")
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = train_small(args.out, args.steps, args.seq_len, args.batch, args.seed)
+    print(out, (out / "training.json").read_text())
+
+
+if __name__ == "__main__":
+    main()
