@@ -92,9 +92,9 @@ for s in $steps; do
         step prefill 150 $GPU python3 -m benchmarks.bench_mla_prefill --out "$OUT/mla_prefill.json" ;;
     mla_tests) # the Triton MLA tests only (tile shapes, the rope's tolerance on a GPU)
         step mla_tests 120 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "mla or latent" ;;
-    fp8_tests) # #40: the Triton MLA kernel over FP8 latent rows (decode, prefill, an engine in graphs)
+    fp8_tests) # #40: the Triton MLA kernel over FP8 latent rows (decode, prefill, V3.2 picks, engines)
         step fp8_tests 150 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
-            tests/test_fp8_cache.py -k "fp8_latent or fp8_rows or absorbed or tiles" ;;
+            tests/test_fp8_cache.py -k "fp8_latent or fp8_rows or absorbed or tiles or chosen" ;;
     mla_fp8) # #40: FP8 rows against bf16 rows and the torch path at V3 shapes, and FP8 tile shapes
         step mla_fp8 150 $GPU python3 -m benchmarks.bench_kernels --sections mla_fp8 --out "$OUT/kernels_fp8.json" ;;
     transports) # #37 (16 cores): cluster over LocalEngine per transport at batch 1 / 8 / 32
