@@ -206,7 +206,7 @@ class Fp8Groups:
         return list(_quantize_groups(x, self.groups))
 
     def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return _dequantize_groups(torch.cat(parts, dim=-1), self.width, self.groups).to(dtype)
+        return dequantize_index_keys(torch.cat(parts, dim=-1), self.width).to(dtype)
 
 
 class Raw:
@@ -321,16 +321,14 @@ class V4Cache:
         self.num_blocks, self.num_state_blocks = num_blocks, num_state_blocks
         self.kv = []
         for i, kind in enumerate(cfg.layer_types):
-            r = cfg.compress_ratio(i)
-            shapes = [(num_state_blocks, BLOCK_SIZE)] + ([(num_blocks, entries_per_block(r))] if r else [])
-            if fp8:
-                fields = v4_fp8_fields(cfg, kind, dtype)
-                layer = [PackedRows(f, *sh, dtype, device) for f, sh in zip(fields, shapes, strict=True)]
-            else:
-                widths = [cfg.v4_state_dim(kind), cfg.v4_entry_dim(kind)]
-                layer = [PlainRows(zeros(*shape, w, dtype=dtype, device=device))
-                         for shape, w in zip(shapes, widths[: len(shapes)], strict=True)]  # fmt: skip
-            self.kv.append((layer[0], layer[1] if r else None))
+            layer = []
+            layout = _v4_layout(cfg, i, kind, dtype, fp8)  # state rows, then entries
+            for (n, f), blocks in zip(layout, (num_state_blocks, num_blocks)[: len(layout)], strict=True):
+                if fp8:
+                    layer.append(PackedRows(f, blocks, n, dtype, device))
+                else:
+                    layer.append(PlainRows(zeros(blocks, n, f, dtype=dtype, device=device)))
+            self.kv.append((layer[0], layer[1] if len(layer) > 1 else None))
 
     @property
     def nbytes(self) -> int:
@@ -339,19 +337,11 @@ class V4Cache:
     @staticmethod
     def bytes_per_block(cfg, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int]:
         """(bytes of one block's entries, bytes of one state block), all layers."""
-        entries = state = 0
+        sizes = [0, 0]  # state, entries
         for i, kind in enumerate(cfg.layer_types):
-            r = cfg.compress_ratio(i)
-            rows = [BLOCK_SIZE] + ([entries_per_block(r)] if r else [])
-            if fp8:
-                fields = v4_fp8_fields(cfg, kind, dtype)
-                sizes = [PackedRows.block_bytes(f, n) for f, n in zip(fields, rows, strict=True)]
-            else:
-                widths = [cfg.v4_state_dim(kind), cfg.v4_entry_dim(kind)]
-                sizes = [n * w * dtype.itemsize for n, w in zip(rows, widths, strict=False)]
-            state += sizes[0]
-            entries += sizes[1] if r else 0
-        return entries, state
+            for k, (n, f) in enumerate(_v4_layout(cfg, i, kind, dtype, fp8)):
+                sizes[k] += PackedRows.block_bytes(f, n) if fp8 else n * f * dtype.itemsize
+        return sizes[1], sizes[0]
 
     @staticmethod
     def state_blocks_per_seq(cfg, max_model_len: int) -> int:
@@ -359,6 +349,18 @@ class V4Cache:
         (`ModelConfig.v4_state_start`) plus the new token, across a block boundary."""
         lookback = max(cfg.sliding_window - 1, 2 * cfg.compress_ratio_csa - 1, cfg.compress_ratio_hca - 1)
         return blocks_needed(min(lookback, max_model_len) + 1) + 1
+
+
+def _v4_layout(cfg, i: int, layer_type: str, dtype: torch.dtype, fp8: bool) -> list[tuple[int, list | int]]:
+    """Layer i's [(rows per block, FP8 fields or plain width)]: its state rows, then (compressed
+    layers) its entries."""
+    r = cfg.compress_ratio(i)
+    rows = [BLOCK_SIZE] + ([entries_per_block(r)] if r else [])
+    if fp8:
+        return list(zip(rows, v4_fp8_fields(cfg, layer_type, dtype), strict=True))
+    return list(
+        zip(rows, [cfg.v4_state_dim(layer_type), cfg.v4_entry_dim(layer_type)][: len(rows)], strict=True)
+    )
 
 
 def v4_fp8_fields(cfg, layer_type: str, dtype: torch.dtype) -> list[list]:
