@@ -2,7 +2,7 @@
 
 `small` preset; the cluster path is one attention engine (this process, like an attention
 worker's engine thread) + 2 expert workers (Ray actors) over each data plane of `--transports`
-(gRPC streams, gRPC unary calls, shared memory, TCP: services/attention/transport.py); batch 1/8/32/64; ping-pong
+(gRPC streams, gRPC unary calls, shared memory, TCP: services/dataplane/transport.py); batch 1/8/32/64; ping-pong
 (2 micro-batches) off vs on; with `--device cuda` every engine on the GPU and the cluster once
 more without CUDA graphs (remote experts: the step captured in pieces, decode_graphs.py); attention tensor parallelism over `--tp` ranks (this process is
 rank 0, the others are spawned processes, gloo; ping-pong off); LocalEngine (all experts in
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 import services.model.model as model_mod
-from services.attention.dispatch import DispatchConfig, RemoteExperts
 from services.attention.tensor_parallel import TPGroup, lead, run_follower
 from services.balancer.policy import Pool, initial_placement, slots_per_worker
+from services.dataplane.remote_experts import DispatchConfig, RemoteExperts
 from services.engine.engine import Engine, EngineConfig, LocalEngine, load_engine
 from services.engine.sampling import SamplingParams
 from services.experts.client import load_placement

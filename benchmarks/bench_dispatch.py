@@ -28,13 +28,13 @@ fp32, top-6 of 64, intermediate 128). For T = 1, 8, 32, 64, 256 tokens it measur
   no_compute_overhead  the same for a request of the same bytes whose slots are all -1 (the
                    worker validates and answers zeros): our fixed cost without the expert
                    compute and the idle wake-ups a long compute causes on both sides
-  shm_ms           the same Dispatch through shared memory (services/rpc/shm.py): rows copied
+  shm_ms           the same Dispatch through shared memory (services/dataplane/shm.py): rows copied
                    into the pair's buffer, doorbell, compute from and into the buffer, answer;
                    shm_minus_compute_ms is it beyond the worker's compute (the AFD budget's
                    measure: ~0.3 ms per MoE layer for both directions); shm_spin_* the same with
                    both sides polling --spin-us before they block (`--expert-spin-us`); shm_no_compute_* the
                    same with every slot -1; remote_experts_shm_ms the full client path over it
-  tcp_ms           the same Dispatch over a TCP connection (services/rpc/tcp.py, plaintext: the
+  tcp_ms           the same Dispatch over a TCP connection (services/dataplane/tcp.py, plaintext: the
                    benchmark's worker has no secret): the same frames, the rows sent from the
                    buffer they were written into; tcp_minus_compute_ms beyond the compute;
                    remote_experts_tcp_ms the full client path over it
@@ -75,9 +75,10 @@ sys.path.insert(0, str(REPO))  # `proto` must resolve to this repo's package (pr
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from services.dataplane import tcp  # noqa: E402
 from services.experts.client import ExpertClient  # noqa: E402
 from services.model.kernels import cpu_kernels  # noqa: E402
-from services.rpc import tcp, wire  # noqa: E402
+from services.rpc import wire  # noqa: E402
 
 ECHO_METHOD = "/bench.Echo/Echo"
 MATCHED_METHOD = "/bench.Echo/Matched"
@@ -124,11 +125,11 @@ def serve(model_dir: str, dtype: str, port_queue, spin_us: float) -> None:
     `ExpertServer` sets up an expert worker's (sync server, a pool of threads), and the
     shared-memory Dispatch beside it (as ExpertServer starts it)."""
     torch.set_num_threads(1)
+    from services.dataplane import shm
     from services.experts.server import ExpertWorkerConfig
     from services.experts.servicer import ExpertServicer, add_expert_service, status_of
     from services.experts.store import SlotStore
     from services.model.config import ModelConfig, parse_dtype
-    from services.rpc import shm
 
     cfg = ModelConfig.from_dir(model_dir)
     store = SlotStore(cfg, model_dir, parse_dtype(dtype))
@@ -194,7 +195,7 @@ class Client:
     """The ways of sending T tokens to the server process, timed."""
 
     def __init__(self, address: str, cfg, remote, remote_shm, remote_unary, remote_tcp, spin_us: float):
-        from services.rpc import shm
+        from services.dataplane import shm
 
         self.shm = shm.ShmChannel.connect(address)
         self.shm_spin = shm.ShmChannel.connect(address + "/spin", spin_s=spin_us * 1e-6)  # both sides poll
@@ -367,9 +368,9 @@ class Client:
 def bench_case(
     name: str, overrides: dict, dtype_name: str, workdir: Path, iters: dict[int, int], spin_us: float
 ) -> list[dict]:
-    from services.attention.dispatch import DispatchConfig, RemoteExperts
+    from services.dataplane.placement import Placement
+    from services.dataplane.remote_experts import DispatchConfig, RemoteExperts
     from services.model.config import ModelConfig, parse_dtype
-    from services.model.placement import Placement
     from services.presets import init_model
 
     preset = "tiny" if name.startswith("v3") else "small"

@@ -36,10 +36,10 @@ def serve(model_dir: str, concurrency: int, name: str, ready, stats_queue, stop)
     torch.set_num_threads(1)
     import grpc
 
+    from services.dataplane import shm
     from services.experts.servicer import ExpertServicer
     from services.experts.store import SlotStore
     from services.model.config import ModelConfig
-    from services.rpc import shm
 
     cfg = ModelConfig.from_dir(model_dir)
     store = SlotStore(cfg, model_dir, torch.float32)
@@ -54,8 +54,8 @@ def serve(model_dir: str, concurrency: int, name: str, ready, stats_queue, stop)
 
 
 def measure(model_dir: str, concurrency: int, callers: int, tokens: int, seconds: float) -> dict:
+    from services.dataplane import shm
     from services.model.config import ModelConfig
-    from services.rpc import shm
 
     cfg = ModelConfig.from_dir(model_dir)
     ctx = mp.get_context("spawn")

@@ -9,7 +9,7 @@ process, this machine, medians over interleaved iterations:
                 next item of the response iterator
   stream_aio    the same over grpc.aio (an asyncio event loop in the caller: what a client built
                 around a stream would run)
-  unary_tls, stream_sync_tls  the first two over TLS keyed by a cluster secret (services/rpc/tls.py:
+  unary_tls, stream_sync_tls  the first two over TLS keyed by a cluster secret (services/dataplane/tls.py:
                 what a cluster's expert port serves)
 
 Payloads: a 1-token Dispatch of the small preset (1.6 KB) and of DeepSeek-V3's width (14.4 KB),
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import grpc
 
-from services.rpc import tls
+from services.dataplane import tls
 
 UNARY, STREAM = "/bench.Echo/Unary", "/bench.Echo/Stream"
 SIZES = {"small_1_token": 1_600, "v3_1_token": 14_400, "v3_32_tokens": 460_000}

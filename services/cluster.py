@@ -23,8 +23,8 @@ from typing import Any
 import ray
 import yaml
 
-from services.attention.transport import TRANSPORTS
 from services.balancer.autoscale import AttentionScaleConfig, AutoscaleConfig
+from services.dataplane.transport import TRANSPORTS
 from services.settings import BALANCER_NAME, NAMESPACE, SharedSettings, attention_worker_name
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ class SharedSettings:
     key_prefix: str = "moe"  # Redis keys: {prefix}:load:{bucket}, {prefix}:placement
     bucket_seconds: float = 2.0  # width of one load-count time bucket
     ttl_seconds: int = 600  # a load bucket expires this long after its last write
-    # the data plane's shared secret (services/rpc/auth.py): every expert call carries it; None: open
+    # the data plane's shared secret (services/dataplane/auth.py): every expert call carries it; None: open
     secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self):

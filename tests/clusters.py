@@ -24,10 +24,10 @@ def tiny_cluster(model_dir, **settings):
 def expert_servers_in_process(model_dir, n: int = 2):
     """`n` expert servers (real gRPC, in this process, no Ray) holding the model's routed experts
     round robin, their placement loaded: yields (placement, model config); released on exit."""
+    from services.dataplane.placement import Placement
     from services.experts.client import load_placement, release_version
     from services.experts.server import ExpertServer, ExpertWorkerConfig
     from services.model.config import ModelConfig
-    from services.model.placement import Placement
 
     cfg = ModelConfig.from_dir(model_dir)
     servers = [ExpertServer(ExpertWorkerConfig(model=str(model_dir))) for _ in range(n)]

@@ -433,8 +433,8 @@ def test_a_generation_whose_router_replica_is_gone_is_aborted(cluster):
 def test_a_local_runs_data_plane_is_on_loopback_and_refuses_strangers(cluster):
     import grpc
 
+    from services.dataplane import shm
     from services.experts.client import ExpertClient
-    from services.rpc import shm
 
     workers = ray.get(cluster.balancer.status.remote())["workers"]
     assert workers and all(w["address"].startswith("127.0.0.1:") for w in workers), workers

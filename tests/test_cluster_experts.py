@@ -10,7 +10,8 @@ import pytest
 import ray
 import torch
 
-from services.attention.dispatch import RemoteExperts
+from services.dataplane.placement import Placement
+from services.dataplane.remote_experts import RemoteExperts
 from services.engine.engine import Engine, EngineConfig, LocalEngine
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
@@ -20,7 +21,6 @@ from services.experts.worker import ExpertWorker
 from services.model.checkpoint import CheckpointReader
 from services.model.config import ModelConfig
 from services.model.model import DeepseekV3
-from services.model.placement import Placement
 from services.presets import init_model
 
 from .hf_oracle import V3_YARN, generate_with_logits, hf_greedy, load_hf, make_hf_checkpoint, run_requests

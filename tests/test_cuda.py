@@ -134,7 +134,7 @@ def test_cuda_segmented_graphs_with_remote_experts_match_eager(tiny_model, micro
     """An attention engine on the GPU whose experts answer over gRPC (two expert servers in this
     process, on CPU): decode steps replayed from the captured pieces between expert messages
     (decode_graphs.SegmentedDecodeGraphs) give the eager engine's tokens; the capture must succeed."""
-    from services.attention.dispatch import RemoteExperts
+    from services.dataplane.remote_experts import RemoteExperts
     from services.engine.engine import Engine
     from services.model.checkpoint import CheckpointReader
     from services.model.model import DeepseekV3

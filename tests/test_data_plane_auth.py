@@ -1,4 +1,4 @@
-"""The authenticated data plane (services/rpc/auth.py, services/rpc/tls.py): an expert worker
+"""The authenticated data plane (services/dataplane/auth.py, services/dataplane/tls.py): an expert worker
 started with the cluster's secret serves its cluster over TLS keyed by that secret and refuses
 everyone else, over gRPC and shared memory: a client without the secret cannot finish a TLS
 handshake, and one that skips the certificate check still needs the secret in every call."""
@@ -11,13 +11,14 @@ import torch
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
-from services.attention.dispatch import DispatchConfig, ExpertUnavailableError, RemoteExperts
+from services.dataplane import shm, tcp, tls
+from services.dataplane.placement import Placement
+from services.dataplane.remote_experts import DispatchConfig, ExpertUnavailableError, RemoteExperts
 from services.experts.client import ExpertClient, load_placement
 from services.experts.server import ExpertServer, ExpertWorkerConfig
 from services.model.config import ModelConfig
 from services.model.messages import ExpertCombine
-from services.model.placement import Placement
-from services.rpc import expert_pb2, expert_pb2_grpc, shm, tcp, tls, wire
+from services.rpc import expert_pb2, expert_pb2_grpc, wire
 
 from .wire_encoders import routed_dispatch
 

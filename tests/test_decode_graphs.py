@@ -91,7 +91,7 @@ def test_segmented_decode_steps_with_remote_experts_match_the_eager_engine(
     between its expert messages, over static buffers (capture=False: the pieces run live), one
     instance per micro-batch: the same tokens, logits and expert load per step as the eager engine,
     the padding rows sent to no expert worker."""
-    from services.attention.dispatch import RemoteExperts
+    from services.dataplane.remote_experts import RemoteExperts
     from services.engine.engine import Engine
     from services.model.checkpoint import CheckpointReader
     from services.model.model import DeepseekV3
@@ -230,7 +230,7 @@ def test_the_pieces_of_a_segmented_step_synchronise_nowhere(
 ):
     """The same for the pieces SegmentedDecodeGraphs captures with remote experts (their gRPC
     dispatches run between the pieces, outside the graphs, and are not probed)."""
-    from services.attention.dispatch import RemoteExperts
+    from services.dataplane.remote_experts import RemoteExperts
     from services.engine import decode_graphs
     from services.engine.engine import Engine
     from services.model.checkpoint import CheckpointReader

@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from services.attention.dispatch import (
+from services.dataplane.placement import Placement
+from services.dataplane.remote_experts import (
     DispatchConfig,
     ExpertDispatchError,
     ExpertUnavailableError,
@@ -24,7 +25,6 @@ from services.model.checkpoint import CheckpointReader
 from services.model.config import ModelConfig
 from services.model.messages import ExpertCombine
 from services.model.moe import LocalExperts
-from services.model.placement import Placement
 from services.presets import init_model
 from services.rpc import expert_pb2, wire
 

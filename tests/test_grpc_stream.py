@@ -1,4 +1,4 @@
-"""The gRPC transport's DispatchStream (services/attention/grpc_stream.py) against a real expert
+"""The gRPC transport's DispatchStream (services/dataplane/grpc_stream.py) against a real expert
 server in this process: answers equal to unary calls, refusals answered in-band without breaking
 the stream, abandoned calls read past, a hung worker caught at the deadline, a worker at its
 stream limit served by unary calls. (A stream without the cluster's secret: test_data_plane_auth.py.)"""
@@ -10,11 +10,11 @@ import grpc
 import pytest
 import torch
 
-from services.attention.dispatch import DispatchConfig, ExpertDispatchError, RemoteExperts
+from services.dataplane.placement import Placement
+from services.dataplane.remote_experts import DispatchConfig, ExpertDispatchError, RemoteExperts
 from services.experts.client import ExpertClient
 from services.experts.server import ExpertWorkerConfig
 from services.model.messages import ExpertCombine
-from services.model.placement import Placement
 
 from .test_experts_grpc import ServerThread, wide_model  # noqa: F401 (a fixture)
 from .wire_encoders import routed_dispatch

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.attention.dispatch import RemoteExperts
+from services.dataplane.placement import Placement
+from services.dataplane.remote_experts import RemoteExperts
 from services.experts.client import ExpertClient, load_placement
 from services.experts.server import ExpertWorkerConfig, read_model_config
 from services.experts.store import ExpertNotFound, ExpertRows, InvalidRequest, SlotStore
@@ -17,7 +18,6 @@ from services.model.checkpoint import CheckpointReader, expert_name
 from services.model.config import ModelConfig
 from services.model.messages import ExpertCombine, ExpertDispatch
 from services.model.moe import LocalExperts
-from services.model.placement import Placement
 from services.presets import init_model
 from services.rpc import expert_pb2, wire
 

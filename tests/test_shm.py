@@ -1,4 +1,4 @@
-"""The shared-memory data plane (services/rpc/shm.py): channels and their server on their own, a
+"""The shared-memory data plane (services/dataplane/shm.py): channels and their server on their own, a
 dispatch client over real expert servers with each transport, and a worker process killed
 mid-call."""
 
@@ -14,10 +14,10 @@ import grpc
 import pytest
 import torch
 
-from services.attention.dispatch import DispatchConfig, ExpertDispatchError, RemoteExperts
+from services.dataplane import shm
+from services.dataplane.placement import Placement
+from services.dataplane.remote_experts import DispatchConfig, ExpertDispatchError, RemoteExperts
 from services.model.messages import ExpertCombine
-from services.model.placement import Placement
-from services.rpc import shm
 
 from .clusters import expert_servers_in_process
 from .wire_encoders import routed_dispatch
@@ -258,7 +258,7 @@ def test_transport_shm_refuses_a_worker_without_a_listener(tiny_model):
 
 SERVER = """
 import sys, time, torch, grpc
-from services.rpc import shm
+from services.dataplane import shm
 def compute(layer, version, hidden, slot, weight, out):
     if layer == 1:
         time.sleep(60)  # killed meanwhile

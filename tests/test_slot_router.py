@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from services.attention.slot_router import ExpertUnavailableError, SlotRouter, replica_rank
-from services.model.placement import Placement
+from services.dataplane.placement import Placement
+from services.dataplane.slot_router import ExpertUnavailableError, SlotRouter, replica_rank
 
 E, K = 8, 2
 
@@ -80,7 +80,7 @@ def test_replica_rank_numbers_repeats_in_order():
 def test_packed_requests_equal_the_torch_ones(T):
     """cpu_kernels.dispatch_rows / pack_share (the dispatch client's CPU path) give each worker the
     rows, local slots (-1 elsewhere) and weights (0 elsewhere) the torch ops give."""
-    from services.attention.slot_router import Route
+    from services.dataplane.slot_router import Route
     from services.model.kernels import cpu_kernels
 
     if not cpu_kernels.available():

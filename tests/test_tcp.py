@@ -1,4 +1,4 @@
-"""The TCP data plane (services/rpc/tcp.py) on its own: a TcpServer over a stand-in compute, real
+"""The TCP data plane (services/dataplane/tcp.py) on its own: a TcpServer over a stand-in compute, real
 sockets on loopback, TLS when there is a secret. Answers are the compute's; a wrong or missing
 secret is refused at the handshake; a bad frame closes only its own connection; a hung or dead
 worker is a TransportError with the status that says why."""
@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from services.rpc import tcp
-from services.rpc.shm import _REQUEST, TransportError
+from services.dataplane import tcp
+from services.dataplane.shm import _REQUEST, TransportError
 
 SECRET = "s3cret-for-tests"
 

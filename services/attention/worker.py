@@ -23,17 +23,17 @@ from typing import Any
 
 import ray
 
-from services.attention.dispatch import DispatchConfig, RemoteExperts
 from services.attention.leases import OwnerLeases
 from services.attention.load_reporter import LoadReporter, LoadReporterConfig
 from services.attention.ranks import RankGroup
 from services.attention.tensor_parallel import lead
+from services.dataplane.placement import Placement
+from services.dataplane.remote_experts import DispatchConfig, RemoteExperts
 from services.engine.engine import Engine, EngineConfig, load_engine
 from services.engine.outputs import Refusal, RequestOutput, StepFailed, StepResult
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import QueueFullError
 from services.model.moe import LocalExperts
-from services.model.placement import Placement
 from services.settings import BALANCER_NAME, SharedSettings
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.dataplane.placement import Placement
 from services.model.config import ModelConfig
-from services.model.placement import Placement
 
 from .eplb import placement_stats, rebalance_experts, replan
 

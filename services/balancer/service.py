@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass, field
 import ray
 import torch
 
+from services.dataplane.placement import Placement
 from services.experts.client import ExpertClient, load_placement, release_version
 from services.experts.server import ExpertWorkerConfig, read_model_config
 from services.model.config import ModelConfig
-from services.model.placement import Placement
 from services.redis_store import (
     connect,
     current_bucket,

@@ -1,6 +1,6 @@
 """Control calls to expert workers over gRPC (LoadSlots, ReleaseSlots, Stats, health,
 FetchExperts), for the migration driver, tools and tests, and `PeerFetcher`, the peer-copy source
-an expert worker hands to `SlotStore.load`. The data plane client is services/attention/dispatch.py."""
+an expert worker hands to `SlotStore.load`. The data plane client is services/dataplane/remote_experts.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.dataplane import auth, tls
+from services.dataplane.placement import Placement
 from services.model.config import ModelConfig
-from services.model.placement import Placement
-from services.rpc import auth, expert_pb2, expert_pb2_grpc, tls, wire
+from services.rpc import expert_pb2, expert_pb2_grpc, wire
 
 from .store import ExpertNotFound, ExpertRows, check_expert_weights
 

@@ -1,7 +1,7 @@
 """The expert worker's gRPC server: the Expert service (servicer.py) and the standard
 grpc.health.v1 service on one grpc server, for one expert worker process; beside it the
-shared-memory Dispatch for clients on the same node (services/rpc/shm.py) and the TCP one for
-clients on other nodes (services/rpc/tcp.py), over the same compute.
+shared-memory Dispatch for clients on the same node (services/dataplane/shm.py) and the TCP one for
+clients on other nodes (services/dataplane/tcp.py), over the same compute.
 
 A sync server: every call runs on a thread of the server's pool, the same hand-off a raw echo
 handler pays, and the Dispatch compute happens right there (one at a time, see servicer.py).
@@ -21,8 +21,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
+from services.dataplane import auth, shm, tcp, tls
 from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
-from services.rpc import auth, shm, tcp, tls, wire
+from services.rpc import wire
 
 from .servicer import ExpertServicer, add_expert_service, status_of
 from .store import SlotStore
@@ -58,12 +59,12 @@ class ExpertWorkerConfig:
     # checkpoint directory at all; None: read `model`/config.json on the worker's node
     model_config: dict | None = None
     peer_timeout_s: float = 600.0  # deadline of one FetchExperts stream from a peer
-    # also serve Dispatch through shared memory to clients on this node (services/rpc/shm.py)
+    # also serve Dispatch through shared memory to clients on this node (services/dataplane/shm.py)
     shm: bool = True
     spin_us: float = 0.0  # a shared-memory channel polls for its next request this long before it blocks
-    # also serve Dispatch over plain TCP connections beside the gRPC port (services/rpc/tcp.py)
+    # also serve Dispatch over plain TCP connections beside the gRPC port (services/dataplane/tcp.py)
     socket: bool = True
-    # the cluster's data-plane secret (services/rpc/auth.py): calls without it are refused; None: open
+    # the cluster's data-plane secret (services/dataplane/auth.py): calls without it are refused; None: open
     secret: str | None = field(default=None, repr=False)
     # the Ray namespace the cluster's expert workers are named in: LoadSlots copies only from them
     # (None: any peer; a worker outside Ray)

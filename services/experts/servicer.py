@@ -80,7 +80,9 @@ class ExpertServicer:
         self.max_dispatch_streams = dispatch_streams
         self._stream_slots = threading.BoundedSemaphore(dispatch_streams)
         self.known_peers = known_peers  # () -> the addresses LoadSlots may copy from (None: any)
-        self.secret = secret  # the cluster's (services/rpc/auth.py): what this worker sends to its peers
+        self.secret = (
+            secret  # the cluster's (services/dataplane/auth.py): what this worker sends to its peers
+        )
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
         self.socket_port = 0  # the TCP data plane's port (rpc/tcp.py), set by the server; 0: none
         self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from services.model.placement import Placement
+from services.dataplane.placement import Placement
 
 
 class ExpertDispatchError(RuntimeError):

@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from services.dataplane.placement import Placement
 from services.model.config import ModelConfig
 from services.model.kernels import cpu_kernels
 from services.model.messages import ExpertCombine, ExpertDispatch
-from services.model.placement import Placement
-from services.rpc import shm, wire
+from services.rpc import wire
 
+from . import shm
 from .slot_router import ExpertDispatchError, ExpertUnavailableError, Route, SlotRouter
 from .transport import Call, TransportError, Transports
 

@@ -25,8 +25,8 @@ import time
 import grpc
 import torch
 
+from services.dataplane.shm import TransportError
 from services.rpc import wire
-from services.rpc.shm import TransportError
 
 
 class StreamCall:

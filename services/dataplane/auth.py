@@ -5,7 +5,7 @@ unless given). Clients send it as gRPC metadata on every call (`with_secret` wra
 an expert worker's server refuses a call without it, before any work, with UNAUTHENTICATED, and
 counts the refusals (`SecretCheck.refused`). The grpc.health.v1 service stays open: it tells
 whether a worker serves and nothing else. The shared-memory transport carries the same secret in
-its handshake (services/rpc/shm.py). The comparison is constant-time.
+its handshake (services/dataplane/shm.py). The comparison is constant-time.
 """
 
 from __future__ import annotations

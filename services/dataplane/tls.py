@@ -1,6 +1,6 @@
 """TLS on the expert workers' gRPC port, keyed by the cluster's data-plane secret.
 
-Every process of a cluster already holds its secret (services/rpc/auth.py). From it each one
+Every process of a cluster already holds its secret (services/dataplane/auth.py). From it each one
 derives the same TLS identity: a P-256 key (the scalar from scrypt of the secret: the certificate
 is public, so a guessable secret must not be cheap to test against it) and a
 self-signed certificate for the name EXPERT_NAME, signed with deterministic ECDSA (RFC 6979) over

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from services.rpc import auth
+from . import auth
 
 log = logging.getLogger(__name__)
 

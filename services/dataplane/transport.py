@@ -6,10 +6,10 @@ back. The dispatch client (`dispatch.RemoteExperts`) asks `Transports.open` for 
 the call's request views in place, starts it, and later takes its `result()`; the slot router,
 resends and fault handling stay above, unchanged. Two transports:
 
-- **shm** (services/rpc/shm.py), when the expert worker is on this node: the rows are written
+- **shm** (services/dataplane/shm.py), when the expert worker is on this node: the rows are written
   into a shared-memory buffer of the pair and a doorbell wakes the worker's channel thread; the
   driver thread waits for the answer itself (no thread pool hop, no serialisation).
-- **tcp** (services/rpc/tcp.py), when it is not: the same frames over plain TCP connections (TLS
+- **tcp** (services/dataplane/tcp.py), when it is not: the same frames over plain TCP connections (TLS
   with the cluster's identity when there is a secret), the rows sent straight from the buffer
   the client filled, the answer read by the driver thread itself: ~0.02 ms a small round trip on
   loopback where gRPC takes ~0.3 ms. A worker without a socket listener, or one that cannot be
@@ -40,9 +40,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import torch
 
-from services.rpc import auth, shm, tcp, tls, wire
-from services.rpc.shm import TransportError
+from services.dataplane.shm import TransportError
+from services.rpc import expert_pb2, expert_pb2_grpc, wire
 
+from . import auth, shm, tcp, tls
 from .grpc_stream import DeadlineWatch, GrpcStream, StreamCall, decode_answer
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ class Transports:
         self.max_message_bytes, self.secret = (
             max_message_bytes,
             secret,
-        )  # (the cluster's: services/rpc/auth.py)
+        )  # (the cluster's: services/dataplane/auth.py)
         self._grpc: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
         self._streams: dict[str, GrpcStream] = {}
         self._no_stream: dict[str, float] = {}  # address -> when it refused a stream
@@ -335,13 +336,7 @@ class Transports:
         try:
             port = self._socket_port.get(address)
             if port is None:
-                from services.experts.client import ExpertClient  # (a control call, once per worker)
-
-                client = ExpertClient(address, secret=self.secret)
-                try:
-                    port = self._socket_port[address] = client.stats(timeout=5.0).socket_port
-                finally:
-                    client.close()
+                port = self._socket_port[address] = socket_port(address, self.secret)
             if not port:
                 raise OSError("no socket listener")
             channel = tcp.TcpChannel.connect(tcp.socket_host(address), port, self.secret, timeout_s=2.0)
@@ -391,3 +386,13 @@ class Transports:
         self._watch.close()
         for address in list({*self._grpc, *self._idle, *self._streams, *self._sockets}):
             self.forget(address)
+
+
+def socket_port(address: str, secret: str | None, timeout_s: float = 5.0) -> int:
+    """The TCP data plane's port of the expert worker at `address` (its Stats; 0: none)."""
+    channel = tls.channel(address, secret, wire.grpc_options())
+    try:
+        stub = expert_pb2_grpc.ExpertStub(auth.with_secret(channel, secret))
+        return stub.Stats(expert_pb2.StatsRequest(), timeout=timeout_s).socket_port
+    finally:
+        channel.close()

@@ -1,5 +1,5 @@
 """The data plane over plain TCP connections, for an attention worker and an expert worker on
-different nodes: the shared-memory transport's frames (services/rpc/shm.py), with the tensors'
+different nodes: the shared-memory transport's frames (services/dataplane/shm.py), with the tensors'
 bytes following each frame on the same socket.
 
 Why not gRPC: a gRPC round trip costs ~0.3 ms on loopback even over a persistent stream (HTTP/2
@@ -37,8 +37,7 @@ import threading
 import grpc
 import torch
 
-from services.rpc import auth, tls
-from services.rpc.shm import (
+from services.dataplane.shm import (
     _CODES,
     _REQUEST,
     DTYPES,
@@ -49,6 +48,8 @@ from services.rpc.shm import (
     request_layout,
     request_parts,
 )
+
+from . import auth, tls
 
 log = logging.getLogger(__name__)
 
