@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from services.settings import NAMESPACE
@@ -167,6 +168,11 @@ def cmd_status(args) -> int:
         pairs = ", ".join(f"{w} {t}" for w, t in sorted(transports.items()))
         wait_ms = 1e3 * stats.get("expert_wait_per_moe_layer_s", 0.0)
         print(f"  {name} -> experts: {pairs or '-'}; expert wait {wait_ms:.2f} ms per MoE layer and step")
+        by_address = {w["address"]: w["id"] for w in st["workers"]}
+        for e in (stats.get("dispatch") or {}).get("transport_events", [])[-3:]:  # (the latest choices)
+            when = time.strftime("%H:%M:%S", time.localtime(e["at"]))
+            worker = by_address.get(e["worker"], e["worker"])
+            print(f"    {when} {worker}: {e['transport'] or 'no transport'} ({e['reason'][:100]})")
         if "kv_cache_tokens" in stats:
             print(f"  {name} KV cache: {stats['kv_cache_tokens']} tokens ({stats['kv_cache_dtype']} rows), "
                   f"{stats['kv_blocks_used']} of {stats['kv_blocks_total']} blocks in use")  # fmt: skip

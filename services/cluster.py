@@ -128,8 +128,8 @@ class ClusterConfig:
     )
     expert_transport: str = _setting(
         "auto",
-        "attention <-> expert data plane: auto (shared memory on one node, TCP across, else gRPC streams), shm, "
-        "tcp, grpc, grpc-unary (a unary call per MoE layer)",
+        "attention <-> expert data plane, chosen once per pair: auto (shared memory on one node, else TCP, else "
+        "gRPC streams), shm, tcp, grpc",
     )
     expert_spin_us: float = _setting(
         0.0,

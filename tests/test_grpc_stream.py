@@ -1,7 +1,7 @@
 """The gRPC transport's DispatchStream (services/dataplane/grpc_stream.py) against a real expert
-server in this process: answers equal to unary calls, refusals answered in-band without breaking
-the stream, abandoned calls read past, a hung worker caught at the deadline, a worker at its
-stream limit served by unary calls. (A stream without the cluster's secret: test_data_plane_auth.py.)"""
+server in this process: answers in order, refusals answered in-band without breaking the stream,
+abandoned calls read past, a hung worker caught at the deadline, a worker at its stream limit
+served by unary calls (still gRPC). (A stream without the cluster's secret: test_data_plane_auth.py.)"""
 
 import threading
 import time
@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from services.dataplane.placement import Placement
-from services.dataplane.remote_experts import DispatchConfig, ExpertDispatchError, RemoteExperts
+from services.dataplane.remote_experts import (
+    DispatchConfig,
+    ExpertDispatchError,
+    ExpertUnavailableError,
+    RemoteExperts,
+)
 from services.experts.client import ExpertClient
 from services.experts.server import ExpertWorkerConfig
 from services.model.messages import ExpertCombine
@@ -39,28 +44,30 @@ def _experts(srv, cfg, transport="grpc", version=1, timeout_s=30.0):
     )
 
 
+def _stream(experts, srv):
+    """The DispatchStream `experts` holds to the worker (None: none open)."""
+    return experts.transports._pairs[srv.address].grpc._stream
+
+
 def _want(everything, msg):
     return everything.packed.forward(msg.decoder_layer, msg.x, msg.topk_idx, msg.topk_weight)
 
 
-def test_stream_answers_equal_unary_calls_in_order(worker):
+def test_stream_answers_come_in_order_on_one_stream(worker):
     srv, cfg, everything = worker
     msgs = [routed_dispatch(cfg, T=T, seed=s) for s, T in enumerate((1, 16, 3, 40))]
-    unary, streamed = _experts(srv, cfg, "grpc-unary"), _experts(srv, cfg, "grpc")
+    streamed = _experts(srv, cfg, "grpc")
     for _ in range(3):  # several dispatches in flight on the one stream, combined in another order
         handles = [streamed.dispatch(m) for m in msgs]
         for i in (2, 0, 3, 1):
             got = streamed.combine(ExpertCombine(handles[i]))
             torch.testing.assert_close(got, _want(everything, msgs[i]), rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(got, unary.combine(ExpertCombine(unary.dispatch(msgs[i]))))
-    assert streamed.transport_of() == {srv.address: "grpc"} and unary.transport_of() == {
-        srv.address: "grpc-unary"
-    }
-    assert len(streamed.transports._streams) == 1 and streamed.stats.rpcs == 12
+    assert streamed.transport_of() == {srv.address: "grpc"}
+    assert streamed.stats.rpcs == 12 and streamed.stats.calls_by_transport == {"grpc": 12}
+    assert _stream(streamed, srv).answered == 12  # (one stream carried every call)
     assert all(
         c.answer is None for c in streamed.transports._watch._calls
     )  # (taken: not kept till the deadline)
-    unary.close()
     streamed.close()
 
 
@@ -70,11 +77,11 @@ def test_a_refused_request_is_answered_in_band_and_the_stream_goes_on(worker):
     good, stale = _experts(srv, cfg), _experts(srv, cfg, version=7)
     stale.transports = good.transports  # (the same stream carries both versions' calls)
     torch.testing.assert_close(good.combine(ExpertCombine(good.dispatch(msg))), _want(everything, msg))
-    stream = good.transports._streams[srv.address]
+    stream = _stream(good, srv)
     with pytest.raises(ExpertDispatchError, match="FAILED_PRECONDITION.*version 7"):
         stale.combine(ExpertCombine(stale.dispatch(msg)))
     torch.testing.assert_close(good.combine(ExpertCombine(good.dispatch(msg))), _want(everything, msg))
-    assert good.transports._streams[srv.address] is stream and stream.error is None
+    assert _stream(good, srv) is stream and stream.error is None
     good.close()
 
 
@@ -94,13 +101,13 @@ def test_a_hung_worker_fails_the_stream_at_the_deadline(worker, monkeypatch):
     msg = routed_dispatch(cfg)
     experts.combine(ExpertCombine(experts.dispatch(msg)))  # (the stream is open)
     release = threading.Event()
-    compute = srv.server.servicer.compute_into
-    monkeypatch.setattr(srv.server.servicer, "compute_into", lambda *a: release.wait(30) and compute(*a))
+    compute = srv.server.servicer.dispatch.compute
+    monkeypatch.setattr(srv.server.servicer.dispatch, "compute", lambda *a: release.wait(30) and compute(*a))
     start = time.monotonic()
-    with pytest.raises(Exception, match="no live replica|no replica on a live worker"):
+    with pytest.raises(ExpertUnavailableError, match="no replica on a live worker"):
         experts.combine(ExpertCombine(experts.dispatch(msg)))
     assert 0.9 < time.monotonic() - start < 10
-    assert experts.transports._streams[srv.address].error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _stream(experts, srv).error.code == grpc.StatusCode.DEADLINE_EXCEEDED
     release.set()
     monkeypatch.undo()
     experts._dead.clear()  # (the worker answers again: a new stream serves the next call)
@@ -116,8 +123,12 @@ def test_a_worker_at_its_stream_limit_is_served_by_unary_calls(worker):
         torch.testing.assert_close(
             experts.combine(ExpertCombine(experts.dispatch(msg))), _want(everything, msg)
         )
-    assert first.transport_of() == {srv.address: "grpc"}
-    assert second.transport_of() == {srv.address: "grpc-unary"} and not second._dead
+    assert first.transport_of() == second.transport_of() == {srv.address: "grpc"} and not second._dead
+    assert _stream(first, srv).answered == 1  # (first's calls went by its stream, second's by unary calls)
+    assert (
+        _stream(second, srv) is None
+        and second.transports._pairs[srv.address].grpc._unary_until > time.monotonic()
+    )
     first.close()  # (its stream ends: the worker has one free again)
     second.close()
 
@@ -126,10 +137,10 @@ def test_a_stream_that_ended_while_idle_is_replaced_without_a_failure(worker):
     srv, cfg, everything = worker
     experts, msg = _experts(srv, cfg), routed_dispatch(cfg)
     experts.combine(ExpertCombine(experts.dispatch(msg)))
-    old = experts.transports._streams[srv.address]
+    old = _stream(experts, srv)
     old._responses.cancel()  # (as a connection reset while no call is pending)
     torch.testing.assert_close(experts.combine(ExpertCombine(experts.dispatch(msg))), _want(everything, msg))
-    assert experts.transports._streams[srv.address] is not old and not experts._dead
+    assert _stream(experts, srv) is not old and not experts._dead
     experts.close()
 
 
@@ -137,22 +148,20 @@ def test_an_unexpected_error_fails_its_request_only(worker, monkeypatch):
     srv, cfg, everything = worker
     experts, msg = _experts(srv, cfg), routed_dispatch(cfg)
     experts.combine(ExpertCombine(experts.dispatch(msg)))
-    stream = experts.transports._streams[srv.address]
-    compute = srv.server.servicer.compute
+    stream = _stream(experts, srv)
+    answer = srv.server.servicer.dispatch.answer
     calls = []
 
     def once(request):  # (the first request after this raises something no handler expects)
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("out of memory, say")
-        return compute(request)
+        return answer(request)
 
-    monkeypatch.setattr(srv.server.servicer, "compute", once)
-    with pytest.raises(
-        Exception, match="no replica on a live worker"
-    ):  # (INTERNAL: retried, no other replica)
+    monkeypatch.setattr(srv.server.servicer.dispatch, "answer", once)
+    with pytest.raises(ExpertUnavailableError, match="no replica on a live worker"):  # (INTERNAL: retried)
         experts.combine(ExpertCombine(experts.dispatch(msg)))
     experts._dead.clear()
     torch.testing.assert_close(experts.combine(ExpertCombine(experts.dispatch(msg))), _want(everything, msg))
-    assert experts.transports._streams[srv.address] is stream and stream.error is None
+    assert _stream(experts, srv) is stream and stream.error is None
     experts.close()

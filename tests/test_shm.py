@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from services.dataplane import shm
+from services.dataplane import frames, shm
 from services.dataplane.placement import Placement
 from services.dataplane.remote_experts import DispatchConfig, ExpertDispatchError, RemoteExperts
 from services.model.messages import ExpertCombine
@@ -83,7 +83,8 @@ def test_a_channel_carries_requests_and_answers(served, dtype):
 
 
 def test_no_listener_means_no_channel():
-    assert shm.ShmChannel.connect("nobody-listens-here:1") is None
+    with pytest.raises(ConnectionRefusedError):
+        shm.ShmChannel.connect("nobody-listens-here:1")
 
 
 def test_errors_come_back_as_status_codes_and_the_channel_goes_on(served):
@@ -111,13 +112,13 @@ def test_malformed_frames_and_handshakes_are_refused_and_others_keep_serving(ser
     # a frame that claims more than the buffer holds, an unknown dtype, a short frame
     raw = shm.ShmChannel.connect(address, capacity=1 << 12)
     for frame in (
-        shm._REQUEST.pack(1, 0, 1, 1 << 20, 4096, 8, 0),
-        shm._REQUEST.pack(2, 0, 1, 2, 8, 2, 9),
+        frames.REQUEST.pack(1, 0, 1, 1 << 20, 4096, 8, 0),
+        frames.REQUEST.pack(2, 0, 1, 2, 8, 2, 9),
         b"\x01\x02",
     ):
         raw._sock.send(frame)
-        answer = raw._sock.recv(shm._ANSWER.size + shm.MAX_ERROR_BYTES)
-        assert shm._ANSWER.unpack_from(answer)[1] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        answer = raw._sock.recv(frames.ANSWER.size + frames.MAX_ERROR_BYTES)
+        assert frames.ANSWER.unpack_from(answer)[1] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     # a handshake without its memfd, and one with a wrong magic: those connections close
     # ... and one whose buffer is not sealed against shrinking (it could SIGBUS the worker)
     for hello, fds in ((shm._HELLO.pack(shm.MAGIC, 4096), []), (shm._HELLO.pack(b"NOPE", 4096), None),
@@ -221,7 +222,7 @@ def test_polling_receives_without_blocking_and_counts_toward_the_deadline(monkey
 
 def test_the_dispatch_client_gives_the_same_sums_over_each_transport(tiny_model):
     with expert_servers_in_process(tiny_model, n=2) as (placement, cfg):
-        sums, stats = {}, {}
+        sums, stats, events = {}, {}, {}
         for transport in ("grpc", "shm", "auto"):
             dispatch_cfg = DispatchConfig(transport=transport, shm_capacity=1 << 16)  # (a decode step's rows)
             experts = RemoteExperts(cfg, placement, dispatch_cfg=dispatch_cfg)
@@ -231,18 +232,65 @@ def test_the_dispatch_client_gives_the_same_sums_over_each_transport(tiny_model)
                 experts.dispatch(routed_dispatch(cfg, T=6, seed=2)),
             )
             sums[transport] = (experts.combine(ExpertCombine(a)), experts.combine(ExpertCombine(b)))
-            big = routed_dispatch(cfg, T=1024)  # more than a channel holds: still answered (by gRPC)
+            big = routed_dispatch(cfg, T=1024)  # more than a channel holds: a channel made to measure
             sums[transport] += (experts.combine(ExpertCombine(experts.dispatch(big))),)
-            stats[transport] = (
-                experts.stats.shm_calls,
-                experts.stats.rpcs,
-                set(experts.transport_of().values()),
-            )
+            stats[transport] = (experts.stats.calls_by_transport, set(experts.transport_of().values()))
+            events[transport] = [(e["transport"], e["reason"]) for e in experts.transport_events()]
             experts.close()
         assert all(torch.equal(x, y) for x, y in zip(sums["grpc"], sums["shm"], strict=True))
         assert all(torch.equal(x, y) for x, y in zip(sums["grpc"], sums["auto"], strict=True))
-        assert stats["grpc"] == (0, 6, {"grpc"})
-        assert stats["shm"] == (4, 6, {"grpc"}) == stats["auto"]  # (the last call, too big, took gRPC)
+        assert stats["grpc"] == ({"grpc": 6}, {"grpc"})
+        assert stats["shm"] == ({"shm": 6}, {"shm"}) == stats["auto"]  # (the big call too)
+        # chosen once per worker, with the reason
+        assert events["auto"] == [("shm", "a shared-memory listener on this node")] * 2 == events["shm"]
+        assert events["grpc"] == [("grpc", "gRPC")] * 2
+
+
+def test_a_pair_that_loses_its_transport_falls_back_to_grpc_as_an_event(tiny_model):
+    """A worker whose shared-memory listener goes away (its channels closed too) is served by gRPC
+    from the next call on, as one event with the reason; the retry takes shared memory back."""
+    from services.experts.client import load_placement
+    from services.experts.server import ExpertServer, ExpertWorkerConfig
+    from services.experts.servicer import status_of as worker_status_of
+    from services.model.config import ModelConfig
+
+    cfg, server = ModelConfig.from_dir(tiny_model), ExpertServer(ExpertWorkerConfig(model=str(tiny_model)))
+    address = server.start()
+    try:
+        placement = Placement.round_robin(
+            cfg.num_moe_layers, cfg.n_routed_experts, (address,), cfg.n_routed_experts
+        )
+        load_placement(placement, {address: address}, cfg.moe_layers)
+        experts = RemoteExperts(cfg, placement, dispatch_cfg=DispatchConfig(transport="auto"))
+        msg = routed_dispatch(cfg, T=6, seed=1)
+        want = experts.combine(ExpertCombine(experts.dispatch(msg)))
+        assert experts.transport_of() == {address: "shm"}
+        server.shm.close()  # (its channels close too: the idle one is dead)
+        deadline = time.monotonic() + 30
+        while server.shm.channels:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert torch.equal(experts.combine(ExpertCombine(experts.dispatch(msg))), want)
+        assert experts.transport_of() == {address: "grpc"}
+        chosen, lost = [(e["transport"], e["reason"]) for e in experts.transport_events()]
+        assert (
+            chosen[0] == "shm"
+            and lost[0] == "grpc"
+            and lost[1].startswith("shm lost: no shared-memory channel")
+        )
+        server.shm = shm.ShmServer(address, server.servicer.compute_into, worker_status_of)
+        experts.transports._pairs[address].retry_at = 0.0  # (the retry's time has come)
+        deadline = time.monotonic() + 30
+        while experts.transport_of() != {address: "shm"}:
+            assert time.monotonic() < deadline, experts.transport_events()
+            assert torch.equal(experts.combine(ExpertCombine(experts.dispatch(msg))), want)
+            time.sleep(0.01)
+        assert experts.transport_events()[-1]["reason"].startswith("restored")
+        assert torch.equal(experts.combine(ExpertCombine(experts.dispatch(msg))), want)
+        assert experts.stats.calls_by_transport["grpc"] >= 1
+        experts.close()
+    finally:
+        server.stop(0)
 
 
 def test_transport_shm_refuses_a_worker_without_a_listener(tiny_model):
@@ -284,7 +332,8 @@ def test_a_worker_killed_mid_call_is_seen_at_once():
         with pytest.raises(shm.TransportError) as e:
             channel.result(60)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 10
-        assert shm.ShmChannel.connect(address) is None  # nothing left behind to connect to
+        with pytest.raises((ConnectionRefusedError, ConnectionResetError)):  # nothing left to connect to
+            shm.ShmChannel.connect(address)
     finally:
         proc.kill()
         proc.wait()

@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from services.dataplane import tcp
-from services.dataplane.shm import _REQUEST, TransportError
+from services.dataplane import tcp, tls
+from services.dataplane.frames import REQUEST, TransportError
 
 SECRET = "s3cret-for-tests"
 
@@ -80,7 +80,7 @@ def test_a_stranger_without_the_secret_is_refused(given):
         with pytest.raises(OSError):  # (no TLS: the handshake fails; a wrong secret: refused)
             tcp.TcpChannel.connect("127.0.0.1", srv.port, given, timeout_s=5.0)
         with socket.create_connection(("127.0.0.1", srv.port)) as raw:  # a plaintext request to a TLS port
-            raw.sendall(_REQUEST.pack(1, 0, 1, 1, 8, 2, 0) + bytes(128))
+            raw.sendall(REQUEST.pack(1, 0, 1, 1, 8, 2, 0) + bytes(128))
             raw.settimeout(5.0)
             try:
                 answer = raw.recv(64)
@@ -96,9 +96,9 @@ def test_a_bad_frame_closes_its_connection_only():
     srv = tcp.TcpServer("127.0.0.1", _compute, _status_of, max_request_bytes=1 << 16)
     try:
         good = tcp.TcpChannel.connect("127.0.0.1", srv.port)
-        for frame in [_REQUEST.pack(1, 0, 1, 1, 8, 2, 7),  # no such dtype
-                      _REQUEST.pack(1, 0, 1, 0, 8, 2, 0),  # no rows
-                      _REQUEST.pack(1, 0, 1, 1 << 20, 4096, 8, 0)]:  # over the size limit  # fmt: skip
+        for frame in [REQUEST.pack(1, 0, 1, 1, 8, 2, 7),  # no such dtype
+                      REQUEST.pack(1, 0, 1, 0, 8, 2, 0),  # no rows
+                      REQUEST.pack(1, 0, 1, 1 << 20, 4096, 8, 0)]:  # over the size limit  # fmt: skip
             bad = tcp.TcpChannel.connect("127.0.0.1", srv.port)
             bad._sock.sendall(frame)
             bad._sock.settimeout(5.0)
@@ -118,14 +118,18 @@ def test_a_hung_worker_misses_the_deadline_and_a_dead_one_is_unavailable():
         return _compute(*args)
 
     srv = tcp.TcpServer("127.0.0.1", hang, _status_of)
-    channel = tcp.TcpChannel.connect("127.0.0.1", srv.port)
+    channel, other = (tcp.TcpChannel.connect("127.0.0.1", srv.port) for _ in range(2))
     _call(channel)
     with pytest.raises(TransportError) as err:
         channel.result(0.3)
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and channel.closed
     release.set()
-
-    srv.close()
+    srv.close()  # (the worker is gone: a call on its other connection fails at once)
+    started = time.monotonic()
+    with pytest.raises(TransportError) as err:
+        _call(other)
+        other.result(30.0)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 10
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["plaintext", "tls"])
@@ -169,6 +173,36 @@ def test_a_silent_stranger_is_cut_at_the_handshake_deadline(monkeypatch):
         good = tcp.TcpChannel.connect("127.0.0.1", srv.port, SECRET)
         want = _call(good)
         torch.testing.assert_close(good.result(5.0)[0], want)
+    finally:
+        srv.close()
+
+
+def test_a_stranger_past_tls_that_drips_its_hello_is_cut_at_the_handshake_deadline(monkeypatch):
+    """TLS done (no client certificate is asked for), then the hello one byte at a time, each
+    within the per-read timeout: the handshake deadline still cuts it (the TLS socket is shut
+    down, not the raw one it detached from), and the handshake slot is free again."""
+    monkeypatch.setattr(tcp, "HANDSHAKE_S", 0.5)
+    srv = tcp.TcpServer("127.0.0.1", _compute, _status_of, secret=SECRET)
+    try:
+        raw = socket.create_connection(("127.0.0.1", srv.port))
+        sock = tcp._client_context(SECRET).wrap_socket(raw, server_hostname=tls.EXPERT_NAME)
+        sock.sendall(tcp._HELLO.pack(tcp.MAGIC, 1000))  # (a secret of 1,000 bytes announced ...)
+        sock.settimeout(0.1)
+        started, cut = time.monotonic(), False
+        while not cut and time.monotonic() - started < 10:
+            try:
+                sock.send(b"x")  # (... and sent a byte per 0.1 s)
+                cut = sock.recv(64) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                cut = True
+        assert cut and time.monotonic() - started < 5
+        sock.close()
+        deadline = time.monotonic() + 5
+        while srv.connections or srv._handshakes:
+            assert time.monotonic() < deadline, (srv.connections, srv._handshakes)
+            time.sleep(0.02)
     finally:
         srv.close()
 

@@ -47,9 +47,7 @@ class AttentionWorkerConfig:
     gpus: float = 0.0  # Ray num_gpus of each follower rank (rank 0's is the actor's own)
     shared: SharedSettings = field(default_factory=SharedSettings)  # no redis_url: loads not reported
     dispatch_timeout_s: float = 10.0
-    expert_transport: str = (
-        "auto"  # DispatchConfig.transport: auto (shm on this node, else gRPC streams), shm, grpc, grpc-unary
-    )
+    expert_transport: str = "auto"  # DispatchConfig.transport: auto (shm on this node, else TCP, else gRPC), shm, tcp, grpc
     expert_spin_us: float = 0.0  # DispatchConfig.spin_us
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
     step_retry_wait_s: float = 0.05  # pause between retries of a failing step
@@ -401,7 +399,12 @@ class AttentionWorker:
     async def stats(self) -> dict:
         dispatch = None
         if self.remote_experts is not None:
-            dispatch = {**asdict(self.remote_experts.stats), "transport": self.remote_experts.transport_of()}
+            experts = self.remote_experts
+            dispatch = {
+                **asdict(experts.stats),
+                "transport": experts.transport_of(),
+                "transport_events": experts.transport_events(),
+            }
         return {**self.service.stats(), "dispatch": dispatch, "ranks": await self._ranks()}
 
     async def _ranks(self) -> list[dict]:

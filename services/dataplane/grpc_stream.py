@@ -1,4 +1,5 @@
-"""The gRPC transport's stream: one long-lived DispatchStream per (attention worker, expert worker).
+"""The gRPC transport: one long-lived DispatchStream per (attention worker, expert worker), the
+client's stream and the server's handlers.
 
 A unary call per MoE layer pays gRPC's call set-up every time and, since the driver thread must
 not block on it, a hop through a thread pool. A stream pays the set-up once: the driver puts each
@@ -13,11 +14,18 @@ a call still unanswered at its deadline. It sleeps until the oldest deadline, so
 serving it wakes about once per timeout, not once per call. Every call pending on a stream that
 breaks (a dead worker, a cancelled stream) fails with the status that says why
 (DEADLINE_EXCEEDED after a cancel for a deadline); the next call opens a new stream.
+
+Server side (`DispatchService`, registered by the expert worker's servicer): each request of a
+stream is decoded (zero-copy), computed straight into its response's bytes and answered in order
+on the thread the stream holds; a refused request is answered with its status and the stream
+goes on. A worker holds at most `max_streams` streams (each holds a server thread); beyond them a
+stream is refused with RESOURCE_EXHAUSTED and the client sends that worker unary Dispatch calls.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -25,8 +33,11 @@ import time
 import grpc
 import torch
 
-from services.dataplane.shm import TransportError
 from services.rpc import wire
+
+from .frames import STATUS, Compute, StatusOf, TransportError
+
+log = logging.getLogger(__name__)
 
 
 class StreamCall:
@@ -173,10 +184,70 @@ def decode_answer(data: bytes) -> torch.Tensor:
     """A DispatchStreamResponse's output [Tw, H]; TransportError with its status if refused."""
     resp = wire.decode_dispatch_response(data)
     if resp.error_code:
-        raise TransportError(_STATUS.get(resp.error_code, grpc.StatusCode.UNKNOWN), resp.error_message)
+        raise TransportError(STATUS.get(resp.error_code, grpc.StatusCode.UNKNOWN), resp.error_message)
     if resp.output is None:
         raise TransportError(grpc.StatusCode.INTERNAL, "a DispatchStream answer without an output")
     return resp.output
 
 
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+# ---------------------------------------------------------------------------------------------
+# The server side (the expert worker)
+# ---------------------------------------------------------------------------------------------
+class DispatchService:
+    """The Expert service's Dispatch (unary) and DispatchStream methods over `compute` (the
+    expert worker's, into a response's payload); `status_of` maps its errors to status codes."""
+
+    def __init__(self, compute: Compute, status_of: StatusOf, max_streams: int = 64):
+        self.compute, self.status_of, self.max_streams = compute, status_of, max_streams
+        self._stream_slots = threading.BoundedSemaphore(max_streams)
+
+    def answer(self, request: bytes) -> bytes:
+        """Decode a DispatchRequest and compute it into a DispatchResponse's bytes."""
+        req = wire.decode_dispatch_request(request)
+        if req.hidden is None or req.slot is None or req.weight is None:
+            raise wire.WireError("a DispatchRequest needs hidden, slot and weight")
+        resp = wire.DispatchResponseBuffer(req.hidden.shape, req.hidden.dtype)
+        seconds = self.compute(
+            req.layer, req.placement_version, req.hidden, req.slot, req.weight, resp.output
+        )
+        return resp.finish(seconds)
+
+    def _refusal(self, e: Exception) -> tuple[grpc.StatusCode, str]:
+        code = self.status_of(e)
+        if code == grpc.StatusCode.INTERNAL:  # (a bug, out of memory: this request fails, serving goes on)
+            log.exception("gRPC Dispatch failed")
+            return code, f"{type(e).__name__}: {e}"
+        return code, str(e)
+
+    def Dispatch(self, request: bytes, context) -> bytes:
+        try:
+            return self.answer(request)
+        except Exception as e:
+            context.abort(*self._refusal(e))
+
+    def DispatchStream(self, requests, context):
+        """Answer each request of a client's stream in order, on this handler's thread."""
+        if not self._stream_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"all {self.max_streams} dispatch streams of this worker are in use: use Dispatch")  # fmt: skip
+        try:
+            for request in requests:
+                try:
+                    yield self.answer(request)
+                except Exception as e:
+                    code, message = self._refusal(e)
+                    yield wire.encode_dispatch_error(code.value[0], message)
+        finally:
+            self._stream_slots.release()
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """Method name -> handler, raw bytes in and out (see services/rpc/wire.py)."""
+        raw = lambda b: b  # noqa: E731
+        return {
+            "Dispatch": grpc.unary_unary_rpc_method_handler(
+                self.Dispatch, request_deserializer=raw, response_serializer=raw
+            ),
+            "DispatchStream": grpc.stream_stream_rpc_method_handler(
+                self.DispatchStream, request_deserializer=raw, response_serializer=raw
+            ),
+        }

@@ -1,18 +1,15 @@
 """The attention worker's dispatch client: `RemoteExperts`, the ExpertBackend over the expert workers.
 
-Slot choice is the pure `SlotRouter` (slot_router.py); this module is the transport. Per MoE
-layer of a step:
+Slot choice is the pure `SlotRouter` (slot_router.py); the transports are transport.py's; this
+module splits a layer's rows over the workers and sums their answers. Per MoE layer of a step:
 
     dispatch(ExpertDispatch(decoder_layer, moe_layer, x [T, H], topk_idx [T, K], topk_weight, counts))
       1. the router maps each (token, choice) pair to a slot on a worker          -> Route
       2. each worker gets only its rows: hidden [Tw, H], local slots [Tw, K] int32 (-1 where
          another worker computes the pair), weights fp32, laid out in the request's bytes
-      3. all calls start and a handle returns (transport.py): to a worker on this node, through
-         shared memory (the rows are written into the pair's buffer, a doorbell wakes the
-         worker); otherwise a blocking call of the sync gRPC API in a persistent thread of this
-         client (so it overlaps the shared experts / the other micro-batch). Measured here, that
-         is 0.15-0.3 ms cheaper per call than `stub.future(...)`, whose channel starts a new
-         polling thread whenever its number of calls in flight rises from zero.
+      3. all calls start and a handle returns, each on its pair's transport (transport.py: shared
+         memory on this node, else TCP, else a gRPC stream; chosen once per pair), so they
+         overlap the shared experts / the other micro-batch
     combine(ExpertCombine(handle))
       4. wait, scatter-add the partial sums in fp32 into [T, H], return in x's dtype (when one
          worker computed every pair, its answer is the result, copied out of the response)
@@ -31,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 import torch
@@ -64,13 +61,16 @@ RETRYABLE = {
 
 @dataclass
 class DispatchConfig:
-    timeout_s: float = 30.0  # deadline of one Dispatch RPC
+    timeout_s: float = 30.0  # deadline of one Dispatch
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     dead_worker_cooldown_s: float = 10.0  # replicas on a failed worker are skipped this long
-    rpc_threads: int = 64  # gRPC calls in flight at once (workers x micro-batches in flight)
-    transport: str = "auto"  # "auto" (shared memory on this node, else TCP, else gRPC streams), "tcp", "grpc", "grpc-unary", "shm"
+    transport: str = (
+        "auto"  # transport.TRANSPORTS: "auto" (shm on this node, else TCP, else gRPC), "shm", "tcp", "grpc"
+    )
     shm_capacity: int = shm.DEFAULT_CAPACITY  # bytes of a shared-memory channel's request (and answer) buffer
-    secret: str | None = field(default=None, repr=False)  # the cluster's data-plane secret (rpc/auth.py)
+    secret: str | None = field(
+        default=None, repr=False
+    )  # the cluster's data-plane secret (dataplane/auth.py)
     spin_us: float = 0.0  # shared memory: poll for the answer this long before blocking (shm.recv_spinning)
 
 
@@ -78,6 +78,7 @@ class DispatchConfig:
 class DispatchStats:
     rpcs: int = 0  # calls, every transport
     shm_calls: int = 0  # of which through shared memory
+    calls_by_transport: dict[str, int] = field(default_factory=dict)  # transport -> calls
     bytes_sent: int = 0  # serialized request bytes
     bytes_received: int = 0  # serialized response bytes
     bytes_copied: int = 0  # request payloads this client wrote (answers copied into results: not counted)
@@ -124,13 +125,7 @@ class RemoteExperts:
         self.stats = DispatchStats()
         d = self.dispatch_cfg
         self.transports = Transports(
-            d.transport,
-            d.timeout_s,
-            d.max_message_bytes,
-            d.rpc_threads,
-            d.shm_capacity,
-            d.secret,
-            d.spin_us * 1e-6,
+            d.transport, d.timeout_s, d.max_message_bytes, d.shm_capacity, d.secret, d.spin_us * 1e-6
         )
         self._retired: set[str] = set()
         self._pending = 0
@@ -156,8 +151,9 @@ class RemoteExperts:
             raise ValueError(f"no address for workers {missing}")
         self.router, self.addresses = SlotRouter(placement, self.cfg.n_routed_experts), addresses
         in_use = {addresses[w] for w in placement.workers}
-        self._retired = (self._retired | set(self.transports.used)) - in_use
+        self._retired = (self._retired | self.transports.addresses) - in_use
         self._close_retired()
+        self.transports.prepare(in_use)  # (each new worker's transport is chosen meanwhile)
 
     def _close_retired(self) -> None:
         if self._pending:
@@ -167,8 +163,13 @@ class RemoteExperts:
         self._retired = set()
 
     def transport_of(self) -> dict[str, str]:
-        """worker id -> the transport its last call took ("shm" or "grpc"; "-" before any)."""
-        return {w: self.transports.used.get(a, "-") for w, a in self.addresses.items()}
+        """worker id -> the transport its calls use ("shm", "tcp", "grpc"; "choosing" while it is
+        being chosen; "-" where none can serve)."""
+        return {w: self.transports.transport_of(a) for w, a in self.addresses.items()}
+
+    def transport_events(self) -> list[dict]:
+        """The transports chosen and changed, oldest first (the last transport.MAX_EVENTS)."""
+        return [asdict(e) for e in list(self.transports.events)]
 
     def _dead_workers(self, pending: PendingDispatch) -> frozenset[int]:
         """Indices (in the pending dispatch's placement) of workers that failed recently."""
@@ -319,6 +320,8 @@ class RemoteExperts:
         pending.calls.append(call)
         self.stats.rpcs += 1
         self.stats.shm_calls += call.transport == "shm"
+        by = self.stats.calls_by_transport
+        by[call.transport] = by.get(call.transport, 0) + 1
         self.stats.bytes_sent += call.nbytes_sent
         self.stats.bytes_copied += call.hidden.nbytes + call.slot.nbytes + call.weight.nbytes
         return _Part(w, rows, route, call)

@@ -5,7 +5,7 @@ bytes following each frame on the same socket.
 Why not gRPC: a gRPC round trip costs ~0.3 ms on loopback even over a persistent stream (HTTP/2
 framing, protobuf, its completion-queue threads handing the message over), and torch.distributed's
 gloo point-to-point costs the same; a blocking socket read by the thread that needs the answer
-costs ~0.02 ms for the same 8 KB (benchmarks/results/tcp_round_trip.json). One call at a time per
+costs ~0.02 ms for the same 8 KB (a one-off measurement: docs/benchmarks.md). One call at a time per
 connection; the client keeps a few per worker (micro-batches and parts in flight at once):
 
     client -> worker: REQUEST frame (seq, layer, placement version, T, H, K, dtype), then the
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import socket
 import ssl
 import struct
@@ -37,30 +36,35 @@ import threading
 import grpc
 import torch
 
-from services.dataplane.shm import (
-    _CODES,
-    _REQUEST,
+from services.rpc import wire
+
+from . import auth, tls
+from .frames import (
+    ANSWER,
     DTYPES,
-    MAX_ERROR_BYTES,
+    REQUEST,
     Compute,
+    FrameServer,
+    StatusOf,
     TransportError,
-    accept_each,
+    compute_answer,
+    idle_alive,
+    parse_request,
+    read_answer,
+    request_frame,
     request_layout,
     request_parts,
 )
-
-from . import auth, tls
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"MOT1"
 _HELLO = struct.Struct("<4sH")  # magic, secret length; then the secret
 _ACK = struct.Struct("<4sB")  # magic, accepted
-_ANSWER = struct.Struct("<IIdQ")  # seq, grpc status code value (0 = OK), compute seconds, bytes that follow
 MAX_CONNECTIONS = 4096  # per expert worker (attention workers x calls in flight)
 MAX_HANDSHAKES = 64  # connections not yet past the secret check, per expert worker
 HANDSHAKE_S = 10.0  # a connection that has not passed the secret check by then is cut
-MAX_REQUEST_BYTES = 64 << 20  # larger requests (long prefill chunks) go by gRPC
+MAX_REQUEST_BYTES = wire.MAX_MESSAGE_BYTES  # as gRPC's: whatever gRPC would carry, TCP carries
 KEEP_BYTES = 8 << 20  # buffers larger than this are dropped after their call
 
 
@@ -71,11 +75,6 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("connection closed")
         got += n
-
-
-def fits(T: int, H: int, K: int, dtype: torch.dtype) -> bool:
-    """Whether a [T, H] request with K choices goes by TCP (at most MAX_REQUEST_BYTES)."""
-    return dtype in DTYPES and request_layout(T, H, K, dtype)[2] <= MAX_REQUEST_BYTES
 
 
 def _send(sock: socket.socket, frame: bytes, payload: memoryview | bytes = b"") -> None:
@@ -150,7 +149,7 @@ class TcpChannel:
         self._sock = sock
         self._request: torch.Tensor | None = None  # the request region (filled in place)
         self._output: torch.Tensor | None = None
-        self._frame = bytearray(_ANSWER.size)
+        self._frame = bytearray(ANSWER.size)
         self._seq = 0
         self._shape: tuple | None = None  # (T, H, K, dtype) of the request in flight
         self.answered = True  # the last request's answer was read (the connection is free)
@@ -191,7 +190,7 @@ class TcpChannel:
         T, H, K, dtype = self._shape
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         self.answered = False
-        frame = _REQUEST.pack(self._seq, layer, placement_version, T, H, K, DTYPES.index(dtype))
+        frame = request_frame(self._seq, layer, placement_version, T, H, K, dtype)
         payload = memoryview(self._request.numpy())[: request_layout(T, H, K, dtype)[2]]
         try:
             self._sock.settimeout(timeout_s)
@@ -212,17 +211,16 @@ class TcpChannel:
         try:
             self._sock.settimeout(timeout_s)
             _recv_exact(self._sock, memoryview(self._frame))
-            seq, code, seconds, nbytes = _ANSWER.unpack(self._frame)
-            if seq != self._seq or (nbytes > MAX_ERROR_BYTES if code else nbytes != T * H * dtype.itemsize):
+            try:
+                code, seconds, nbytes = read_answer(self._frame, self._seq, T * H * dtype.itemsize)
+            except TransportError:
                 self.close()
-                raise TransportError(
-                    grpc.StatusCode.INTERNAL, f"answer {seq} ({nbytes} bytes) to request {self._seq}"
-                )
-            if code:
+                raise
+            if code is not None:
                 text = bytearray(nbytes)
                 _recv_exact(self._sock, memoryview(text))
                 self.answered = True
-                raise TransportError(_CODES.get(code, grpc.StatusCode.UNKNOWN), text.decode(errors="replace"))
+                raise TransportError(code, text.decode(errors="replace"))
             self._output = _region(self._output, nbytes)
             _recv_exact(self._sock, memoryview(self._output.numpy())[:nbytes])
         except TimeoutError:
@@ -236,15 +234,9 @@ class TcpChannel:
 
     def alive(self) -> bool:
         """An idle connection is still usable: nothing to read on it (a closed one reads EOF)."""
-        if self.closed:
-            return False
-        try:
-            readable, _, _ = select.select([self._sock], [], [], 0)
-        except (OSError, ValueError):
-            readable = True
-        if readable:
+        if not self.closed and not idle_alive(self._sock):
             self.close()
-        return not readable
+        return not self.closed
 
     def trim(self) -> None:
         """Drop buffers grown past KEEP_BYTES (a long prefill's) once their call is over."""
@@ -263,86 +255,77 @@ class TcpChannel:
 # ---------------------------------------------------------------------------------------------
 # The server side (the expert worker)
 # ---------------------------------------------------------------------------------------------
-class TcpServer:
+class TcpServer(FrameServer):
     """Serves an expert worker's Dispatch over TCP: a listener beside its gRPC port and one thread
     per connection, which reads a request into its own buffer, checks it, runs `compute` into its
     answer buffer and sends that back. `status_of` maps a compute error to its gRPC status code.
     A connection must pass the handshake (TLS, then the secret) within HANDSHAKE_S, and at most
     MAX_HANDSHAKES may be at it at once: strangers cannot hold the worker's threads."""
 
-    def __init__(self, host: str, compute: Compute, status_of, secret: str | None = None,
+    what = "socket"
+
+    def __init__(self, host: str, compute: Compute, status_of: StatusOf, secret: str | None = None,
                  max_request_bytes: int = MAX_REQUEST_BYTES):  # fmt: skip
-        self.compute, self.status_of, self.secret = compute, status_of, secret
-        self.max_request_bytes = max_request_bytes
+        self.secret, self.max_request_bytes = secret, max_request_bytes
         self._tls = _server_context(secret) if secret is not None else None
-        self.refused = 0  # connections refused: no / a wrong secret, a bad hello, too many
-        self.requests = 0
-        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                              backlog=128)  # fmt: skip
-        self.port = self._listener.getsockname()[1]
-        self._connections: dict[int, socket.socket] = {}  # id -> the socket in use (TLS once wrapped)
         self._handshakes = 0
-        self._lock = threading.Lock()
-        self._closed = False
-        threading.Thread(target=self._accept, name="tcp-accept", daemon=True).start()
+        listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                        backlog=128)  # fmt: skip
+        self.port = listener.getsockname()[1]
+        super().__init__(listener, compute, status_of, MAX_CONNECTIONS)
 
-    @property
-    def connections(self) -> int:
+    def _admit(self, conn: socket.socket) -> bool:
         with self._lock:
-            return len(self._connections)
+            if self._handshakes >= MAX_HANDSHAKES or len(self._connections) >= self.max_connections:
+                return False
+            self._connections[id(conn)] = conn
+            self._handshakes += 1
+            return True
 
-    def _accept(self) -> None:
-        accept_each(self._listener, lambda: self._closed, self._admit, "socket")
-
-    def _admit(self, conn: socket.socket) -> None:
+    def _cut(self, raw: socket.socket) -> None:
+        """(timer) Shut down the socket now carrying `raw` (its TLS wrapper once wrapped: the raw
+        socket is detached then, and shutting it down would do nothing)."""
         with self._lock:
-            admit = len(self._connections) < MAX_CONNECTIONS and self._handshakes < MAX_HANDSHAKES
-            if admit:
-                self._connections[id(conn)] = conn
-                self._handshakes += 1
-        if not admit:
+            conn = self._connections.get(id(raw))
+        if conn is not None:
+            with contextlib.suppress(OSError, ValueError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def _handshake(self, raw: socket.socket) -> socket.socket | None:
+        """TLS (with a secret), then the hello and its secret: the socket to serve, or None
+        (refused, told so)."""
+        _keepalive(raw)
+        raw.settimeout(HANDSHAKE_S)
+        conn = raw
+        if self._tls is not None:
+            try:
+                conn = self._tls.wrap_socket(raw, server_side=True)
+            except (OSError, ssl.SSLError):  # (no TLS, or not the cluster's certificate)
+                self.refused += 1
+                raise
+            self._track(raw, conn)
+        if not self._admits(conn):
             self.refused += 1
-            conn.close()
-            return
-        try:
-            threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True).start()
-        except RuntimeError as e:
-            log.warning("socket connection not served: %s", e)
-            self._forget(conn, handshaking=True)
-            conn.close()
-
-    def _forget(self, raw: socket.socket, handshaking: bool) -> None:
-        with self._lock:
-            self._connections.pop(id(raw), None)
-            self._handshakes -= handshaking
+            conn.sendall(_ACK.pack(MAGIC, 0))
+            return None
+        conn.sendall(_ACK.pack(MAGIC, 1))
+        return conn
 
     def _serve(self, raw: socket.socket) -> None:
-        conn, handshaking = raw, True  # (conn: its TLS wrapper once the handshake is done)
-        cut = threading.Timer(HANDSHAKE_S, lambda: handshaking and _shutdown(raw))  # (reads the flag then)
+        cut = threading.Timer(HANDSHAKE_S, self._cut, (raw,))
         cut.daemon = True
         cut.start()
+        handshaking, conn = True, raw
         try:
-            _keepalive(raw)
-            raw.settimeout(HANDSHAKE_S)
-            if self._tls is not None:
-                try:
-                    conn = self._tls.wrap_socket(raw, server_side=True)
-                except (OSError, ssl.SSLError):  # (no TLS, or not the cluster's certificate)
-                    self.refused += 1
-                    raise
-                with self._lock:
-                    self._connections[id(raw)] = conn  # (closing the listener must cut this one)
-            if not self._admits(conn):
-                self.refused += 1
-                conn.sendall(_ACK.pack(MAGIC, 0))
-                return
-            conn.sendall(_ACK.pack(MAGIC, 1))
+            conn = self._handshake(raw)
+            cut.cancel()
             with self._lock:
                 handshaking = False
                 self._handshakes -= 1
-            cut.cancel()
+            if conn is None:
+                return
             conn.settimeout(None)
-            frame, request, output = bytearray(_REQUEST.size), None, None
+            frame, request, output = bytearray(REQUEST.size), None, None
             while True:
                 try:
                     _recv_exact(conn, memoryview(frame))
@@ -354,16 +337,14 @@ class TcpServer:
                     request = None
                 if output.numel() > KEEP_BYTES:
                     output = None
-        except (OSError, ValueError, ssl.SSLError) as e:
-            if not self._closed:
-                log.info("socket connection closed: %s", e)
-        finally:
+        finally:  # (ssl.SSLError is an OSError: FrameServer logs it and closes)
             cut.cancel()
-            self._forget(raw, handshaking)
-            with contextlib.suppress(OSError):
-                conn.close()
-            with contextlib.suppress(OSError):
-                raw.close()
+            if handshaking:
+                with self._lock:
+                    self._handshakes -= 1
+            if conn is not None and conn is not raw:
+                with contextlib.suppress(OSError):
+                    conn.close()
 
     def _admits(self, conn: socket.socket) -> bool:
         hello = bytearray(_HELLO.size)
@@ -378,45 +359,23 @@ class TcpServer:
     def _answer(self, conn, frame: bytearray, request, output):
         """Read and run one request; ((answer frame[, payload]), request buffer, output buffer).
         ValueError (closing the connection) for a request whose bytes cannot be skipped safely."""
-        seq, layer, version, T, H, K, code = _REQUEST.unpack(frame)
-        if code >= len(DTYPES) or T * H == 0 or K == 0:
-            raise ValueError(f"bad request: dtype {code}, [{T}, {H}], K {K}")
-        dtype = DTYPES[code]
-        nbytes = request_layout(T, H, K, dtype)[2]
-        if nbytes > self.max_request_bytes:
-            raise ValueError(f"a request of {nbytes} bytes (at most {self.max_request_bytes})")
-        request = _region(request, nbytes)
-        _recv_exact(conn, memoryview(request.numpy())[:nbytes])
-        hidden, slot, weight = request_parts(request, T, H, K, dtype)
-        output = _region(output, T * H * dtype.itemsize)
-        out = output[: T * H * dtype.itemsize].view(dtype).view(T, H)
+        req = parse_request(frame, self.max_request_bytes)  # (FrameError: a ValueError)
+        request = _region(request, req.nbytes)
+        _recv_exact(conn, memoryview(request.numpy())[: req.nbytes])
+        output = _region(output, req.output_bytes)
+        out = output[: req.output_bytes].view(req.dtype).view(req.T, req.H)
         self.requests += 1
-        try:
-            seconds = self.compute(layer, version, hidden, slot, weight, out)
-        except Exception as e:
-            status = self.status_of(e)
-            if status == grpc.StatusCode.INTERNAL:
-                log.exception("socket Dispatch failed")
-            text = str(e).encode()[:MAX_ERROR_BYTES]
-            return (_ANSWER.pack(seq, status.value[0], 0.0, len(text)) + text,), request, output
-        payload = memoryview(output.numpy())[: T * H * dtype.itemsize]
-        return (_ANSWER.pack(seq, 0, seconds, len(payload)), payload), request, output
-
-    def close(self) -> None:
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # (wakes the accept thread)
-        self._listener.close()
-        with self._lock:
-            connections = list(self._connections.values())
-        for conn in connections:  # (the TLS socket once wrapped: shutting down its raw one does nothing)
-            with contextlib.suppress(OSError, ValueError):
-                conn.shutdown(socket.SHUT_RDWR)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+        answer = compute_answer(
+            req,
+            self.compute,
+            self.status_of,
+            request_parts(request, req.T, req.H, req.K, req.dtype),
+            out,
+            self.what,
+        )
+        if ANSWER.unpack_from(answer)[1]:  # (an error: its text follows in the same buffer)
+            return (answer,), request, output
+        return (answer, memoryview(output.numpy())[: req.output_bytes]), request, output
 
 
 def socket_host(address: str) -> str:

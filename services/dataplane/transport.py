@@ -1,55 +1,61 @@
-"""How one worker's share of a Dispatch travels: the transports under the dispatch client.
+"""How one worker's share of a Dispatch travels: one transport per (attention worker, expert worker) pair.
 
 What crosses is the same whatever the transport: the worker's rows (hidden [Tw, H]), their
 local slots [Tw, K] int32 and routing weights [Tw, K] float32 out, its partial sums [Tw, H]
-back. The dispatch client (`dispatch.RemoteExperts`) asks `Transports.open` for a call, fills
-the call's request views in place, starts it, and later takes its `result()`; the slot router,
-resends and fault handling stay above, unchanged. Two transports:
+back. The dispatch client (`remote_experts.RemoteExperts`) asks `Transports.open` for a call,
+fills the call's request views in place, starts it, and later takes its `result()`; the slot
+router, resends and fault handling stay above, unchanged. Three transports:
 
-- **shm** (services/dataplane/shm.py), when the expert worker is on this node: the rows are written
-  into a shared-memory buffer of the pair and a doorbell wakes the worker's channel thread; the
-  driver thread waits for the answer itself (no thread pool hop, no serialisation).
-- **tcp** (services/dataplane/tcp.py), when it is not: the same frames over plain TCP connections (TLS
-  with the cluster's identity when there is a secret), the rows sent straight from the buffer
-  the client filled, the answer read by the driver thread itself: ~0.02 ms a small round trip on
-  loopback where gRPC takes ~0.3 ms. A worker without a socket listener, or one that cannot be
-  reached on its port, gets gRPC for a while.
-- **grpc**: the portable path between nodes, protobuf bytes (services/rpc/wire.py) over one
-  long-lived DispatchStream per worker (grpc_stream.py): the driver queues a request and later
-  reads its answer off the stream itself, with no call set-up and no thread-pool hop per call.
-  A worker that refuses a stream (all its streams in use) gets unary calls for a while.
-- **grpc-unary**: a unary Dispatch call per request, started on a thread of the client's pool (a
-  blocking call there overlaps the other work of the step): what the gRPC path was before streams.
+- **shm** (shm.py), when the expert worker is on this node: the rows are written into a
+  shared-memory buffer of the pair and a doorbell wakes the worker's channel thread; the driver
+  thread waits for the answer itself (no thread pool hop, no serialisation). A request larger
+  than the pair's buffers gets a channel of its own for that call.
+- **tcp** (tcp.py), when it is not: the same frames (frames.py) over TCP connections (TLS with the
+  cluster's identity when there is a secret), the rows sent straight from the buffer the client
+  filled, the answer read by the driver thread itself.
+- **grpc** (grpc_stream.py): the portable path, protobuf bytes (services/rpc/wire.py) over one
+  long-lived DispatchStream per worker; a worker that refuses a stream (all its streams in use)
+  is sent unary Dispatch calls for a while, still by gRPC.
 
-`DispatchConfig.transport`: "auto" (shm where the worker has a shared-memory listener on this
-node, else TCP, else gRPC streams), "tcp" (TCP, else gRPC: never shared memory), "grpc",
-"grpc-unary", or "shm" (a worker without a listener on this node is an error: for one-node
-deployments, tests and benchmarks that must not fall back).
-In shm, a request larger than a channel's buffer (a long prefill chunk) still goes by gRPC.
-Either way a failure is a `TransportError` with the gRPC status code that means it.
+The transport is chosen once per pair, when the pair is first seen (`prepare`, on a thread of
+its own, so the driver does not wait on a slow or unreachable port): `DispatchConfig.transport`
+"auto" takes shm where the worker has a shared-memory listener on this node, else TCP where it
+has a TCP data plane that answers, else gRPC; "tcp" tries TCP, then gRPC; "grpc" is gRPC; "shm"
+is shared memory or an error (FAILED_PRECONDITION on every call: for one-node deployments, tests
+and benchmarks that must not fall back). The choice and its reason are logged and kept as an
+event (`events`), and `transport_of` says which one each pair uses now (`moe-cluster status`).
+
+A pair whose transport can no longer open a channel (its worker restarted, its port closed)
+falls back to gRPC: an event with the reason; the better transport is tried again after 30 s,
+then 60, ... up to 10 minutes, on a thread of its own, and taken back (an event) once it works.
+A pair that starts on a lesser transport than its mode prefers is retried the same way. Any
+call's failure is a `TransportError` with the gRPC status code that means it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import torch
 
-from services.dataplane.shm import TransportError
 from services.rpc import expert_pb2, expert_pb2_grpc, wire
 
 from . import auth, shm, tcp, tls
+from .frames import TransportError, region_bytes
 from .grpc_stream import DeadlineWatch, GrpcStream, StreamCall, decode_answer
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "grpc", "grpc-unary", "shm", "tcp")
-NO_SHM_RETRY_S = 30.0  # (also: how long a worker that refused a stream gets unary calls)
+TRANSPORTS = ("auto", "shm", "tcp", "grpc")
+PREFERENCE = {"auto": ("shm", "tcp", "grpc"), "shm": ("shm",), "tcp": ("tcp", "grpc"), "grpc": ("grpc",)}
+RETRY_S, MAX_RETRY_S = 30.0, 600.0  # a lesser transport's pair tries the better one again after
+PROBE_S = 5.0  # deadline of each step of choosing (a connect, a Stats call) and of a new channel
+MAX_EVENTS = 64
 
 
 class Call:
@@ -77,53 +83,33 @@ class Call:
 
 
 class GrpcCall(Call):
-    transport = "grpc-unary"
+    """A call on the pair's DispatchStream, or (`stream` None: the worker refused a stream) a
+    unary Dispatch made when its result is asked for."""
 
-    def __init__(self, stub: grpc.UnaryUnaryMultiCallable, pool: ThreadPoolExecutor, timeout_s: float,
-                 placement_version: int, layer: int, shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
-        self._stub, self._pool, self._timeout_s = stub, pool, timeout_s
-        self._request = wire.DispatchRequestBuffer(layer, placement_version, shape, dtype, top_k)
-        self.hidden, self.slot, self.weight = self._request.hidden, self._request.slot, self._request.weight
-        self.nbytes_sent = len(self._request.data)
-        self._future: Future | None = None
-
-    def start(self) -> None:
-        self._future = self._pool.submit(self._stub, self._request.data, timeout=self._timeout_s)
-
-    def result(self) -> torch.Tensor:
-        try:
-            data = self._future.result()
-        except grpc.RpcError as e:
-            raise TransportError(e.code(), e.details()) from None
-        self.nbytes_received = len(data)
-        return wire.decode_dispatch_response(data).output
-
-    def cancel(self) -> None:
-        if self._future is not None:
-            self._future.cancel()
-
-
-class GrpcStreamCall(Call):
     transport = "grpc"
 
-    def __init__(self, stream: GrpcStream, unary: Callable[[bytes], bytes], placement_version: int, layer: int,
+    def __init__(self, link: GrpcLink, stream: GrpcStream | None, placement_version: int, layer: int,
                  shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
-        self._stream, self._unary = stream, unary
+        self._link, self._stream = link, stream
         self._request = wire.DispatchRequestBuffer(layer, placement_version, shape, dtype, top_k)
         self.hidden, self.slot, self.weight = self._request.hidden, self._request.slot, self._request.weight
         self.nbytes_sent = len(self._request.data)
         self._call: StreamCall | None = None
 
     def start(self) -> None:
-        self._call = self._stream.send(self._request.data)
+        if self._stream is not None:
+            self._call = self._stream.send(self._request.data)
 
     def result(self) -> torch.Tensor:
-        try:
-            data = self._stream.wait(self._call)
-        except TransportError as e:
-            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or self._stream.answered:
-                raise
-            data = self._unary(self._request.data)  # (the worker refused the stream itself)
+        if self._stream is None:
+            data = self._link.unary(self._request.data)
+        else:
+            try:
+                data = self._stream.wait(self._call)
+            except TransportError as e:
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or self._stream.answered:
+                    raise
+                data = self._link.unary(self._request.data)  # (the worker refused the stream itself)
         self.nbytes_received = len(data)
         return decode_answer(data)
 
@@ -138,9 +124,9 @@ class ChannelCall(Call):
     channel goes back to the pair's idle ones once its answer has been used (a channel whose call
     was started and never answered is closed: the worker may still read and write its buffer)."""
 
-    def __init__(self, channel, idle: list, timeout_s: float, placement_version: int, layer: int,
+    def __init__(self, channel, idle: list | None, timeout_s: float, placement_version: int, layer: int,
                  shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
-        self._channel, self._idle, self._timeout_s = channel, idle, timeout_s
+        self._channel, self._idle, self._timeout_s = channel, idle, timeout_s  # idle None: not kept
         self._layer, self._version = layer, placement_version
         self.hidden, self.slot, self.weight = channel.request(*shape, top_k, dtype)
         self.nbytes_sent = self.hidden.nbytes + self.slot.nbytes + self.weight.nbytes
@@ -169,7 +155,7 @@ class ChannelCall(Call):
     def release(self) -> None:
         if not self._released:
             self._released = True
-            if not self._channel.closed and self._channel.answered:
+            if self._idle is not None and not self._channel.closed and self._channel.answered:
                 self._reuse()
             else:
                 self._channel.close()
@@ -196,203 +182,347 @@ class TcpCall(ChannelCall):
         super()._reuse()
 
 
-class Transports:
-    """The calls of one dispatch client: gRPC channels and shared-memory channels per worker
-    address, opened on first use. Not thread-safe (one driver thread)."""
+class LinkDown(Exception):
+    """A pair's transport cannot open a channel now (the message says why)."""
 
-    def __init__(self, transport: str, timeout_s: float, max_message_bytes: int, rpc_threads: int,
-                 shm_capacity: int = shm.DEFAULT_CAPACITY, secret: str | None = None, spin_s: float = 0.0):  # fmt: skip
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport {transport!r}: one of {', '.join(TRANSPORTS)}")
-        self.transport, self.timeout_s, self.shm_capacity = transport, timeout_s, shm_capacity
-        self.spin_s = spin_s  # shared-memory answers: polled this long before blocking
-        self.max_message_bytes, self.secret = (
-            max_message_bytes,
-            secret,
-        )  # (the cluster's: services/dataplane/auth.py)
-        self._grpc: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
-        self._streams: dict[str, GrpcStream] = {}
-        self._no_stream: dict[str, float] = {}  # address -> when it refused a stream
-        self._watch = DeadlineWatch()
-        self._idle: dict[str, list[shm.ShmChannel]] = {}  # address -> idle channels
-        self._no_shm: dict[str, float] = {}  # address -> when it had no shared-memory listener here
-        self._sockets: dict[str, list[tcp.TcpChannel]] = {}  # address -> idle TCP connections
-        self._socket_port: dict[str, int] = {}  # address -> its TCP data plane's port
-        self._socket_retry: dict[str, tuple[float, float]] = {}  # address -> (retry at, backoff s)
-        self._connecting: set[str] = set()  # addresses a connection is being opened to
-        self._pool = ThreadPoolExecutor(rpc_threads, thread_name_prefix="dispatch-rpc")
-        self.used: dict[str, str] = {}  # address -> the transport of its last call
 
-    def open(self, address: str, layer: int, placement_version: int, shape: tuple[int, int],
-             dtype: torch.dtype, top_k: int) -> Call:  # fmt: skip
-        """A call to the worker at `address` for a [Tw, H] request: shared memory where it can."""
-        if self.transport in ("auto", "shm") and self._may_try_shm(address):
-            channel = self._shm_channel(address)
-            if channel is not None and channel.fits(*shape, top_k, dtype):
-                self.used[address] = "shm"
-                return ShmCall(channel, self._idle[address], self.timeout_s, placement_version, layer, shape,
-                               dtype, top_k)  # fmt: skip
-            if channel is not None:
-                self._idle[address].append(channel)  # (too big for it: this one goes by gRPC)
-        if self.transport == "shm" and address in self._no_shm:
-            raise TransportError(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"transport shm: expert worker {address} has no shared-memory listener on this node")  # fmt: skip
-        if self.transport in ("auto", "tcp") and tcp.fits(*shape, top_k, dtype):
-            channel = self._socket(address)
-            if channel is not None:
-                self.used[address] = "tcp"
-                return TcpCall(channel, self._sockets[address], self.timeout_s, placement_version, layer, shape,
-                               dtype, top_k)  # fmt: skip
-        stream = self._stream(address)
-        if stream is None:
-            self.used[address] = "grpc-unary"
-            return GrpcCall(self._stub(address), self._pool, self.timeout_s, placement_version, layer, shape,
-                            dtype, top_k)  # fmt: skip
-        self.used[address] = "grpc"
-        return GrpcStreamCall(stream, lambda data: self._unary(address, data), placement_version, layer, shape,
-                              dtype, top_k)  # fmt: skip
+# ---------------------------------------------------------------------------------------------
+# Links: one pair's open transport (its idle channels, connections or stream)
+# ---------------------------------------------------------------------------------------------
+class GrpcLink:
+    """The pair's gRPC channel: its DispatchStream, unary Dispatch calls, and Stats (control)."""
 
-    def _stream(self, address: str) -> GrpcStream | None:
-        """The open DispatchStream to `address` (a new one where the last broke); None for unary calls."""
-        if self.transport == "grpc-unary":
+    name = "grpc"
+
+    def __init__(self, address: str, secret: str | None, max_message_bytes: int, timeout_s: float,
+                 watch: DeadlineWatch):  # fmt: skip
+        self.address, self.secret, self.timeout_s, self._watch = address, secret, timeout_s, watch
+        self._channel = tls.channel(address, secret, wire.grpc_options(max_message_bytes))
+        channel = auth.with_secret(self._channel, secret)
+        self._unary = channel.unary_unary(
+            wire.DISPATCH_METHOD, request_serializer=None, response_deserializer=None
+        )
+        self._stream_method = self._channel.stream_stream(
+            wire.DISPATCH_STREAM_METHOD, request_serializer=None, response_deserializer=None
+        )
+        self._stub = expert_pb2_grpc.ExpertStub(channel)
+        self._stream: GrpcStream | None = None
+        self._unary_until = 0.0  # the worker refused a stream: unary calls until then
+
+    def open(self, layer: int, placement_version: int, shape: tuple[int, int], dtype: torch.dtype,
+             top_k: int) -> Call:  # fmt: skip
+        return GrpcCall(self, self._open_stream(), placement_version, layer, shape, dtype, top_k)
+
+    def _open_stream(self) -> GrpcStream | None:
+        """The open DispatchStream (a new one where the last broke); None for unary calls."""
+        if time.monotonic() < self._unary_until:
             return None
-        refused = self._no_stream.get(address)
-        if refused is not None and time.monotonic() - refused < NO_SHM_RETRY_S:
-            return None
-        stream = self._streams.get(address)
+        stream = self._stream
         if stream is not None and stream.ended:
             stream.close()  # (ends gRPC's request thread of it too)
-            del self._streams[address]
+            self._stream = None
             if stream.refused:
-                self._no_stream[address] = time.monotonic()
+                self._unary_until = time.monotonic() + RETRY_S
                 log.info(
                     "expert worker %s refused a dispatch stream: unary calls for %.0f s",
-                    address,
-                    NO_SHM_RETRY_S,
+                    self.address,
+                    RETRY_S,
                 )
                 return None
             stream = None
         if stream is None:
-            self._stub(address)  # (opens the channel)
-            call = self._grpc[address][0].stream_stream(
-                wire.DISPATCH_STREAM_METHOD, request_serializer=None, response_deserializer=None
-            )
-            stream = self._streams[address] = GrpcStream(
-                call, self._watch, self.timeout_s, auth.metadata(self.secret)
+            stream = self._stream = GrpcStream(
+                self._stream_method, self._watch, self.timeout_s, auth.metadata(self.secret)
             )
         return stream
 
-    def _unary(self, address: str, data: bytes) -> bytes:
-        """One blocking Dispatch (a call whose stream was refused)."""
+    def unary(self, data: bytes) -> bytes:
+        """One blocking Dispatch."""
         try:
-            return self._stub(address)(data, timeout=self.timeout_s)
+            return self._unary(data, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise TransportError(e.code(), e.details()) from None
 
-    def _may_try_shm(self, address: str) -> bool:
-        """No listener found for `address` is remembered for NO_SHM_RETRY_S (a full backlog or a
-        slow handshake must not send a worker on this node to gRPC for good)."""
-        since = self._no_shm.get(address)
-        if since is not None and time.monotonic() - since > NO_SHM_RETRY_S:
-            del self._no_shm[address]
-        return address not in self._no_shm
+    def socket_port(self, timeout_s: float) -> int:
+        """The worker's TCP data plane port (its Stats; 0: none). grpc.RpcError if it does not answer."""
+        return self._stub.Stats(expert_pb2.StatsRequest(), timeout=timeout_s).socket_port
 
-    def _shm_channel(self, address: str) -> shm.ShmChannel | None:
-        idle = self._idle.setdefault(address, [])
-        while idle:
-            channel = idle.pop()
-            if not channel.closed:
-                return channel
-        channel = shm.ShmChannel.connect(address, self.shm_capacity, secret=self.secret, spin_s=self.spin_s)
-        if channel is None and not idle:
-            self._no_shm[address] = time.monotonic()
-            del self._idle[address]
-            log.info("expert worker %s: gRPC (no shared-memory listener on this node)", address)
-        return channel
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._channel.close()
 
-    def _socket(self, address: str) -> tcp.TcpChannel | None:
-        """An idle live TCP connection to `address`; None (this call goes by gRPC) while there is
-        none, and then one is opened in the background (the port lookup and the connect never
-        block the driver: a firewalled port would cost seconds per worker)."""
-        idle = self._sockets.setdefault(address, [])
+
+class ShmLink:
+    """The pair's shared-memory channels: idle ones of `capacity` bytes a region kept for reuse,
+    one made to measure (and closed after its call) for a request they cannot hold."""
+
+    name = "shm"
+
+    def __init__(self, address: str, capacity: int, secret: str | None, spin_s: float, timeout_s: float):
+        self.address, self.capacity, self.secret, self.spin_s = address, capacity, secret, spin_s
+        self.timeout_s = timeout_s
+        self._idle: list[shm.ShmChannel] = [self._connect(capacity, PROBE_S)]  # (OSError: no listener)
+
+    def _connect(self, capacity: int, timeout_s: float) -> shm.ShmChannel:
+        return shm.ShmChannel.connect(self.address, capacity, timeout_s, self.secret, self.spin_s)
+
+    def open(self, layer: int, placement_version: int, shape: tuple[int, int], dtype: torch.dtype,
+             top_k: int) -> Call:  # fmt: skip
+        needed = region_bytes(*shape, top_k, dtype)
+        idle = self._idle if needed <= self.capacity else None
+        channel = None
         while idle:
             channel = idle.pop()
             if channel.alive():
-                return channel
-        if (
-            address not in self._connecting
-            and time.monotonic() >= self._socket_retry.get(address, (0.0, 0.0))[0]
-        ):
-            self._connecting.add(address)
-            threading.Thread(
-                target=self._connect, args=(address, idle), name="tcp-connect", daemon=True
-            ).start()
-        return None
-
-    def _connect(self, address: str, idle: list[tcp.TcpChannel]) -> None:
-        """Open a TCP connection to `address` into `idle` (learning its port from Stats once).
-        A worker without a listener, or one that cannot be reached, is tried again after 30 s,
-        then 60, ... up to 10 minutes (gRPC meanwhile)."""
-        try:
-            port = self._socket_port.get(address)
-            if port is None:
-                port = self._socket_port[address] = socket_port(address, self.secret)
-            if not port:
-                raise OSError("no socket listener")
-            channel = tcp.TcpChannel.connect(tcp.socket_host(address), port, self.secret, timeout_s=2.0)
-            if self._sockets.get(address) is idle:
-                idle.append(channel)
-            else:  # (forgotten meanwhile: the worker left the placement)
-                channel.close()
-            self._socket_retry.pop(address, None)
-        except (OSError, grpc.RpcError, ValueError) as e:
-            backoff = min(600.0, 2 * self._socket_retry.get(address, (0.0, NO_SHM_RETRY_S / 2))[1])
-            self._socket_retry[address] = (time.monotonic() + backoff, backoff)
-            log.info("expert worker %s: gRPC for %.0f s (no TCP data plane: %s)", address, backoff, e)
-        finally:
-            self._connecting.discard(address)
-
-    def _stub(self, address: str) -> grpc.UnaryUnaryMultiCallable:
-        entry = self._grpc.get(address)
-        if entry is None:
-            channel = tls.channel(address, self.secret, wire.grpc_options(self.max_message_bytes))
-            call = auth.with_secret(channel, self.secret).unary_unary(
-                wire.DISPATCH_METHOD, request_serializer=None, response_deserializer=None
-            )
-            entry = self._grpc[address] = (channel, call)
-        return entry[1]
-
-    def forget(self, address: str) -> None:
-        """Close what is open to `address` (it left the placement, or died: a restarted worker gets
-        fresh buffers)."""
-        stream = self._streams.pop(address, None)
-        if stream is not None:
-            stream.close()
-        self._no_stream.pop(address, None)
-        entry = self._grpc.pop(address, None)
-        if entry is not None:
-            entry[0].close()
-        for channel in self._idle.pop(address, []):
-            channel.close()
-        for connection in self._sockets.pop(address, []):
-            connection.close()
-        self._socket_port.pop(address, None)
-        self._socket_retry.pop(address, None)
-        self._no_shm.pop(address, None)
-        self.used.pop(address, None)
+                break
+            channel = None
+        if channel is None:
+            capacity = self.capacity if idle is not None else shm.capacity_for(needed)
+            if capacity > shm.MAX_CAPACITY:
+                raise TransportError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"a request of {needed} bytes: over {shm.MAX_CAPACITY} bytes")  # fmt: skip
+            try:
+                channel = self._connect(capacity, PROBE_S)
+            except OSError as e:
+                raise LinkDown(f"no shared-memory channel: {e!r}") from None
+        return ShmCall(channel, idle, self.timeout_s, placement_version, layer, shape, dtype, top_k)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for channel in self._idle:
+            channel.close()
+        self._idle = []
+
+
+class TcpLink:
+    """The pair's TCP connections to the worker's data plane port: idle live ones kept for reuse."""
+
+    name = "tcp"
+
+    def __init__(self, address: str, port: int, secret: str | None, timeout_s: float):
+        self.host, self.port, self.secret, self.timeout_s = tcp.socket_host(address), port, secret, timeout_s
+        self._idle: list[tcp.TcpChannel] = [self._connect()]  # (OSError: it cannot be reached)
+
+    def _connect(self) -> tcp.TcpChannel:
+        return tcp.TcpChannel.connect(self.host, self.port, self.secret, timeout_s=PROBE_S)
+
+    def open(self, layer: int, placement_version: int, shape: tuple[int, int], dtype: torch.dtype,
+             top_k: int) -> Call:  # fmt: skip
+        needed = region_bytes(*shape, top_k, dtype)
+        if needed > tcp.MAX_REQUEST_BYTES:
+            raise TransportError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"a request of {needed} bytes: over {tcp.MAX_REQUEST_BYTES} bytes")  # fmt: skip
+        channel = None
+        while self._idle:
+            channel = self._idle.pop()
+            if channel.alive():
+                break
+            channel = None
+        if channel is None:
+            try:
+                channel = self._connect()
+            except OSError as e:
+                raise LinkDown(f"no TCP connection to {self.host}:{self.port}: {e!r}") from None
+        return TcpCall(channel, self._idle, self.timeout_s, placement_version, layer, shape, dtype, top_k)
+
+    def close(self) -> None:
+        for channel in self._idle:
+            channel.close()
+        self._idle = []
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairs: the choice, made once, and its events
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TransportEvent:
+    """A pair's transport chosen or changed."""
+
+    at: float  # time.time()
+    worker: str  # the expert worker's address
+    transport: str  # what its calls use from now on ("" for none: transport shm without a listener)
+    reason: str
+
+
+class Pair:
+    """One expert worker as this client reaches it: the link its calls use and why."""
+
+    def __init__(self, address: str, grpc_link: GrpcLink):
+        self.address, self.grpc = address, grpc_link
+        self.link: GrpcLink | ShmLink | TcpLink | None = None  # None: none can serve (shm mode)
+        self.reason = ""
+        self.chosen = threading.Event()  # set once the first choice is made
+        self.better: GrpcLink | ShmLink | TcpLink | None = None  # found by a retry, taken at the next call
+        self.retry_at, self.backoff, self.probing = float("inf"), RETRY_S, False
+
+    @property
+    def transport(self) -> str:
+        if not self.chosen.is_set():
+            return "choosing"
+        return "-" if self.link is None else self.link.name
+
+
+class Transports:
+    """The transports of one dispatch client, one chosen per expert worker address. `open` is
+    for the one driver thread; choosing runs on threads of its own."""
+
+    def __init__(self, transport: str, timeout_s: float, max_message_bytes: int,
+                 shm_capacity: int = shm.DEFAULT_CAPACITY, secret: str | None = None, spin_s: float = 0.0):  # fmt: skip
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: one of {', '.join(TRANSPORTS)}")
+        self.mode, self.timeout_s, self.shm_capacity = transport, timeout_s, shm_capacity
+        self.max_message_bytes, self.secret = max_message_bytes, secret  # (the cluster's: auth.py)
+        self.spin_s = spin_s  # shared-memory answers: polled this long before blocking
+        self._watch = DeadlineWatch()
+        self._pairs: dict[str, Pair] = {}
+        self._lock = threading.Lock()  # (pairs and events: choosing threads write them)
+        self.events: collections.deque[TransportEvent] = collections.deque(maxlen=MAX_EVENTS)
+
+    # ---- the driver's side --------------------------------------------------------------
+    def prepare(self, addresses) -> None:
+        """Start choosing the transport of every address not seen before (returns at once)."""
+        for address in addresses:
+            self._pair(address)
+
+    def open(self, address: str, layer: int, placement_version: int, shape: tuple[int, int],
+             dtype: torch.dtype, top_k: int) -> Call:  # fmt: skip
+        """A call to the worker at `address` for a [Tw, H] request, on the pair's transport
+        (waiting, the first time, for the choice: a few seconds at most)."""
+        pair = self._pair(address)
+        pair.chosen.wait()
+        if pair.better is not None:
+            self._switch(pair, pair.better, "restored: it answers again")
+        elif time.monotonic() >= pair.retry_at and not pair.probing:
+            self._probe(pair, retry=True)
+        if pair.link is None:
+            raise TransportError(grpc.StatusCode.FAILED_PRECONDITION, pair.reason)
+        try:
+            return pair.link.open(layer, placement_version, shape, dtype, top_k)
+        except LinkDown as e:
+            if "grpc" not in PREFERENCE[self.mode]:  # (transport shm: no fallback; the next call tries again)
+                raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert worker {address}: {e}") from None
+            self._switch(pair, pair.grpc, f"{pair.link.name} lost: {e}", retry=True)
+            return pair.link.open(layer, placement_version, shape, dtype, top_k)
+
+    @property
+    def addresses(self) -> set[str]:
+        """The addresses a transport is chosen (or being chosen) for."""
+        return set(self._pairs)
+
+    def transport_of(self, address: str) -> str:
+        """The transport calls to `address` use now ("-": none yet)."""
+        pair = self._pairs.get(address)
+        return "-" if pair is None else pair.transport
+
+    def forget(self, address: str) -> None:
+        """Close what is open to `address` (it left the placement, or died: a restarted worker is
+        chosen for again)."""
+        with self._lock:
+            pair = self._pairs.pop(address, None)
+        if pair is not None:
+            for link in {id(x): x for x in (pair.link, pair.better, pair.grpc) if x is not None}.values():
+                link.close()
+
+    def close(self) -> None:
         self._watch.close()
-        for address in list({*self._grpc, *self._idle, *self._streams, *self._sockets}):
+        for address in list(self._pairs):
             self.forget(address)
 
+    # ---- choosing -----------------------------------------------------------------------
+    def _pair(self, address: str) -> Pair:
+        pair = self._pairs.get(address)
+        if pair is None:
+            grpc_link = GrpcLink(address, self.secret, self.max_message_bytes, self.timeout_s, self._watch)
+            with self._lock:
+                pair = self._pairs[address] = Pair(address, grpc_link)
+            self._probe(pair, retry=False)
+        return pair
 
-def socket_port(address: str, secret: str | None, timeout_s: float = 5.0) -> int:
-    """The TCP data plane's port of the expert worker at `address` (its Stats; 0: none)."""
-    channel = tls.channel(address, secret, wire.grpc_options())
-    try:
-        stub = expert_pb2_grpc.ExpertStub(auth.with_secret(channel, secret))
-        return stub.Stats(expert_pb2.StatsRequest(), timeout=timeout_s).socket_port
-    finally:
-        channel.close()
+    def _probe(self, pair: Pair, retry: bool) -> None:
+        pair.probing = True
+        threading.Thread(
+            target=self._choose, args=(pair, retry), name="transport-choice", daemon=True
+        ).start()
+
+    def _choose(self, pair: Pair, retry: bool) -> None:
+        """Try the mode's transports in order of preference; the first that works is the pair's
+        (a retry offers it as `better` only where it beats the current one)."""
+        reasons, link = [], None
+        order = PREFERENCE[self.mode]
+        if retry and pair.link is not None:
+            order = order[: order.index(pair.link.name)]  # (only the better ones)
+        try:
+            for name in order:
+                try:
+                    link = self._connect(name, pair)
+                    break
+                except (OSError, grpc.RpcError) as e:
+                    reasons.append(f"{name}: {_why(e)}")
+            if retry:
+                if link is not None and not self._forgotten(pair):
+                    pair.better = link
+                else:
+                    pair.backoff = min(MAX_RETRY_S, 2 * pair.backoff)
+                    pair.retry_at = time.monotonic() + pair.backoff
+                return
+            if link is None:
+                reason = f"transport shm: expert worker {pair.address} has no shared-memory listener on this node ({'; '.join(reasons)})"  # fmt: skip
+            else:
+                reason = _chosen_because(link, reasons)
+            self._switch(pair, link, reason, retry=link is None or link.name != order[0])
+        finally:
+            pair.probing = False
+            pair.chosen.set()
+
+    def _connect(self, name: str, pair: Pair) -> GrpcLink | ShmLink | TcpLink:
+        if name == "shm":
+            return ShmLink(pair.address, self.shm_capacity, self.secret, self.spin_s, self.timeout_s)
+        if name == "tcp":
+            port = pair.grpc.socket_port(PROBE_S)
+            if not port:
+                raise OSError("the worker has no TCP data plane")
+            return TcpLink(pair.address, port, self.secret, self.timeout_s)
+        return pair.grpc
+
+    def _switch(self, pair: Pair, link, reason: str, retry: bool = False) -> None:
+        """Make `link` the pair's (closing the one it replaces, but for the gRPC link, kept for
+        Stats and fallbacks), as an event."""
+        old, pair.link, pair.better, pair.reason = pair.link, link, None, reason
+        if old is not None and old is not link and old is not pair.grpc:
+            old.close()
+        if retry:
+            pair.retry_at = time.monotonic() + pair.backoff
+        else:
+            pair.retry_at, pair.backoff = float("inf"), RETRY_S
+        event = TransportEvent(time.time(), pair.address, "" if link is None else link.name, reason)
+        with self._lock:
+            self.events.append(event)
+        first_choice = link is not None and link.name == PREFERENCE[self.mode][0]
+        log.log(
+            logging.INFO if old is None and first_choice else logging.WARNING,
+            "expert worker %s: %s (%s)",
+            pair.address,
+            event.transport or "no transport",
+            reason,
+        )
+
+    def _forgotten(self, pair: Pair) -> bool:
+        return self._pairs.get(pair.address) is not pair
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"
+    if isinstance(e, ConnectionRefusedError | FileNotFoundError):
+        return "no listener"
+    return str(e) or type(e).__name__
+
+
+def _chosen_because(link, reasons: list[str]) -> str:
+    why = {
+        "shm": "a shared-memory listener on this node",
+        "tcp": "its TCP data plane answers",
+        "grpc": "gRPC",
+    }
+    return "; ".join([*(f"no {r}" for r in reasons), why[link.name]])

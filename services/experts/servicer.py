@@ -1,10 +1,9 @@
 """The `moecluster.expert.v1.Expert` gRPC methods over a `SlotStore` (sync grpc handlers).
 
-The server runs each call on a thread of its pool, so a handler simply does its work: Dispatch
-decodes (zero-copy), computes the experts into the response's bytes (`services.rpc.wire`) and
-returns them, with no further thread hand-off; DispatchStream does the same for each request of a
-client's long-lived stream, on the thread the stream holds (concurrent calls decode in parallel and compute
-one at a time, so each finishes as early as it can). `LoadSlots` reads weights on a loader
+The server runs each call on a thread of its pool, so a handler simply does its work. Dispatch
+and DispatchStream are the data plane's (`services.dataplane.grpc_stream.DispatchService`, over
+`compute_into`, which every transport calls: concurrent calls decode in parallel and compute
+`compute_concurrency` at a time, so each finishes as early as it can). `LoadSlots` reads weights on a loader
 thread of lower CPU priority while `Dispatch` keeps serving the loaded versions, and copies
 experts this node's checkpoint lacks from the request's `peers` (a `PeerFetcher` calling their
 FetchExperts). `FetchExperts` streams held experts, one message per expert (one ~88 MB copy for a
@@ -29,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from services.dataplane.grpc_stream import DispatchService
 from services.rpc import expert_pb2, wire
 
 from .client import PeerFetcher
@@ -76,9 +76,9 @@ class ExpertServicer:
         if compute_concurrency < 1:
             raise ValueError("compute_concurrency must be >= 1")
         self.store = store
-        # DispatchStream holds a server thread for its lifetime: at most this many at once
-        self.max_dispatch_streams = dispatch_streams
-        self._stream_slots = threading.BoundedSemaphore(dispatch_streams)
+        # the data plane's gRPC methods (each DispatchStream holds a server thread: at most
+        # `dispatch_streams` at once)
+        self.dispatch = DispatchService(self.compute_into, status_of, dispatch_streams)
         self.known_peers = known_peers  # () -> the addresses LoadSlots may copy from (None: any)
         self.secret = (
             secret  # the cluster's (services/dataplane/auth.py): what this worker sends to its peers
@@ -107,13 +107,6 @@ class ExpertServicer:
         self.loader.shutdown(wait=False, cancel_futures=True)
 
     # ---- data plane ---------------------------------------------------------------------
-    def compute(self, req: wire.DispatchRequest) -> bytes:
-        """Run the experts for a decoded request, writing straight into the response's bytes."""
-        resp = None if req.hidden is None else wire.DispatchResponseBuffer(req.hidden.shape, req.hidden.dtype)
-        out = None if resp is None else resp.output
-        seconds = self.compute_into(req.layer, req.placement_version, req.hidden, req.slot, req.weight, out)
-        return resp.finish(seconds)  # (a request without hidden states was refused above)
-
     def compute_into(self, layer: int, version: int, hidden, slot, weight, out) -> float:
         """SlotStore.forward into `out` (the response's payload, in gRPC bytes or shared memory),
         `compute_concurrency` computes at a time; its seconds."""
@@ -126,32 +119,6 @@ class ExpertServicer:
             self.compute_seconds += seconds
             self.queue_seconds += start - arrived
         return seconds
-
-    def Dispatch(self, request: bytes, context) -> bytes:
-        try:
-            return self.compute(wire.decode_dispatch_request(request))
-        except (SlotStoreError, wire.WireError) as e:
-            context.abort(status_of(e), str(e))
-
-    def DispatchStream(self, requests, context):
-        """Answer each request of a client's stream in order, on this handler's thread; a refused
-        request is answered with its status and the stream goes on."""
-        if not self._stream_slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"all {self.max_dispatch_streams} dispatch streams of this worker are in use: use Dispatch")  # fmt: skip
-        try:
-            for request in requests:
-                try:
-                    yield self.compute(wire.decode_dispatch_request(request))
-                except (SlotStoreError, wire.WireError) as e:
-                    yield wire.encode_dispatch_error(status_of(e).value[0], str(e))
-                except Exception as e:  # (a bug, out of memory: this request fails, the stream goes on)
-                    log.exception("DispatchStream: a request failed")
-                    yield wire.encode_dispatch_error(
-                        grpc.StatusCode.INTERNAL.value[0], f"{type(e).__name__}: {e}"
-                    )
-        finally:
-            self._stream_slots.release()
 
     # ---- control ------------------------------------------------------------------------
     def LoadSlots(self, request: expert_pb2.LoadSlotsRequest, context) -> expert_pb2.LoadSlotsResponse:
@@ -260,14 +227,12 @@ def stats_to_proto(stats: StoreStats) -> expert_pb2.StatsResponse:
 
 
 def add_expert_service(server: grpc.Server, servicer: ExpertServicer) -> None:
-    """Register the Expert service on `server`; Dispatch carries raw bytes (see wire.py)."""
+    """Register the Expert service on `server`: the data plane's methods (services/dataplane/
+    grpc_stream.py) and the control methods."""
     raw = lambda b: b  # noqa: E731
     unary = grpc.unary_unary_rpc_method_handler
     handlers = {
-        "Dispatch": unary(servicer.Dispatch, request_deserializer=raw, response_serializer=raw),
-        "DispatchStream": grpc.stream_stream_rpc_method_handler(
-            servicer.DispatchStream, request_deserializer=raw, response_serializer=raw
-        ),
+        **servicer.dispatch.handlers(),
         "LoadSlots": unary(
             servicer.LoadSlots,
             request_deserializer=expert_pb2.LoadSlotsRequest.FromString,

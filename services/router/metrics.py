@@ -42,6 +42,17 @@ class RouterMetrics:
         )
         self.dispatch_rpcs = per_worker("moe_dispatch_rpcs", "Dispatch calls sent (every transport)")
         self.shm_calls = per_worker("moe_dispatch_shm_calls", "Dispatch calls through shared memory")
+        self.calls_by_transport = Gauge(
+            "moe_dispatch_calls", "Dispatch calls sent, by transport", ["worker", "transport"], registry=r
+        )
+        self.transport = Gauge(
+            "moe_dispatch_transport",
+            "1 for the transport each (attention worker, expert worker) pair uses (chosen once per pair)",
+            ["worker", "expert_worker", "transport"], registry=r,
+        )  # fmt: skip
+        self.transport_events = per_worker(
+            "moe_dispatch_transport_events", "Transports chosen and changed (fallbacks, restorations), last 64"
+        )
         self.dropped = per_worker(
             "moe_load_counts_dropped", "Routed-token counts dropped (Redis down too long)"
         )
@@ -161,8 +172,15 @@ class RouterMetrics:
         self.responses.labels(str(status)).inc()
 
     def render(self, worker_stats: list[dict], balancer: dict | None) -> bytes:
+        self.transport.clear()  # (pairs that ended drop out)
         for s in worker_stats:
             w = s["worker_id"]
+            dispatch = s.get("dispatch") or {}
+            for expert_worker, transport in (dispatch.get("transport") or {}).items():
+                self.transport.labels(w, expert_worker, transport).set(1)
+            for transport, calls in (dispatch.get("calls_by_transport") or {}).items():
+                self.calls_by_transport.labels(w, transport).set(calls)
+            self.transport_events.labels(w).set(len(dispatch.get("transport_events") or ()))
             self.running.labels(w).set(s["running"])
             self.waiting.labels(w).set(s["waiting"])
             self.kv_used.labels(w).set(s["kv_blocks_used"])
