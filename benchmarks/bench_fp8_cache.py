@@ -15,7 +15,10 @@ decode speed.
   issue #40's comparison with bf16 weights in both engines, the FP8 cache against "auto" rows
   (fp32 on CPU), and in a bf16 engine (`dtype="bfloat16"`), the FP8 cache against bf16 rows;
   the same along `positions` tokens of held-out text (the greedy output is a loop of a few
-  tokens: an easy path); the training's settings, losses and wall time come with it;
+  tokens: an easy path): the text train_small saved beside the checkpoint when it trained
+  (`held_out.json`, checked against its sha256; a checkpoint without it is refused), and the
+  README line it saved in training.json, never re-chosen from the checkout as it is now; the
+  training's settings, losses and wall time come with it;
 - decode: step time at batch 8 over ~1,000-token contexts, fp32 rows against FP8 rows (the C++
   kernel dequantizes each row as it reads it).
 
@@ -117,16 +120,22 @@ def trained_accuracy(trained_dir: Path, positions: int) -> dict:
     (b) issue #40's comparison, bf16 weights in both engines, the FP8 cache against
     kv_cache_dtype "auto" (on CPU under dtype float32 those rows are fp32, not bf16); (c) a
     bf16 engine (dtype bfloat16: bf16 weights, activations and cache rows), the FP8 cache
-    against its bf16 rows; then (a) and (c) along the held-out text (the corpus's last 5 %)."""
-    from benchmarks.train_small import held_out_tokens, readme_prompt
+    against its bf16 rows; then (a) and (c) along the held-out text (the corpus's last 5 % when
+    it trained: train_small pinned it in held_out.json; refused if missing)."""
+    from benchmarks.train_small import encode, load_held_out
 
-    text, prompt = readme_prompt(trained_dir)
-    held_out = held_out_tokens(trained_dir)[: positions + 1]
+    held = load_held_out(trained_dir)  # (before any engine runs: a checkpoint without it fails fast)
+    held_out = held["token_ids"][: positions + 1]
+    training = json.loads((trained_dir / "training.json").read_text())
+    text = training["round_trip"]["prompt"]  # the README line as it was when it trained
+    prompt = encode(trained_dir, text)
     model = str(trained_dir)
     fp8 = {"fp8_cache": {"kv_cache_dtype": "fp8"}}
     return {
-        "training": json.loads((trained_dir / "training.json").read_text()),
+        "training": training,
         "prompt": text,
+        "held_out_text_sha256": held["sha256"],
+        "held_out_positions_scored": len(held_out) - 1,
         "vs_fp32_engine": accuracy(model, positions, prompt),
         "bf16_weights_fp8_vs_auto_cache": accuracy(
             model, positions, prompt, {"weight_dtype": "bfloat16"}, fp8
@@ -174,6 +183,10 @@ def main() -> None:
         from benchmarks.train_small import train_small
 
         trained = train_small(trained or tmp / "trained", steps=args.trained_steps)
+    if trained:  # a checkpoint without its pinned held-out text is refused now, not after the rest
+        from benchmarks.train_small import load_held_out
+
+        load_held_out(trained)
     small = str(init_model(tmp / "small", "small"))
     sys.path.insert(0, str(REPO))
     from tests.hf_oracle import V3_YARN, make_hf_checkpoint  # (transformers: a dev dependency)

@@ -2,8 +2,8 @@
 unary call per MoE layer? Round trips of the same raw bytes through an echo server in another
 process, this machine, medians over interleaved iterations:
 
-  unary         a blocking unary call (what the dispatch client's gRPC transport makes, on a
-                thread of its pool)
+  unary         a blocking unary call (what the dispatch client's gRPC transport made, on a
+                thread of its pool, before it moved to one DispatchStream per worker)
   stream_sync   one long-lived stream_stream call of the sync API: each request is put on a
                 queue its request iterator reads (a gRPC thread consumes it), the answer is the
                 next item of the response iterator

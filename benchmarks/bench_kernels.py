@@ -6,6 +6,11 @@ data it reads where one call reads less than twice the L2 (up to MAX_COPIES copi
 finds its data there: the bandwidths of the MLA, MoE and linear cases are HBM's. The smallest
 cases (RMSNorm at 1 and 64 tokens, the latent work) are latency-bound: their times are what counts.
 
+Each implementation is called directly (its module's function: triton_mla, triton_moe,
+triton_norm, triton_linear, flash_mla, and the torch references in
+services/model/kernels/torch_ops.py), whatever the engine would choose; the JSON's `kernels` records
+what `select_kernels` chooses at V3's shapes in bf16 on this GPU ("auto", as an engine would).
+
 - MLA decode (services/model/kernels/triton_mla.py): 128 heads, 576-wide latent rows (512 + 64 rope),
   bf16 paged cache, B sequences of `--context` tokens each. Reported as the bandwidth of reading
   the cache rows (the bytes that must move) against this GPU's measured device-to-device copy
@@ -14,10 +19,11 @@ cases (RMSNorm at 1 and 64 tokens, the latent work) are latency-bound: their tim
 - Fused MoE (services/model/kernels/triton_moe.py): hidden 7168, intermediate 2048, top-8 over
   `--slots` experts on one worker, bf16 and block-FP8 weights, against torch's grouped_mm on the
   same (token, expert) pairs already sorted by expert (its two grouped GEMMs and the SwiGLU,
-  graphed), and the whole torch layer as the engine runs it without Triton (it sorts with
-  synchronising ops, so it is timed eagerly).
+  graphed), and the whole torch layer as the engine runs it where expert_ffn is torch's
+  (torch_ops.expert_ffn: it sorts with synchronising ops, so it is timed eagerly).
 - RMSNorm (services/model/kernels/triton_norm.py) at [tokens, 7168] against the torch ops.
-- The MLA latent's per-token work (triton_mla.latent_to_cache) against the unfused ops.
+- The MLA latent's per-token work (triton_mla.latent_to_cache) against the unfused ops
+  (torch_ops.latent_to_cache with the Triton RMSNorm).
 - FP8 linears (services/model/kernels/triton_linear.py, `keep_fp8_linears`) at V3's MLA shapes against
   cuBLAS on the bf16 weights.
 
@@ -31,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -46,6 +51,30 @@ NOMINAL_TBPS = {
     "H200": 4.8,
     "A100-SXM4-80GB": 2.04,
 }
+
+
+V3_DIMS = {  # DeepSeek-V3's shapes (config.json), over the tiny preset's other keys
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+}  # fmt: skip
+
+
+def v3_config():
+    """A ModelConfig with DeepSeek-V3's shapes (what kernel selection looks at)."""
+    from services.model.config import ModelConfig
+    from services.presets import PRESETS
+
+    return ModelConfig.from_hf({**PRESETS["tiny"], **V3_DIMS})
+
+
+def chosen_kernels(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """What an engine of V3's shapes in `dtype` on `device` runs ("auto" selection): family ->
+    implementation, and why each better one was not taken."""
+    from services.model.kernels.select import select_kernels
+
+    return select_kernels(device, dtype, v3_config()).stats()
 
 
 def timed_ms(fn, reps: int = 30) -> float:
@@ -273,10 +302,10 @@ def bench_mla_sweep(batch: int, context: int, width: int | None = None, heads: i
 def bench_latent(tokens: int, heads: int = 128, C: int = 512, R: int = 64, D: int = 128) -> dict:
     """An MLA layer's per-token work at V3's shapes (latent RMSNorm, rope of k_pe and of the
     heads' q_pe, the cache write): triton_mla.latent_to_cache against the ops of the unfused path
-    (model.mla_forward: the Triton RMSNorm, Rope.apply's torch ops, cat and index write), both
+    (torch_ops.latent_to_cache with the Triton RMSNorm, as the engine composes it where the
+    latent_to_cache family is torch's: the rope's torch ops, cat and index write), both
     replayed from CUDA graphs."""
-    from services.model.kernels import triton_mla
-    from services.model.layers import rms_norm
+    from services.model.kernels import torch_ops, triton_mla, triton_norm
 
     g = torch.Generator(device="cuda").manual_seed(0)
     kv = torch.randn(tokens, C + R, device="cuda", generator=g).bfloat16()
@@ -287,17 +316,10 @@ def bench_latent(tokens: int, heads: int = 128, C: int = 512, R: int = 64, D: in
     cache = torch.zeros(max(4, tokens), 64, 1, C + R, device="cuda").bfloat16()
     slots = torch.randperm(cache.shape[0] * 64, device="cuda", generator=g)[:tokens]
 
-    def rope(x):  # Rope.apply, interleaved
-        c, s = (
-            cos.view(tokens, *(1,) * (x.dim() - 2), R // 2),
-            sin.view(tokens, *(1,) * (x.dim() - 2), R // 2),
+    def unfused():  # (rope: torch_ops.rope_interleaved)
+        return torch_ops.latent_to_cache(
+            kv, q[..., D:], norm, cos, sin, slots, cache, 1e-6, norm=triton_norm.rms_norm
         )
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-
-    def unfused():
-        cache.view(-1, C + R)[slots] = torch.cat((rms_norm(kv[:, :C], norm, 1e-6), rope(kv[:, C:])), dim=-1)
-        return rope(q[..., D:])
 
     def fused():
         return triton_mla.latent_to_cache(kv, q[..., D:], norm, cos, sin, slots, cache, True, 1e-6)
@@ -327,8 +349,7 @@ def moe_weights(slots: int, H: int = 7168, I: int = 2048) -> dict:
 
 
 def bench_moe(tokens: int, w: dict, top_k: int = 8) -> dict:
-    from services.model import layers
-    from services.model.kernels import gpu, triton_moe
+    from services.model.kernels import torch_ops, triton_moe
 
     w13, w2 = w["w13"], w["w2"]
     slots, I2, H = w13.shape
@@ -347,12 +368,11 @@ def bench_moe(tokens: int, w: dict, top_k: int = 8) -> dict:
     pair = torch.argsort(slot.reshape(-1), stable=True)
     xs = x[pair // slot.shape[1]]
     offs = torch.cumsum(torch.bincount(slot.reshape(-1), minlength=slots), 0).to(torch.int32)
-    grouped = lambda: layers._expert_mlp_grouped_mm(xs, offs, w13, w2)  # noqa: E731
-    with gpu.TRITON.off():
-        ref = layers.grouped_expert_ffn(x, slot, weight, w13, w2)  # the torch path, as the engine's
-        row["max_abs_diff_vs_torch"] = (fused().float() - ref.float()).abs().max().item()
-        row["fp8_max_abs_diff_vs_torch"] = (fp8().float() - ref.float()).abs().max().item()
-        row["torch_layer_eager_ms"] = timed_ms(lambda: layers.grouped_expert_ffn(x, slot, weight, w13, w2))
+    grouped = lambda: torch_ops._expert_mlp_grouped_mm(xs, offs, w13, w2)  # noqa: E731
+    ref = torch_ops.expert_ffn(x, slot, weight, w13, w2)  # the torch path, as the engine's
+    row["max_abs_diff_vs_torch"] = (fused().float() - ref.float()).abs().max().item()
+    row["fp8_max_abs_diff_vs_torch"] = (fp8().float() - ref.float()).abs().max().item()
+    row["torch_layer_eager_ms"] = timed_ms(lambda: torch_ops.expert_ffn(x, slot, weight, w13, w2))
     for name, fn, nbytes in (("triton_bf16", fused, moved), ("triton_fp8", fp8, moved // 2),
                              ("grouped_mm_bf16", grouped, moved)):  # fmt: skip
         try:
@@ -431,13 +451,16 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA device (and triton: pip install -e '.[gpu]')")
-    os.environ.setdefault("MOE_TRITON", "1")
     name = torch.cuda.get_device_name()
     out = args.out or Path("benchmarks/results") / f"kernels_{name.replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     result = {"device": name, "torch": torch.__version__, "l2_bytes": props.L2_cache_size,
               "copy_tbps": copy_bandwidth_tbps(), "nominal_tbps": nominal_tbps()}  # fmt: skip
+    try:
+        result["kernels"] = chosen_kernels()
+    except Exception as e:  # (a record only: the sections still run)
+        result["kernels"] = {"error": f"{type(e).__name__}: {e}"}
 
     def moe():
         w = moe_weights(args.slots)

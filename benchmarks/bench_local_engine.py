@@ -2,9 +2,17 @@
 same machine, same run.
 
 Decode tokens/s at batch 1, 8, 32 (greedy, 64 new tokens): decode time = time(64 new tokens)
-- time(1 new token) for both engines, so prefill is excluded the same way. Also the achieved
+- time(1 new token) for every engine, so prefill is excluded the same way. Also the achieved
 weight-read bandwidth at batch 1 (bytes of the weights a decode step must read / step time)
 against a measured memory-copy bandwidth of this machine.
+
+Two transformers baselines, side by side, and LocalEngine's ratio to each:
+- eager: `generate` with its default dynamic cache, the forward run eagerly;
+- static_compiled: `generate(..., cache_implementation="static")` with the model's forward
+  compiled (`torch.compile(mode="reduce-overhead")`: CUDA graphs on a GPU), transformers' own
+  fast decode path. `--hf-static auto` (default) runs it on CUDA only (on a CPU there are no
+  CUDA graphs to gain and inductor's compile takes minutes); `on` forces it, `off` skips it. A
+  failure to compile is recorded in the JSON (`transformers_static_compiled_error`), not fatal.
 
 With `--llama-bench PATH/llama-batched-bench --gguf MODEL.gguf` (the same checkpoint converted
 by llama.cpp's convert_hf_to_gguf.py, see docs/benchmarks.md), each row also gets llama.cpp's
@@ -22,6 +30,7 @@ then loads `--reference-model` (the same model in fp32: transformers runs FP8 ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import re
@@ -53,8 +62,15 @@ def time_ours(engine: LocalEngine, batch: list[list[int]], new_tokens: int) -> f
 
 
 @torch.no_grad()
-def time_hf(model, batch: list[list[int]], new_tokens: int) -> float:
+def time_hf(model, batch: list[list[int]], new_tokens: int, static: bool = False) -> float:
+    """Seconds of one greedy `generate` of `new_tokens`; static: with a static cache (the caller
+    has compiled the forward: `compiled_forward`)."""
     ids = torch.tensor(batch, device=model.device)
+    extra = {}
+    if static:
+        extra["cache_implementation"] = "static"
+        if hasattr(model.generation_config, "disable_compile"):
+            extra["disable_compile"] = True  # (the forward is compiled already: not its __call__ again)
     t = time.perf_counter()
     model.generate(
         ids,
@@ -64,14 +80,38 @@ def time_hf(model, batch: list[list[int]], new_tokens: int) -> float:
         do_sample=False,
         eos_token_id=None,
         pad_token_id=0,
+        **extra,
     )
     if ids.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - t
 
 
-def decode_tps(fn, batch, repeats: int) -> float:
-    fn(batch, 2)  # warm up
+@contextlib.contextmanager
+def compiled_forward(model, compiled):
+    """`model.forward` is `compiled` inside (the eager baseline keeps the plain one outside)."""
+    model.forward = compiled
+    try:
+        yield
+    finally:
+        del model.forward  # (the instance attribute: the class's forward again)
+
+
+def compile_forward(model):
+    """The model's forward compiled as transformers documents for a static cache: mode
+    "reduce-overhead" (CUDA graphs). Every (batch, prompt length) and the decode step are shapes of
+    their own: room for them all before dynamo gives up and runs eagerly."""
+    import torch._dynamo.config as dynamo_config
+
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, limit):
+            setattr(dynamo_config, limit, max(64, getattr(dynamo_config, limit)))
+    return torch.compile(model.forward, mode="reduce-overhead")
+
+
+def decode_tps(fn, batch, repeats: int, warmup: tuple[int, ...] = (2,)) -> float:
+    for n in warmup:  # warm up (a compiled path: every shape it will meet, the longest cache first)
+        fn(batch, n)
     t1 = min(fn(batch, 1) for _ in range(repeats))
     t64 = min(fn(batch, NEW_TOKENS) for _ in range(repeats))
     return len(batch) * (NEW_TOKENS - 1) / (t64 - t1)
@@ -150,6 +190,12 @@ def main() -> None:
     )
     ap.add_argument("--keep-fp8-experts", action="store_true", help="LocalEngine: FP8 experts held in FP8")
     ap.add_argument("--reference-model", help="the checkpoint transformers loads (default: --model)")
+    ap.add_argument(
+        "--hf-static",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the transformers static-cache + torch.compile baseline (auto: on CUDA only)",
+    )
     ap.add_argument("--out", default="benchmarks/results/local_engine.json")
     ap.add_argument("--llama-bench", help="llama.cpp's llama-batched-bench binary (adds a llama.cpp column)")
     ap.add_argument("--gguf", help="the same checkpoint as llama.cpp f32 GGUF (with --llama-bench)")
@@ -159,11 +205,15 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else init_model(Path(tempfile.mkdtemp()) / "small", "small")
     cfg = ModelConfig.from_dir(model_dir)
 
+    import transformers
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
     reference = Path(args.reference_model) if args.reference_model else model_dir
     hf = AutoModelForCausalLM.from_pretrained(reference, dtype=dtype).eval().to(args.device)  # sdpa
+    static = args.hf_static == "on" or (args.hf_static == "auto" and args.device.startswith("cuda"))
+    compiled = compile_forward(hf) if static else None
+    static_error = None
     engine = LocalEngine(
         EngineConfig(
             model=str(model_dir),
@@ -186,14 +236,29 @@ def main() -> None:
             batch = prompts(b, cfg.vocab_size, prompt_len)
             ours = decode_tps(lambda p, n: time_ours(engine, p, n), batch, args.repeats)
             ref = decode_tps(lambda p, n: time_hf(hf, p, n), batch, args.repeats)
-            row = {"prompt_len": prompt_len, "batch": b, "local_engine_tok_s": ours, "transformers_tok_s": ref,
-                   "speedup": ours / ref}  # fmt: skip
+            row = {"prompt_len": prompt_len, "batch": b, "local_engine_tok_s": ours,
+                   "transformers_eager_tok_s": ref, "speedup_vs_eager": ours / ref,
+                   "transformers_static_compiled_tok_s": None, "speedup_vs_static_compiled": None}  # fmt: skip
+            if static and static_error is None:
+                try:
+                    with compiled_forward(hf, compiled):
+                        ref_static = decode_tps(lambda p, n: time_hf(hf, p, n, static=True), batch,
+                                                args.repeats, warmup=(NEW_TOKENS, 1, 2))  # fmt: skip
+                    row |= {"transformers_static_compiled_tok_s": ref_static,
+                            "speedup_vs_static_compiled": ours / ref_static}  # fmt: skip
+                except Exception as e:  # (recorded; the eager rows stand)
+                    static_error = f"{type(e).__name__}: {e}"[:2000]
+                    print(f"transformers static cache + compile failed: {static_error}", flush=True)
             if b in llama:
                 row |= {"llama_cpp_tok_s": llama[b], "vs_llama_cpp": ours / llama[b]}
             rows.append(row)
-            print(f"prompt {prompt_len:4d} batch {b:3d}: LocalEngine {ours:8.1f} tok/s  transformers {ref:8.1f} "
-                  f"tok/s  x{ours / ref:.2f}" + (f"  llama.cpp {llama[b]:8.1f} tok/s" if b in llama else ""),
-                  flush=True)  # fmt: skip
+            static_text = ""
+            if row["transformers_static_compiled_tok_s"]:
+                static_text = (f"  transformers static+compiled {row['transformers_static_compiled_tok_s']:8.1f} tok/s"
+                               f"  x{row['speedup_vs_static_compiled']:.2f}")  # fmt: skip
+            print(f"prompt {prompt_len:4d} batch {b:3d}: LocalEngine {ours:8.1f} tok/s  transformers eager {ref:8.1f} "
+                  f"tok/s  x{ours / ref:.2f}" + static_text
+                  + (f"  llama.cpp {llama[b]:8.1f} tok/s" if b in llama else ""), flush=True)  # fmt: skip
 
     step_s = 1.0 / rows[0]["local_engine_tok_s"] if rows[0]["batch"] == 1 else None  # shortest prompt
     weight_bytes = getattr(torch, args.weight_dtype).itemsize if args.weight_dtype else None
@@ -213,12 +278,22 @@ def main() -> None:
         "llama_cpp_gguf": Path(args.gguf).name if args.llama_bench else None,
         "llama_cpp_args": args.llama_args or None,
         "cuda_graphs": engine.graphs is not None,
+        "transformers_baselines": {
+            "eager": "generate, default (dynamic) cache, eager forward",
+            "static_compiled": (
+                'generate(cache_implementation="static"), forward torch.compile(mode="reduce-overhead")'
+                if static
+                else None
+            ),
+        },
+        "transformers_static_compiled_error": static_error,
         "new_tokens": NEW_TOKENS,
         "prompt_lens": args.prompt_lens,
         "threads": args.threads,
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "rows": rows,
         "batch1_weight_read": {
             "active_bytes_per_token": active,
@@ -228,14 +303,17 @@ def main() -> None:
         },
     }
 
-    def speedup(b: int) -> float | None:  # at the shortest prompt
-        return next((r["speedup"] for r in rows if r["batch"] == b), None)
+    def speedup(b: int, baseline: str = "eager") -> float | None:  # at the shortest prompt
+        return next((r[f"speedup_vs_{baseline}"] for r in rows if r["batch"] == b), None)
 
     def vs_llama(b: int) -> float | None:
         return next((r.get("vs_llama_cpp") for r in rows if r["batch"] == b), None)
 
     result["targets"] = {  # issue #21, at the shortest prompt
-        "batch32_vs_transformers>=2.5": None if speedup(32) is None else speedup(32) >= 2.5,
+        "batch32_vs_transformers_eager>=2.5": None if speedup(32) is None else speedup(32) >= 2.5,
+        "batch32_vs_transformers_static_compiled>=2.5": None
+        if speedup(32, "static_compiled") is None
+        else speedup(32, "static_compiled") >= 2.5,
         "batch32_vs_llama_cpp>=1.0": None if vs_llama(32) is None else vs_llama(32) >= 1.0,
         "batch1_vs_llama_cpp>=0.6": None if vs_llama(1) is None else vs_llama(1) >= 0.6,
         "batch1_fraction_of_memcpy>=0.5": None if not step_s else active / step_s / bw >= 0.5,

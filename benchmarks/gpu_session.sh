@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_session.sh [STEP ...]    # there (device `run`, carry [".whl"], timeout_s 600)
 #
 # Steps, in order (default: all): tests, local, kernels, attention_gpu, attention_cpu, dispatch,
-# kernel_tests; also sweep, prefill, mla_tests, fp8_tests, mla_fp8, transports and spin when named. Each has its own time limit, cut to
+# kernel_tests; also sweep, prefill, mla_tests, fp8_tests, mla_fp8, transports, spin, cluster and
+# medium when named (#57's device half: `bash benchmarks/gpu_session.sh cluster medium`). Each has its own time limit, cut to
 # what is left of BUDGET seconds (default 540), and writes its results under $OUT as it goes, so a
 # step that overruns costs only itself and the
 # steps after it still run while time is left. Files back ($OUT, at most 8): log.txt (everything,
@@ -71,17 +72,20 @@ for s in $steps; do
     case $s in
     tests) # correctness first: the engine on CUDA against the CPU, graphs against eager
         step tests 150 $GPU python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py ;;
-    local) # Must show: LocalEngine >= 2x transformers at B=32 and >= 1.5x at B=1 (small preset, bf16)
-        step local 150 $GPU python3 -m benchmarks.bench_local_engine --device cuda --dtype bfloat16 \
+    local) # Must show: LocalEngine >= 2x transformers at B=32 and >= 1.5x at B=1 (small preset, bf16),
+        # against both of transformers' paths: eager generate, and a static cache with the forward
+        # compiled (mode reduce-overhead; its compile is most of this step's time)
+        step local 300 $GPU python3 -m benchmarks.bench_local_engine --device cuda --dtype bfloat16 \
             --prompt-lens 16 --out "$OUT/local_engine.json" ;;
     kernels) # Must show: MLA decode >= 60 % of peak bandwidth at V3 shapes; fused MoE vs grouped_mm
         step kernels 150 $GPU python3 -m benchmarks.bench_kernels --out "$OUT/kernels.json" ;;
     attention_gpu) # the cluster's attention worker on the GPU: segmented graphs vs eager, ping-pong
         step attention_gpu 120 $GPU python3 -m benchmarks.bench_attention --device cuda --dtype bfloat16 \
             --tp 1 --no-ray --batches 1,32 --rounds 2 --out "$OUT/attention_gpu.json" ;;
-    attention_cpu) # Must show (16 cores): ping-pong on vs off >= 1.2x (first builds the C++ kernels)
+    attention_cpu) # Must show (16 cores): ping-pong on vs off >= 1.2x (first builds the C++ kernels);
+        # LocalEngine gets the cluster's 8 torch threads (attention 4 + 2 expert workers x 2)
         step attention_cpu 180 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 8,32 \
-            --rounds 2 --attention-threads 4 --local-threads 4 --expert-threads 2 --out "$OUT/attention_cpu.json" ;;
+            --rounds 2 --attention-threads 4 --expert-threads 2 --out "$OUT/attention_cpu.json" ;;
     dispatch) # Must show (16 cores): dispatch overhead over a plain echo <= 25 %
         step dispatch 90 python3 -m benchmarks.bench_dispatch --quick --label gpu-host-16core \
             --out "$OUT/dispatch.json" ;;
@@ -97,18 +101,34 @@ for s in $steps; do
             tests/test_fp8_cache.py -k "fp8_latent or fp8_rows or absorbed or tiles or chosen" ;;
     mla_fp8) # #40: FP8 rows against bf16 rows and the torch path at V3 shapes, and FP8 tile shapes
         step mla_fp8 150 $GPU python3 -m benchmarks.bench_kernels --sections mla_fp8 --out "$OUT/kernels_fp8.json" ;;
-    transports) # #37 (16 cores): cluster over LocalEngine per transport at batch 1 / 8 / 32
+    transports) # #37 (16 cores): cluster over LocalEngine per transport at batch 1 / 8 / 32 (8 threads each side)
         step transports 240 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 1,8,32 \
-            --transports shm,tcp,grpc --rounds 2 --attention-threads 4 --local-threads 4 --expert-threads 2 \
+            --transports shm,tcp,grpc --rounds 2 --attention-threads 4 --expert-threads 2 \
             --out "$OUT/attention_cpu.json" ;;
     spin) # #37 (16 cores): shared memory with both sides polling 200 us before they block, against blocking
         step spin_off 100 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 1,8,32 --transports shm \
-            --rounds 2 --attention-threads 4 --local-threads 4 --expert-threads 2 --out "$OUT/attention_spin0.json"
+            --rounds 2 --attention-threads 4 --expert-threads 2 --out "$OUT/attention_spin0.json"
         step spin_on 100 python3 -m benchmarks.bench_attention --tp 1 --no-ray --batches 1,8,32 --transports shm \
-            --rounds 2 --attention-threads 4 --local-threads 4 --expert-threads 2 --spin-us 200 \
+            --rounds 2 --attention-threads 4 --expert-threads 2 --spin-us 200 \
             --out "$OUT/attention_spin200.json"
         step dispatch_spin 90 python3 -m benchmarks.bench_dispatch --quick --spin-us 200 --label gpu-host-16core-spin \
             --out "$OUT/dispatch_spin.json" ;;
+    cluster) # #57: the cluster on one GPU (1 attention engine + 2 expert worker processes sharing it)
+        # against LocalEngine on that GPU, CUDA IPC beside shared memory (rows through the host),
+        # small preset, decode at batch 1 / 32 / 128, greedy tokens compared; the transport's own
+        # tests first (two processes, rows on the device, a killed worker)
+        step cuda_ipc_tests 90 $GPU python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_ipc.py
+        step cluster 200 $GPU python3 -m benchmarks.bench_attention --device cuda --dtype bfloat16 --tp 1 \
+            --no-ray --batches 1,32,128 --rounds 2 --transports cuda-ipc,shm --out "$OUT/cluster_gpu.json" ;;
+    medium) # #57: the medium preset (DeepSeek-V2-Lite's shape, ~16B bf16) drawn on the GPU, then the
+        # same cluster rows against LocalEngine
+        step medium_init 150 $GPU python3 -c "import time; t = time.time()
+from services.presets import init_model
+init_model('/tmp/medium', 'medium', dtype='bfloat16', device='cuda', shards=8, tokenizer=True)
+print('medium preset written in', round(time.time() - t, 1), 's')"
+        step medium 300 $GPU python3 -m benchmarks.bench_attention --model /tmp/medium --device cuda \
+            --dtype bfloat16 --tp 1 --no-ray --batches 1,32,128 --rounds 2 --transports cuda-ipc,shm \
+            --out "$OUT/cluster_gpu_medium.json" ;;
     kernel_tests) # the kernels' own tests, compiled for this GPU
         step kernel_tests 150 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
             tests/test_triton_moe.py tests/test_decode_graphs.py tests/test_flashmla.py ;;

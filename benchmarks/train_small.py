@@ -7,7 +7,10 @@ and trained by Hugging Face transformers (a dev dependency: AdamW, random window
 byte-level tokens from docs/*.md, README.md and services/**/*.py, the router's bias left as
 transformers leaves it), and is saved back by `save_pretrained` with the tokenizer files, then
 checked: LocalEngine's greedy tokens on a README prompt must equal transformers' `generate`.
-`training.json` in the output records the settings, losses and wall time.
+`training.json` in the output records the settings, losses and wall time (and the README prompt's
+text); `held_out.json` beside it pins the held-out text as it was when the model trained (its
+exact text, the text's sha256 and its token ids): benchmarks read that, never the live checkout,
+whose edits since would move the split (`load_held_out`).
 
     python -m benchmarks.train_small [--out DIR] [--steps 250] [--seq-len 1024] [--batch 2] [--seed 0]
 """
@@ -15,6 +18,7 @@ checked: LocalEngine's greedy tokens on a README prompt must equal transformers'
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import shutil
@@ -41,17 +45,55 @@ def encode(model_dir: Path, text: str) -> list[int]:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
 
 
-def corpus_tokens(model_dir: Path) -> torch.Tensor:
-    """The whole training text's token ids (its last HELD_OUT share is held out)."""
-    return torch.tensor(encode(model_dir, "\n\n".join(p.read_text(errors="replace") for p in corpus_files())))
+def corpus_text(repo: Path = REPO) -> str:
+    """The whole training text, as the checkout at `repo` has it now."""
+    return "\n\n".join(p.read_text(errors="replace") for p in corpus_files(repo))
 
 
 HELD_OUT = 0.05  # the corpus's last 5 %: not trained on
+HELD_OUT_FILE = "held_out.json"  # beside the checkpoint: the held-out text as trained
 
 
-def held_out_tokens(model_dir: Path) -> list[int]:
-    tokens = corpus_tokens(model_dir)
-    return tokens[int(len(tokens) * (1 - HELD_OUT)) :].tolist()
+def split_corpus(model_dir: Path, text: str) -> tuple[torch.Tensor, int, str]:
+    """`text`'s token ids, the index of the first held-out token (the last HELD_OUT share is held
+    out) and the held-out text: `text` from that token's first character on."""
+    from tokenizers import Tokenizer
+
+    enc = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False)
+    split = int(len(enc.ids) * (1 - HELD_OUT))
+    return torch.tensor(enc.ids), split, text[enc.offsets[split][0] :]
+
+
+def save_held_out(out: Path, text: str, ids: list[int]) -> dict:
+    """Write `held_out.json` into checkpoint `out` (the exact text, its sha256, its token ids as
+    trained); returns what training.json records of it."""
+    info = {"sha256": hashlib.sha256(text.encode()).hexdigest(), "chars": len(text), "tokens": len(ids)}
+    record = {
+        **info,
+        "held_out_share": HELD_OUT,
+        "corpus": [str(p.relative_to(REPO)) for p in corpus_files()],
+    }
+    (out / HELD_OUT_FILE).write_text(json.dumps({**record, "text": text, "token_ids": ids}) + "\n")
+    return info
+
+
+def load_held_out(model_dir: Path) -> dict:
+    """The held-out text `train_small` saved beside checkpoint `model_dir`: {"text", "sha256",
+    "token_ids", ...}, the text checked against its hash. Refuses (FileNotFoundError) a checkpoint
+    without one: re-choosing it from the live checkout would score text the model may have
+    trained on."""
+    path = Path(model_dir) / HELD_OUT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no held-out text saved with this checkpoint (trained before it was pinned?); "
+            "train it again with benchmarks/train_small.py"
+        )
+    held = json.loads(path.read_text())
+    if hashlib.sha256(held["text"].encode()).hexdigest() != held["sha256"]:
+        raise ValueError(f"{path}: the held-out text does not match its sha256")
+    if not held.get("token_ids"):
+        raise ValueError(f"{path}: no token ids")
+    return held
 
 
 def readme_prompt(model_dir: Path, repo: Path = REPO) -> tuple[str, list[int]]:
@@ -138,11 +180,11 @@ def train_small(
         model = DeepseekV3ForCausalLM.from_pretrained(
             init, dtype=torch.float32, experts_implementation="grouped_mm"
         )
-        tokens = corpus_tokens(init)
+        tokens, split, held_out_text = split_corpus(init, corpus_text())
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(init / name, out / name)
-    split = int(len(tokens) * (1 - HELD_OUT))
     train, held_out = tokens[:split], tokens[split:]
+    held_out_info = save_held_out(out, held_out_text, held_out.tolist())  # pinned now, as trained
     g = torch.Generator().manual_seed(seed)
     eval_batches = list(_windows(held_out, 8, seq_len, g).split(batch))
     model.train()
@@ -177,6 +219,7 @@ def train_small(
         "seed": seed,
         "lr": lr,
         "corpus_tokens": len(tokens),
+        "held_out_text": {**held_out_info, "file": HELD_OUT_FILE},
         "held_out_loss_start": start_loss,
         "held_out_loss_end": end_loss,
         "train_loss_log": log,

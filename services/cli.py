@@ -28,7 +28,9 @@ def _token_ids(text: str) -> list[int]:
 def cmd_init_model(args) -> int:
     from services.presets import init_model
 
-    path = init_model(args.dir, args.preset, seed=args.seed, fp8=args.fp8)
+    path = init_model(
+        args.dir, args.preset, seed=args.seed, fp8=args.fp8, dtype=args.dtype, device=args.device
+    )
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0
 
@@ -119,7 +121,7 @@ def cmd_up(args) -> int:
     bar.close()
     print(f"\nmoe-cluster is up: {cluster.url}  (model {cluster.model_dir})")
     print("try:")
-    name = cfg.served_model_name or Path(cluster.model_dir).name
+    name = cfg.router.served_model_name or Path(cluster.model_dir).name
     print(
         f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
         f'    -d \'{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}\''
@@ -239,23 +241,26 @@ def cmd_bench(args) -> int:
 
 
 def up_flags() -> dict[str, tuple[type, str]]:
-    """`moe-cluster up` flags: every scalar ClusterConfig field, as (type, help) by field name
-    (dict fields are YAML-only)."""
-    from dataclasses import fields
+    """`moe-cluster up` flags: every scalar setting of ClusterConfig (services/settings.py), as
+    (type, help) by flat key (dict settings are YAML-only)."""
+    return {key: (kind, help_) for key, (kind, help_, _) in _up_settings().items()}
+
+
+def _up_settings() -> dict[str, tuple[type, str, str | None]]:
+    """The scalar settings: flat key -> (type, help, section)."""
     from types import UnionType
     from typing import get_args, get_origin, get_type_hints
 
     from services.cluster import ClusterConfig
 
-    hints = get_type_hints(ClusterConfig)
     flags = {}
-    for f in fields(ClusterConfig):
-        hint = hints[f.name]
+    for key, s in ClusterConfig.settings().items():
+        hint = get_type_hints(s.owner)[s.name]
         kinds = (
             [t for t in get_args(hint) if t is not type(None)] if get_origin(hint) is UnionType else [hint]
         )
         if len(kinds) == 1 and kinds[0] in (bool, int, float, str):
-            flags[f.name] = (kinds[0], f.metadata.get("help", ""))
+            flags[key] = (kinds[0], s.help, s.section)
     return flags
 
 
@@ -269,12 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "tiny-v32", "tiny-v4", "small"],
+        choices=["tiny", "tiny-v32", "tiny-v4", "small", "medium"],
         help="tiny: DeepSeek-V3 dims for tests; tiny-v32: with V3.2's indexer; tiny-v4: DeepSeek-V4 "
-        "(every layer type); small: ~84M parameters (default: tiny)",
+        "(every layer type); small: ~84M parameters; medium: DeepSeek-V2-Lite's shape, ~16B "
+        "parameters (31 GB in bf16: with --dtype bfloat16 --device cuda) (default: tiny)",
     )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--fp8", action="store_true", help="FP8 e4m3 128x128 block-quantised weights")
+    s.add_argument("--dtype", default="float32", help="of the weights written (bfloat16 halves them)")
+    s.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: seconds for medium)")
     s.set_defaults(fn=cmd_init_model)
 
     s = sub.add_parser("generate", help="run prompts through the single-process LocalEngine")
@@ -299,12 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("up", help="start the cluster: Ray, Redis, workers, balancer, OpenAI API")
     s.add_argument("--config", help="YAML file with cluster settings (flags override it)")
-    for name, (kind, help_) in up_flags().items():
-        flag = f"--{name.replace('_', '-')}"
+    groups = {}  # section -> its flags' group: --help lists them by service
+    for name, (kind, help_, section) in _up_settings().items():
+        if section not in groups:
+            groups[section] = s.add_argument_group(f"{section or 'cluster'} settings")
+        add, flag = groups[section].add_argument, f"--{name.replace('_', '-')}"
         if kind is bool:  # --prefix-caching / --no-prefix-caching
-            s.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            add(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
-            s.add_argument(flag, type=kind, help=help_)
+            add(flag, type=kind, help=help_)
     s.set_defaults(fn=cmd_up)
 
     for name, fn, help_ in (("status", cmd_status, "placement, expert workers, loads, balancedness"),

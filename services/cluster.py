@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import http.client
 import logging
 import os
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,238 +25,178 @@ from typing import Any
 import ray
 import yaml
 
-from services.balancer.autoscale import AttentionScaleConfig, AutoscaleConfig
-from services.dataplane.transport import TRANSPORTS
-from services.settings import BALANCER_NAME, NAMESPACE, SharedSettings, attention_worker_name
+from services.settings import (
+    BALANCER_NAME,
+    NAMESPACE,
+    AttentionSettings,
+    BalancerSettings,
+    ExpertSettings,
+    RouterSettings,
+    SharedSettings,
+    attention_worker_name,
+    build_config,
+    flat_key,
+    setting,
+    user_settings,
+)
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "moe-cluster"  # the Serve application
 
 
-def _setting(default, help: str):
-    """A ClusterConfig field; `help` documents it in YAML and as a `moe-cluster up` flag."""
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+def _section(cls: type) -> Any:
+    """A ClusterConfig field holding one service's settings (services/settings.py)."""
+    return field(default_factory=cls, metadata={"section": cls})
 
 
-@dataclass
+@dataclass(init=False)
 class ClusterConfig:
-    """Everything `moe-cluster up` needs; the same keys in a YAML file (`--config`). Every scalar
-    field is also a flag of `moe-cluster up` (max_num_seqs -> --max-num-seqs)."""
+    """Everything `moe-cluster up` needs: the launcher's own settings below and one settings
+    object per service (services/settings.py). Every setting has a flat key, the same in a YAML
+    file (`--config`), in a Serve app's `args` and, for scalars, as a flag of `moe-cluster up`
+    (max_num_seqs -> --max-num-seqs; `ClusterConfig.settings()` lists them). A YAML file may
+    also nest settings by section (`attention: {tp: 2}`, the field names of the section).
 
-    model: str | None = _setting(None, "checkpoint directory (default: generate the tiny preset)")
-    served_model_name: str | None = _setting(
-        None, "model name in the API (default: the checkpoint dir's name)"
-    )
-    address: str | None = _setting(None, "Ray cluster address to join (default: start a local one)")
-    host: str = _setting("127.0.0.1", "HTTP host of the OpenAI API")
-    port: int = _setting(8000, "HTTP port of the OpenAI API")
-    attention_workers: int = _setting(1, "attention workers (data parallel)")
-    expert_workers: int = _setting(2, "expert workers (the start, when the pool autoscales)")
-    min_expert_workers: int | None = _setting(
-        None, "autoscaling: fewest expert workers (default: expert_workers)"
-    )
-    max_expert_workers: int | None = _setting(
-        None, "autoscaling: most expert workers (default: expert_workers); min < max turns it on"
-    )
-    expert_target_utilization: float = _setting(0.6, "autoscaling: busy fraction each expert worker aims at")
-    expert_upscale_delay_s: float = _setting(
-        30.0, "autoscaling: a larger pool wanted this long before it grows"
-    )
-    expert_downscale_delay_s: float = _setting(
-        120.0, "autoscaling: a smaller pool wanted this long before it shrinks"
-    )
-    min_attention_workers: int | None = _setting(
-        None, "autoscaling: fewest attention workers (default: attention_workers)"
-    )
-    max_attention_workers: int | None = _setting(
-        None, "autoscaling: most attention workers (default: attention_workers); min < max turns it on"
-    )
-    attention_kv_threshold: float = _setting(
-        0.8, "autoscaling: KV cache use that saturates an attention worker"
-    )
-    attention_queue_threshold: int = _setting(
-        5, "autoscaling: waiting requests that saturate an attention worker"
-    )
-    attention_upscale_delay_s: float = _setting(
-        30.0, "autoscaling: a larger attention pool wanted this long before it grows"
-    )
-    attention_downscale_delay_s: float = _setting(
-        120.0, "autoscaling: a smaller attention pool wanted this long before it shrinks (drain, then stop)"
-    )
-    redundant_experts: int = _setting(0, "extra expert slots per MoE layer (replicas of hot experts)")
-    expert_spare_rows: int = _setting(
-        0,
-        "expert rows per MoE layer each expert worker reserves for a re-plan's moved experts (see docs/experts.md)",
-    )
-    redis_url: str | None = _setting(None, "external Redis (default: an embedded redis-server)")
-    key_prefix: str = _setting("moe", "prefix of every Redis key")
-    dtype: str = _setting("float32", "weights and activations: float32, bfloat16, float16")
-    weight_dtype: str | None = _setting(
-        None, "bfloat16: hold linear and expert weights in bf16 under float32 on CPU (half the memory)"
-    )
-    keep_fp8_experts: bool = _setting(
-        False, "FP8 checkpoints: the expert workers hold the routed experts in FP8 with their block scales"
-    )
-    keep_fp8_linears: bool = _setting(
-        False, "FP8 checkpoints: the attention workers hold the linears in FP8 with their block scales"
-    )
-    max_num_seqs: int = _setting(64, "sequences per step, per attention worker")
-    max_num_batched_tokens: int = _setting(2048, "tokens per step, per attention worker")
-    max_model_len: int | None = _setting(None, "context length (default: min(model's, 4096))")
-    max_waiting: int = _setting(512, "queued requests per attention worker before HTTP 429")
-    kv_cache_gib: float = _setting(2.0, "latent KV cache per attention worker, GiB (at most)")
-    kv_cache_dtype: str = _setting(
-        "auto", "latent cache rows: auto (the model dtype) or fp8 (FlashMLA's FP8 rows: V3 656 B/token/layer)"
-    )
-    micro_batches: int = _setting(
-        1, "2 = ping-pong micro-batches (pays when experts have their own cores/GPUs)"
-    )
-    prefix_caching: bool = _setting(
-        True, "reuse cached prompt-prefix blocks; send requests to the worker holding their prefix"
-    )
-    attention_tp: int = _setting(
-        1, "tensor-parallel ranks per attention worker (heads split, latent cache replicated)"
-    )
-    attention_threads: int = _setting(1, "torch threads per attention worker")
-    router_replicas: int = _setting(
-        2, "Ray Serve replicas of the OpenAI router (a client's retry finds a live one when one dies)"
-    )
-    expert_secret: str | None = _setting(
-        None,
-        "the data plane's shared secret: expert calls without it are refused (default: a new random one per up)",
-    )
-    expert_transport: str = _setting(
-        "auto",
-        "attention <-> expert data plane, chosen once per pair: auto (shared memory on one node, else TCP, else "
-        "gRPC streams), shm, tcp, grpc",
-    )
-    expert_spin_us: float = _setting(
-        0.0,
-        "shared-memory data plane: both sides poll this many microseconds for the other's message before they "
-        "block (~7 us round trips instead of ~70; pays only where every worker has cores of its own)",
-    )
-    expert_threads: int = _setting(1, "torch threads per expert worker")
-    expert_concurrency: int = _setting(
-        1, "Dispatches an expert worker computes at once (each with expert_threads threads; 1: in turn)"
-    )
-    balancer_period_s: float = _setting(30.0, "seconds between rebalancing checks (0: on demand only)")
-    balancer_window_buckets: int = _setting(15, "load window, in buckets")
-    balancer_bucket_seconds: float = _setting(2.0, "width of one load bucket")
-    balancer_min_gain: float = _setting(0.02, "balancedness gain needed to migrate experts")
-    api_key: str | None = _setting(None, "require this bearer token on the API")
-    num_cpus: int | None = _setting(None, "logical CPUs of a local Ray cluster (default: max(4, cores))")
-    attention_gpus: float = _setting(0.0, "GPUs per attention worker and per TP rank (> 0: computes on CUDA)")
-    expert_gpus: float = _setting(0.0, "GPUs per expert worker (> 0: computes on CUDA; 0.5: two per GPU)")
-    attention_resources: dict[str, float] = _setting({}, "Ray resources each attention worker needs")
-    expert_resources: dict[str, float] = _setting({}, "Ray resources each expert worker needs")
-    control_resources: dict[str, float] = _setting(
+    Built from flat keys, sections or both: `ClusterConfig(attention_tp=2)`,
+    `ClusterConfig(attention=AttentionSettings(tp=2))`, `dataclasses.replace(cfg, attention_tp=2)`;
+    `cfg.attention_tp` reads `cfg.attention.tp`."""
+
+    model: str | None = setting(None, "checkpoint directory (default: generate the tiny preset)")
+    address: str | None = setting(None, "Ray cluster address to join (default: start a local one)")
+    num_cpus: int | None = setting(None, "logical CPUs of a local Ray cluster (default: max(4, cores))")
+    control_resources: dict[str, float] = setting(
         {}, "Ray resources each router replica and the balancer need ({head_node: 1}: on a head offering it)"
     )
-    namespace: str = _setting(NAMESPACE, "Ray namespace of the cluster's actors")
+    shared: SharedSettings = _section(SharedSettings)
+    attention: AttentionSettings = _section(AttentionSettings)
+    experts: ExpertSettings = _section(ExpertSettings)
+    balancer: BalancerSettings = _section(BalancerSettings)
+    router: RouterSettings = _section(RouterSettings)
+
+    def __init__(self, **settings: Any) -> None:
+        catalog, given, bases, unknown = self.settings(), {}, {}, []
+
+        def put(where: tuple[str | None, str], value: Any, name: str) -> None:
+            if where in given:
+                raise ValueError(f"cluster setting {name} given twice (flat and in its section)")
+            given[where] = value
+
+        for key, value in settings.items():
+            cls = _SECTIONS.get(key)
+            if cls is not None and isinstance(value, cls):
+                bases[key] = value
+            elif cls is not None and isinstance(value, Mapping):
+                names = {f.name for f in user_settings(cls)}
+                for name, v in value.items():
+                    if name in names:
+                        put((key, name), v, f"{key}.{name}")
+                    else:
+                        unknown.append(f"{key}.{name}")
+            elif key in catalog:
+                s = catalog[key]
+                put((s.section, s.name), value, key)
+            else:
+                unknown.append(key)
+        if unknown:
+            raise ValueError(f"unknown cluster settings: {', '.join(sorted(unknown))}")
+        for f in fields(self):
+            cls = f.metadata.get("section")
+            if cls is None:
+                value = given.get((None, f.name), f.default if f.default_factory is dataclasses.MISSING
+                                  else f.default_factory())  # fmt: skip
+            else:
+                changes = {name: v for (where, name), v in given.items() if where == f.name}
+                value = dataclasses.replace(bases.get(f.name) or cls(), **changes)
+            object.__setattr__(self, f.name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        """A setting by its flat key: `cfg.attention_tp` is `cfg.attention.tp`."""
+        s = None if name.startswith("_") else self.settings().get(name)
+        if s is None or s.section is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(getattr(self, s.section), s.name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        s = self.settings().get(name)
+        if s is not None and s.section is not None:
+            raise AttributeError(f"{name} is {s.section}.{s.name}: dataclasses.replace(cfg, {name}=...)")
+        object.__setattr__(self, name, value)
+
+    @staticmethod
+    def settings() -> dict[str, Setting]:
+        """Every setting by flat key, in order: the launcher's, then each section's."""
+        return _catalog()
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> ClusterConfig:
+        """The settings in a YAML file, with `overrides` (flat keys; None: not given) over them."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
-        return cls.from_dict({**data, **{k: v for k, v in overrides.items() if v is not None}})
+        cfg = cls(**data)
+        flags = {k: v for k, v in overrides.items() if v is not None}
+        if flags:  # (over a key of the file, flat or nested)
+            cfg = dataclasses.replace(cfg, **flags)
+        cfg.validate()
+        return cfg
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown cluster settings: {', '.join(unknown)}")
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
         cfg = cls(**data)
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        if self.attention_tp < 1:
-            raise ValueError("attention_tp must be >= 1")
-        if self.attention_workers < 1 or self.expert_workers < 1:
-            raise ValueError("need at least one attention worker and one expert worker")
-        if self.kv_cache_gib <= 0:
-            raise ValueError("kv_cache_gib must be > 0")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: auto or fp8")
-        if self.attention_gpus < 0 or self.expert_gpus < 0:
-            raise ValueError("attention_gpus and expert_gpus must be >= 0")
-        if self.redundant_experts < 0 or self.expert_spare_rows < 0:
-            raise ValueError("redundant_experts and expert_spare_rows must be >= 0")
-        if self.expert_concurrency < 1:
-            raise ValueError("expert_concurrency must be >= 1")
-        if not 0 <= self.expert_spin_us <= 1e6:
-            raise ValueError(f"expert_spin_us {self.expert_spin_us}: 0 to 1e6 microseconds")
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"port {self.port} out of range")
-        self.autoscale(), self.attention_autoscale()  # check the autoscaling bounds
-        if self.router_replicas < 1:
-            raise ValueError("router_replicas must be >= 1")
-        if self.expert_transport not in TRANSPORTS:
-            raise ValueError(f"expert_transport {self.expert_transport!r}: one of {', '.join(TRANSPORTS)}")
-        if self.keep_fp8_linears and self.attention_tp > 1:
-            raise ValueError(
-                "keep_fp8_linears with attention_tp > 1 (attention tensor parallelism): not supported yet"
-            )
-        from services.model.config import check_weight_dtype, parse_dtype  # (torch: not at import time)
+        """Each section checks its own settings (services/settings.py)."""
+        self.shared.validate()
+        for section in (self.attention, self.experts, self.balancer, self.router):
+            section.validate(self.shared)
 
-        for gpus in (self.attention_gpus, self.expert_gpus):
-            check_weight_dtype(self.weight_dtype, parse_dtype(self.dtype), "cuda" if gpus > 0 else "cpu")
-        shared = self.shared(None)  # checks the shared settings
-        if self.balancer_window_buckets * shared.bucket_seconds > shared.ttl_seconds:
-            raise ValueError(
-                f"the load window ({self.balancer_window_buckets} x {shared.bucket_seconds}s) is longer than "
-                f"the load buckets live ({shared.ttl_seconds}s)"
-            )
 
-    def autoscale(self) -> AutoscaleConfig | None:
-        """The expert pool's autoscaling (balancer/autoscale.py), or None with min == max."""
-        lo, hi = (
-            self.min_expert_workers or self.expert_workers,
-            self.max_expert_workers or self.expert_workers,
-        )
-        cfg = AutoscaleConfig(lo, hi, self.expert_target_utilization, self.expert_upscale_delay_s,
-                              self.expert_downscale_delay_s)  # fmt: skip
-        if not lo <= self.expert_workers <= hi:
-            raise ValueError(
-                f"expert_workers {self.expert_workers} outside [{lo}, {hi}] (min/max_expert_workers)"
-            )
-        return cfg if cfg.enabled else None
+_SECTIONS = {f.name: f.metadata["section"] for f in fields(ClusterConfig) if "section" in f.metadata}
 
-    def attention_autoscale(self) -> AttentionScaleConfig:
-        """The attention pool's autoscaling (balancer/autoscale.py; enabled when min < max)."""
-        lo = self.min_attention_workers or self.attention_workers
-        hi = self.max_attention_workers or self.attention_workers
-        if not lo <= self.attention_workers <= hi:
-            raise ValueError(
-                f"attention_workers {self.attention_workers} outside [{lo}, {hi}] (min/max_attention_workers)"
-            )
-        return AttentionScaleConfig(lo, hi, self.attention_kv_threshold, self.attention_queue_threshold,
-                                    self.attention_upscale_delay_s, self.attention_downscale_delay_s)  # fmt: skip
 
-    def shared(self, redis_url: str | None, secret: str | None = None) -> SharedSettings:
-        """The settings every service of this cluster shares (with the Redis actually used and the
-        data-plane secret: `expert_secret`, else the one given, made by `Cluster.start`)."""
-        return SharedSettings(namespace=self.namespace, redis_url=redis_url, key_prefix=self.key_prefix,
-                              bucket_seconds=self.balancer_bucket_seconds,
-                              secret=self.expert_secret or secret)  # fmt: skip
+@dataclass(frozen=True)
+class Setting:
+    """One user setting of ClusterConfig."""
+
+    key: str  # flat: the YAML key, the flag `--{key with -}`
+    section: str | None  # the ClusterConfig field holding it (None: ClusterConfig's own)
+    field: dataclasses.Field
+    owner: type  # the dataclass declaring it
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def help(self) -> str:
+        return self.field.metadata["help"]
+
+
+@functools.cache
+def _catalog() -> dict[str, Setting]:
+    found = [Setting(flat_key(f), None, f, ClusterConfig) for f in user_settings(ClusterConfig)]
+    for section, cls in _SECTIONS.items():
+        found += [Setting(flat_key(f), section, f, cls) for f in user_settings(cls)]
+    catalog = {s.key: s for s in found}
+    clashes = sorted({s.key for s in found if catalog[s.key] is not s} | (set(catalog) & set(_SECTIONS)))
+    if clashes:
+        raise RuntimeError(f"cluster settings under the same flat key: {clashes}")
+    return catalog
 
 
 def check_gpus(cfg: ClusterConfig, available: float, autoscaling: bool) -> None:
     """The GPUs the workers ask for (attention_gpus / expert_gpus) against the Ray cluster's: on a
     Ray cluster this process started, too few is an error (the workers would wait forever);
     on a joined cluster a warning (an autoscaler may add GPU nodes)."""
-    needed = (
-        cfg.attention_workers * cfg.attention_tp * cfg.attention_gpus + cfg.expert_workers * cfg.expert_gpus
-    )
+    attention, experts = cfg.attention, cfg.experts
+    needed = attention.workers * attention.tp * attention.gpus + experts.workers * experts.gpus
     if needed <= available + 1e-9:
         return
-    msg = (f"the workers ask for {needed:g} GPUs (attention_gpus={cfg.attention_gpus:g}, expert_gpus="
-           f"{cfg.expert_gpus:g}) and the Ray cluster has {available:g}")  # fmt: skip
+    msg = (f"the workers ask for {needed:g} GPUs (attention_gpus={attention.gpus:g}, expert_gpus="
+           f"{experts.gpus:g}) and the Ray cluster has {available:g}")  # fmt: skip
     if not autoscaling:
         raise ValueError(msg + ": set attention_gpus / expert_gpus to 0 to compute on CPU")
     log.warning("%s; the workers wait until GPU nodes join", msg)
@@ -277,11 +219,11 @@ def _data_plane_secret(cfg: ClusterConfig, reuse: bool) -> str:
     new random one."""
     import secrets
 
-    if cfg.expert_secret:
-        return cfg.expert_secret
+    if cfg.shared.secret:
+        return cfg.shared.secret
     if reuse:
         try:
-            running = ray.get(ray.get_actor(BALANCER_NAME, namespace=cfg.namespace).data_plane_secret.remote(),
+            running = ray.get(ray.get_actor(BALANCER_NAME, namespace=cfg.shared.namespace).data_plane_secret.remote(),
                               timeout=30)  # fmt: skip
         except (ValueError, ray.exceptions.RayError):  # no balancer running yet
             running = None
@@ -307,11 +249,11 @@ def start_backend(
     are not restarted in place: the balancer re-plans a dead worker's experts onto the others and
     starts a fresh worker under a new name. `loopback`: the expert workers listen on 127.0.0.1
     only (a local run: every process on this machine)."""
-    shared = cfg.shared(redis_url, _data_plane_secret(cfg, reuse))
-    lifetime = {"lifetime": "detached", "max_restarts": -1, "get_if_exists": reuse}
+    # the shared settings with the Redis actually used and the data-plane secret
+    shared = dataclasses.replace(cfg.shared, redis_url=redis_url, secret=_data_plane_secret(cfg, reuse))
     created: list = []  # what this call started, stopped again if the start fails
     try:
-        return _start_backend(cfg, model_dir, shared, lifetime, created, step, loopback)
+        return _start_backend(cfg, model_dir, shared, reuse, created, step, loopback)
     except BaseException:
         if not reuse:
             _stop_actors(created)
@@ -327,74 +269,34 @@ def _stop_actors(actors: list) -> None:
             ray.kill(actor)
 
 
-def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, lifetime: dict, created: list,
+def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, reuse: bool, created: list,
                    step, loopback: bool) -> Backend:  # fmt: skip
-    from services.attention.worker import AttentionWorker, AttentionWorkerConfig
+    from services.attention.worker import AttentionWorkerConfig
     from services.balancer.actor import Balancer
-    from services.balancer.attention_pool import AttentionScaling
+    from services.balancer.attention_pool import AttentionScaling, start_attention_worker
     from services.balancer.service import BalancerConfig
-    from services.engine.engine import EngineConfig
 
-    engine = EngineConfig(
-        model=model_dir,
-        dtype=cfg.dtype,
-        weight_dtype=cfg.weight_dtype,
-        keep_fp8_linears=cfg.keep_fp8_linears,
-        device="cuda" if cfg.attention_gpus > 0 else "cpu",
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=cfg.max_model_len,
-        max_waiting=cfg.max_waiting,
-        kv_cache_gib=cfg.kv_cache_gib,
-        kv_cache_dtype=cfg.kv_cache_dtype,
-        micro_batches=cfg.micro_batches,
-        prefix_caching=cfg.prefix_caching,
-        num_threads=cfg.attention_threads,
-    )
-    template = AttentionWorkerConfig(engine=engine, worker_id="", tp=cfg.attention_tp, shared=shared,
-                                     gpus=cfg.attention_gpus, expert_transport=cfg.expert_transport,
-                                     expert_spin_us=cfg.expert_spin_us)  # fmt: skip
-    step(f"starting {cfg.expert_workers} expert workers and loading the placement")
+    worker = AttentionWorkerConfig.from_settings(cfg.attention, shared, model_dir)
+    attention_pool = AttentionScaling.from_settings(cfg.attention, worker)
+    step(f"starting {cfg.experts.workers} expert workers and loading the placement")
     balancer = Balancer.options(
-        name=BALANCER_NAME, namespace=shared.namespace, resources=cfg.control_resources or None, **lifetime
+        name=BALANCER_NAME, namespace=shared.namespace, resources=cfg.control_resources or None,
+        lifetime="detached", max_restarts=-1, get_if_exists=reuse,
     ).remote(
-        BalancerConfig(
-            model=model_dir,
-            expert_workers=cfg.expert_workers,
-            redundant_experts=cfg.redundant_experts,
-            shared=shared,
-            period_s=cfg.balancer_period_s,
-            window_buckets=cfg.balancer_window_buckets,
-            min_gain=cfg.balancer_min_gain,
-            expert_dtype=cfg.dtype,
-            expert_weight_dtype=cfg.weight_dtype,
-            expert_keep_fp8=cfg.keep_fp8_experts,
-            expert_spare_rows=cfg.expert_spare_rows,
-            expert_threads=cfg.expert_threads,
-            expert_concurrency=cfg.expert_concurrency,
-            expert_resources=cfg.expert_resources,
-            expert_gpus=cfg.expert_gpus,
-            expert_shm=cfg.expert_transport in ("auto", "shm"),  # (grpc: no shared-memory listener at all)
-            expert_spin_us=cfg.expert_spin_us,
-            autoscale=cfg.autoscale(),
-            attention=AttentionScaling(
-                cfg.attention_autoscale(), template, cfg.attention_resources, cfg.attention_gpus
-            ),  # fmt: skip
-            # a local run (this process started Ray: one machine): expert ports on loopback only
-            expert_host="127.0.0.1" if loopback else None,
-        )
-    )
+        BalancerConfig(model=model_dir, experts=cfg.experts, settings=cfg.balancer, shared=shared,
+                       attention=attention_pool,
+                       # a local run (this process started Ray: one machine): expert ports on loopback only
+                       expert_host="127.0.0.1" if loopback else None)
+    )  # fmt: skip
     created.append(balancer)
     info = ray.get(balancer.start.remote())
 
-    step(f"starting {cfg.attention_workers} attention workers")
+    step(f"starting {cfg.attention.workers} attention workers")
     attention = {}
-    for i in range(cfg.attention_workers):
+    for i in range(cfg.attention.workers):
         name = attention_worker_name(i)
-        attention[name] = AttentionWorker.options(
-            name=name, namespace=shared.namespace, resources=cfg.attention_resources or None,
-            num_gpus=cfg.attention_gpus, **lifetime,
-        ).remote(dataclasses.replace(template, worker_id=name), info["placement"], info["addresses"])  # fmt: skip
+        attention[name] = start_attention_worker(attention_pool, name, info["placement"], info["addresses"],
+                                                 get_if_exists=reuse)  # fmt: skip
         created.append(attention[name])
     ready = ray.get([a.ready.remote() for a in attention.values()])
     ray.get(balancer.register_attention.remote(list(attention)))
@@ -407,24 +309,22 @@ def router_app(cfg: ClusterConfig, backend: Backend):
     from services.router.app import Router
 
     options = {"num_cpus": 0} | ({"resources": cfg.control_resources} if cfg.control_resources else {})
-    return Router.options(num_replicas=cfg.router_replicas, ray_actor_options=options).bind(
+    return Router.options(num_replicas=cfg.router.replicas, ray_actor_options=options).bind(
         router_config(cfg, backend)
     )
 
 
 def router_config(cfg: ClusterConfig, backend: Backend):
+    """The router's config: the router settings named like its fields, and what the backend has."""
     from services.router.core import RouterConfig
 
-    return RouterConfig(
-        model_dir=backend.model_dir,
-        served_model_name=cfg.served_model_name or Path(backend.model_dir).name,
-        attention_workers=list(backend.attention),
-        namespace=cfg.namespace,
-        balancer=BALANCER_NAME,
-        api_key=cfg.api_key,
-        max_model_len=backend.max_model_len,
-        prefix_caching=cfg.prefix_caching,
-    )
+    return build_config(
+        RouterConfig, cfg.router,
+        served_model_name=cfg.router.served_model_name or Path(backend.model_dir).name,
+        model_dir=backend.model_dir, attention_workers=list(backend.attention), namespace=cfg.shared.namespace,
+        balancer=BALANCER_NAME, max_model_len=backend.max_model_len,
+        prefix_caching=cfg.attention.prefix_caching,  # (affinity routing to the worker caching a prefix)
+    )  # fmt: skip
 
 
 def resolve_model(cfg: ClusterConfig) -> str:
@@ -457,14 +357,14 @@ class Cluster:
         started_ray = not ray.is_initialized()
         if started_ray:
             if cfg.address:
-                ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
+                ray.init(address=cfg.address, namespace=cfg.shared.namespace, log_to_driver=False)
             else:
-                ray.init(address="local", num_cpus=cfg.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.namespace,
+                ray.init(address="local", num_cpus=cfg.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.shared.namespace,
                          include_dashboard=False, log_to_driver=False)  # fmt: skip
         redis = None
         try:
             check_gpus(cfg, ray.cluster_resources().get("GPU", 0.0), autoscaling=bool(cfg.address))
-            redis_url = cfg.redis_url
+            redis_url = cfg.shared.redis_url
             if not redis_url and cfg.address:
                 log.warning("joining a Ray cluster with an embedded Redis on 127.0.0.1: attention workers on "
                             "other machines cannot report loads (no rebalancing); pass --redis-url")  # fmt: skip
@@ -476,15 +376,16 @@ class Cluster:
                 cfg, model_dir, redis_url, step=step, loopback=started_ray and not cfg.address
             )
 
-            step(f"starting the OpenAI API on http://{cfg.host}:{cfg.port}")
-            serve.start(http_options={"host": cfg.host, "port": cfg.port}, detached=False)
+            host, port = cfg.router.host, cfg.router.port
+            step(f"starting the OpenAI API on http://{host}:{port}")
+            serve.start(http_options={"host": host, "port": port}, detached=False)
             serve.run(
                 router_app(cfg, backend),
                 name=APP_NAME,
                 route_prefix="/",
                 blocking=False,
             )
-            url = f"http://{cfg.host}:{cfg.port}"
+            url = f"http://{host}:{port}"
             cluster = cls(
                 cfg, model_dir, url, redis, redis_url, backend.balancer, backend.attention, started_ray
             )
@@ -519,7 +420,7 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         try:
             handle, drained = serve.get_app_handle(APP_NAME), set()
-            while len(drained) < self.cfg.router_replicas and time.monotonic() < deadline:  # (every replica:
+            while len(drained) < self.cfg.router.replicas and time.monotonic() < deadline:  # (every replica:
                 drained.add(handle.drain.remote().result(timeout_s=timeout_s))  # a call reaches one of them)
             while time.monotonic() < deadline:
                 busy = 0
@@ -542,7 +443,8 @@ class Cluster:
         with contextlib.suppress(Exception):
             pool = ray.get(self.balancer.attention_workers.remote(), timeout=10)
             names = [*pool["serving"], *pool["draining"]]
-            return {n: self.attention.get(n) or ray.get_actor(n, namespace=self.cfg.namespace) for n in names}
+            namespace = self.cfg.shared.namespace
+            return {n: self.attention.get(n) or ray.get_actor(n, namespace=namespace) for n in names}
         return self.attention
 
     def stop(self, timeout: float = 60.0, drain_s: float = 30.0) -> None:
@@ -576,7 +478,8 @@ class Cluster:
             ray.get(self.balancer.shutdown.remote(), timeout=30)
         with contextlib.suppress(Exception):
             ray.kill(self.balancer)
-        kill_named_actors(self.cfg.namespace)  # detached: whatever of ours is left (the balancer was down?)
+        # detached: whatever of ours is left (the balancer was down?)
+        kill_named_actors(self.cfg.shared.namespace)
         done.set()
 
 

@@ -11,6 +11,7 @@ DeepSeek-V4 (`tiny-v4`) is written under the names transformers' `save_pretraine
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -110,6 +111,31 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+# DeepSeek-V2-Lite's shape (~15.7B parameters, 26 MoE layers x 64 experts, top-6, 2 shared, MLA
+# with kv_lora 512 and no q_lora): the GPU benchmarks' model. 31 GB in bf16: generate it on the
+# GPU (`init_model(..., dtype="bfloat16", device="cuda")`), never in a CPU test.
+PRESETS["medium"] = {
+    **_COMMON,
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
 PRESETS["tiny-v32"] = {**PRESETS["tiny"], **_TINY_V32}  # the V3.2 oracle and cluster tests
 
 # DeepSeek-V4 on tiny dims where every layer type shows within ~100 tokens (tests/hf_oracle.py's
@@ -180,24 +206,36 @@ PRESETS["tiny-v4"] = {
 SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
 
 
-def random_weights(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random fp32 tensors under the original DeepSeek-V3 names for HF config dict `hf` (with
-    the V3.2 indexer's `self_attn.indexer.*` when the config has `index_topk`; DeepSeek-V4's
-    tensors, `random_weights_v4`, for `model_type: deepseek_v4`).
+def random_weights(
+    hf: dict, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Random tensors (CPU, `dtype`) under the original DeepSeek-V3 names for HF config dict `hf`
+    (with the V3.2 indexer's `self_attn.indexer.*` when the config has `index_topk`;
+    DeepSeek-V4's tensors, `random_weights_v4`, for `model_type: deepseek_v4`). They are drawn
+    on `device` (a GPU draws the medium preset's 16B values in seconds) one layer at a time, in
+    fp32, then cast: the same seed gives the same weights per device.
 
     Linear weights ~ N(0, 1/fan_in) so activations keep their scale through depth; the LM head
     is scaled so logits spread over a few units (well separated greedy choices).
     """
     if hf.get("model_type") == "deepseek_v4":
         return random_weights_v4(hf, seed)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    randn = functools.partial(_randn, g)
     linear, norm = _initialisers(g)
+    done: set[str] = set()
+
+    def keep(w: dict) -> None:  # (this layer's tensors to the CPU in `dtype`, as they are made)
+        for name in w.keys() - done:
+            w[name] = w[name].to(dtype).cpu()
+            done.add(name)
+
     H, N = hf["hidden_size"], hf["num_attention_heads"]
     D, R, V = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
     C, Q = hf["kv_lora_rank"], hf.get("q_lora_rank")
     E, I_moe = hf["n_routed_experts"], hf["moe_intermediate_size"]
     w: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(hf["vocab_size"], H, generator=g),
+        "model.embed_tokens.weight": randn(hf["vocab_size"], H),
         "model.norm.weight": norm(H),
         "lm_head.weight": linear(hf["vocab_size"], H, gain=4.0),
     }
@@ -221,21 +259,22 @@ def random_weights(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             w[x + "wq_b.weight"] = linear(Hi * Di, Q)
             w[x + "wk.weight"] = linear(Di, H)
             w[x + "k_norm.weight"] = norm(Di)
-            w[x + "k_norm.bias"] = 0.1 * torch.randn(Di, generator=g)
+            w[x + "k_norm.bias"] = 0.1 * randn(Di)
             w[x + "weights_proj.weight"] = linear(Hi, H)
         if hf.get("attention_bias"):
             if Q:
-                w[a + "q_a_proj.bias"] = 0.1 * torch.randn(Q, generator=g)
-            w[a + "kv_a_proj_with_mqa.bias"] = 0.1 * torch.randn(C + R, generator=g)
-            w[a + "o_proj.bias"] = 0.1 * torch.randn(H, generator=g)
+                w[a + "q_a_proj.bias"] = 0.1 * randn(Q)
+            w[a + "kv_a_proj_with_mqa.bias"] = 0.1 * randn(C + R)
+            w[a + "o_proj.bias"] = 0.1 * randn(H)
         if i < hf["first_k_dense_replace"]:
             inter = hf["intermediate_size"]
             w[p + "mlp.gate_proj.weight"] = linear(inter, H)
             w[p + "mlp.up_proj.weight"] = linear(inter, H)
             w[p + "mlp.down_proj.weight"] = linear(H, inter)
+            keep(w)
             continue
         w[p + "mlp.gate.weight"] = linear(E, H)
-        w[p + "mlp.gate.e_score_correction_bias"] = 0.1 * torch.randn(E, generator=g)
+        w[p + "mlp.gate.e_score_correction_bias"] = 0.1 * randn(E)
         for e in range(E):
             x = f"{p}mlp.experts.{e}."
             w[x + "gate_proj.weight"] = linear(I_moe, H)
@@ -246,17 +285,24 @@ def random_weights(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             w[p + "mlp.shared_experts.gate_proj.weight"] = linear(inter, H)
             w[p + "mlp.shared_experts.up_proj.weight"] = linear(inter, H)
             w[p + "mlp.shared_experts.down_proj.weight"] = linear(H, inter)
+        keep(w)
+    keep(w)
     return w
 
 
+def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, device=g.device)
+
+
 def _initialisers(g: torch.Generator):
-    """(linear(out, in, gain) ~ N(0, gain^2 / in), norm(n) ~ 1 + 0.2 N(0, 1)) drawing from `g`."""
+    """(linear(out, in, gain) ~ N(0, gain^2 / in), norm(n) ~ 1 + 0.2 N(0, 1)) drawing from `g`
+    (on its device)."""
 
     def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) * (gain / math.sqrt(in_f))
+        return _randn(g, out_f, in_f) * (gain / math.sqrt(in_f))
 
     def norm(n: int) -> torch.Tensor:
-        return 1.0 + 0.2 * torch.randn(n, generator=g)
+        return 1.0 + 0.2 * _randn(g, n)
 
     return linear, norm
 
@@ -423,16 +469,22 @@ def init_model(
     tokenizer: bool = True,
     shards: int = 1,
     fp8_block: tuple[int, int] = (128, 128),
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> Path:
     """Write config.json, safetensors (per-expert names; `shards` > 1 writes
     model-0000i-of-0000n.safetensors + model.safetensors.index.json) and a tokenizer. fp8: the
-    linear weights block-quantised to FP8 e4m3 as DeepSeek ships them, in `fp8_block` blocks."""
+    linear weights block-quantised to FP8 e4m3 as DeepSeek ships them, in `fp8_block` blocks.
+    `dtype`: of the tensors written ("bfloat16" halves a large preset); `device`: where they are
+    drawn ("cuda" for the medium preset)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf = {**PRESETS[preset], **(overrides or {}), "torch_dtype": "float32"}
-    weights = random_weights(hf, seed)
+    hf = {**PRESETS[preset], **(overrides or {}), "torch_dtype": dtype}
+    if hf.get("model_type") == "deepseek_v4" and (dtype, device) != ("float32", "cpu"):
+        raise ValueError("V4 presets are drawn in float32 on the CPU")
+    weights = random_weights(hf, seed, getattr(torch, dtype), device)
     if fp8:
         weights = quantize_checkpoint_fp8(weights, fp8_block)
         hf["quantization_config"] = {

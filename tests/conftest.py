@@ -21,17 +21,6 @@ def cpu_kernel():
     return cpu_kernels.available()
 
 
-@pytest.fixture(autouse=True)
-def gpu_backends_forget_each_test():
-    """The GPU backends remember the environment's answer (MOE_TRITON, ...) once read: a test that
-    turns them on must not leave the Triton interpreter on for the tests after it (it made the
-    CPU engines' tests 3x slower once)."""
-    yield
-    from services.model.kernels import gpu
-
-    gpu.reset()
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The `tiny` preset written by our generator (with tokenizer)."""

@@ -191,21 +191,45 @@ FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n",
           "top_logprobs", "prompt_logprobs", "unknown_field"]  # fmt: skip
 
 
+def _assert_usage_counts_the_tokens(answer: dict, body: dict, path: str) -> None:
+    """A valid non-streamed answer: its usage counts exactly the tokens its choices hold, at least
+    one per choice (none only for echo with max_tokens 0: the prompt alone), within max_tokens."""
+    from services.router.protocol import ChatCompletionRequest, CompletionRequest
+
+    assert answer["object"] == ("chat.completion" if "chat" in path else "text_completion"), answer
+    # the request as the router read it (its own model, on the JSON it received)
+    req = (ChatCompletionRequest if "chat" in path else CompletionRequest).model_validate(
+        json.loads(json.dumps(body))
+    )
+    generated = [len(c["token_ids"]) for c in answer["choices"]]
+    usage = answer["usage"]
+    assert generated and usage["completion_tokens"] == sum(generated), answer
+    assert usage["prompt_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + sum(generated), (
+        usage
+    )
+    if getattr(req, "echo_only", False):
+        assert generated == [0] * len(generated), answer
+    else:
+        assert min(generated) > 0, answer
+    if req.max_tokens is not None and req.max_tokens > 0:
+        assert max(generated) <= req.max_tokens, answer
+
+
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=st.one_of(st.dictionaries(st.sampled_from(FIELDS), BAD_VALUES, max_size=6), BAD_VALUES),
        path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))  # fmt: skip
 def test_bad_bodies_get_4xx_openai_errors(cluster, body, path):
-    if isinstance(body, dict) and "max_tokens" in body and isinstance(body["max_tokens"], int):
-        body["max_tokens"] = min(body["max_tokens"], 4)  # keep accidentally valid requests short
+    if isinstance(body, dict):
+        if "max_tokens" in body and isinstance(body["max_tokens"], int):
+            body["max_tokens"] = min(body["max_tokens"], 4)  # keep accidentally valid requests short
+        body["return_token_ids"] = True  # (not fuzzed: an accidentally valid answer shows its tokens)
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     r = httpx.post(f"{cluster.url}{path}", content=json.dumps(body), headers=headers, timeout=120)  # NaN too
     if r.status_code == 200:  # an accidentally valid request: then a valid answer
         if body.get("stream") is True:
             assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
         else:
-            answer = r.json()
-            assert answer["object"] == ("chat.completion" if "chat" in path else "text_completion"), answer
-            assert answer["choices"] and answer["usage"]["completion_tokens"] >= 0, answer
+            _assert_usage_counts_the_tokens(r.json(), body, path)
         return
     # invalid: 400 naming what is wrong, or 404 for a model that is not served
     assert r.status_code in (400, 404), (r.status_code, r.text)
@@ -444,28 +468,51 @@ def test_a_local_runs_data_plane_is_on_loopback_and_refuses_strangers(cluster):
             stranger.stats()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # (TLS: no handshake without the secret)
         stranger.close()
-        assert shm.ShmChannel.connect(w["address"]) is None  # (no secret: no channel)
+        with pytest.raises(PermissionError, match="refused"):  # (no secret: no channel)
+            shm.ShmChannel.connect(w["address"])
+
+
+def _gauges(cluster, *names: str) -> dict[str, float]:
+    """Each named per-worker gauge of one /metrics scrape, summed over the attention workers; a
+    name /metrics does not export fails (a missing gauge is not a zero)."""
+    text = httpx.get(f"{cluster.url}/metrics").text
+    values = {name: [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{")]
+              for name in names}  # fmt: skip
+    missing = [name for name, v in values.items() if len(v) != len(cluster.attention)]
+    assert not missing, f"/metrics has no {missing} for each of the {len(cluster.attention)} workers"
+    return {name: sum(v) for name, v in values.items()}
 
 
 def _gauge(cluster, name: str) -> float:
-    text = httpx.get(f"{cluster.url}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return _gauges(cluster, name)[name]
+
+
+def _idle(cluster, deadline_s: float) -> dict[str, float]:
+    """Poll /metrics until no request runs and no KV block is held; its gauges then."""
+    names = ("moe_requests_running", "moe_kv_blocks_used", "moe_engine_steps")
+    deadline = time.monotonic() + deadline_s
+    while (now := _gauges(cluster, *names))["moe_requests_running"] or now["moe_kv_blocks_used"]:
+        assert time.monotonic() < deadline, f"still running or holding KV blocks after {deadline_s}s: {now}"
+        time.sleep(0.2)
+    return now
 
 
 def test_client_disconnect_aborts_and_frees_the_cache(cluster):
-    body = {"model": "tiny", "prompt": [0, 5, 6], "max_tokens": 3000, "temperature": 0, "stream": True,
+    body = {"model": "tiny", "prompt": [0, 5, 6], "max_tokens": 4000, "temperature": 0, "stream": True,
             "ignore_eos": True}  # fmt: skip
+    before = _idle(cluster, 60)  # (nothing else runs: the engine steps counted below are this request's)
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:  # fmt: skip
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                break  # got a token: hang up
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if _gauge(cluster, "moe_requests_running") == 0 and _gauge(cluster, "moe_kv_blocks_used") == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the abandoned request kept running or kept its KV blocks")
+        lines = r.iter_lines()  # (held: dropping a half-read iterator closes the connection)
+        assert next(line for line in lines if line.startswith("data: "))  # a token came
+        # still connected: the gauges show it running (so their falling to zero below means something)
+        streaming = _gauges(cluster, "moe_requests_running", "moe_kv_blocks_used")
+        assert streaming["moe_requests_running"] == 1 and streaming["moe_kv_blocks_used"] > 0, streaming
+        r.close()  # hang up
+    # it ends and frees its blocks, aborted short of its 4,000 tokens (a step each)
+    after = _idle(cluster, 300)
+    steps = after["moe_engine_steps"] - before["moe_engine_steps"]
+    assert 1 <= steps < 4000, f"{steps} engine steps: the abandoned request ran to its last token"
 
 
 def test_full_queue_answers_429_with_retry_after(cluster):

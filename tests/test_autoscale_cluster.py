@@ -67,6 +67,23 @@ def _wait(cluster, n: int, what: str, deadline_s: float = 150.0) -> None:
         time.sleep(0.25)
 
 
+def _pinned_shrink_decision(cluster, deadline_s: float = 150.0) -> dict:
+    """The balancer's status as its autoscaler ticks, polled until a tick has decided to shrink
+    the pinned pool of 2 (idle for a whole downscale delay) and, pinned, not acted on it. A tick
+    that acted would have taken the new target (1) before yielding to this status call."""
+    deadline, reasons = time.monotonic() + deadline_s, []
+    while True:
+        status = ray.get(cluster.balancer.status.remote())
+        reason = status["autoscale"]["reason"]
+        if ": 2 -> 1 " in reason and "(pinned by scale-experts: not acting)" in reason:
+            return status
+        reasons = reasons if reason in reasons else [*reasons[-4:], reason]
+        assert time.monotonic() < deadline, (
+            f"no pinned shrink decision in {deadline_s}s; last reasons {reasons}"
+        )
+        time.sleep(0.1)
+
+
 def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
     want = _local_tokens(tiny_model)
     settings = dict(expert_workers=1, min_expert_workers=1, max_expert_workers=3, expert_target_utilization=0.01,
@@ -94,8 +111,11 @@ def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
         _wait(cluster, 1, "shrink")  # idle: back to the minimum, a step per downscale delay
         # pinned by hand: it stays at 2 while idle, until handed back
         assert ray.get(cluster.balancer.scale_experts.remote(2))["ok"]
-        time.sleep(8.0)  # (two downscale delays of idleness: what would have shrunk it)
-        assert _workers(cluster) == 2 and ray.get(cluster.balancer.status.remote())["autoscale"]["pinned"]
+        pinned = ray.get(cluster.balancer.status.remote())
+        held = _pinned_shrink_decision(cluster)  # idle for a downscale delay: a shrink decided, not done
+        assert held["autoscale"]["pinned"] and held["target_workers"] == 2, held["autoscale"]
+        assert [w["state"] for w in held["workers"]] == ["serving", "serving"], held["workers"]
+        assert held["migrations"] == pinned["migrations"]  # (no resize since it was pinned)
         assert ray.get(cluster.balancer.scale_experts.remote(None))["ok"]
         _wait(cluster, 1, "shrink after unpinning")
         assert _complete(client) == want

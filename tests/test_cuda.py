@@ -23,21 +23,8 @@ def test_cuda_engine_matches_cpu(tiny_model, micro_batches):
         assert (a.cpu() - b).abs().max() <= 1e-3  # TF32-free fp32 on GPU, different reduction order
 
 
-@pytest.fixture
-def torch_moe(monkeypatch):
-    """MOE_TRITON=0 (the torch path of every Triton kernel) for one test: the kernels' switches
-    read again before and after it, whatever it ends with."""
-    from services.model.kernels import gpu
-
-    monkeypatch.setenv("MOE_TRITON", "0")
-    gpu.reset()
-    yield
-    monkeypatch.undo()
-    gpu.reset()
-
-
-def test_cuda_bf16_grouped_mm_path(tiny_model, torch_moe, monkeypatch):
-    """MOE_TRITON=0: the routed experts go through torch's grouped_mm (bf16 on CUDA). Its sorting
+def test_cuda_bf16_grouped_mm_path(tiny_model, monkeypatch):
+    """kernels="torch": the routed experts go through torch's grouped_mm (bf16 on CUDA). Its sorting
     synchronises, so the decode graphs are refused in the checked warm-up, before any capture:
     the engine runs eagerly, on the default stream, with the tokens of an engine built eager."""
     from torch.nn import functional as F
@@ -49,8 +36,8 @@ def test_cuda_bf16_grouped_mm_path(tiny_model, torch_moe, monkeypatch):
     outs = {}
     for graphs in (True, False):
         engine = LocalEngine(EngineConfig(model=str(tiny_model), device="cuda", dtype="bfloat16",
-                                          max_num_seqs=8, cuda_graphs=graphs))  # fmt: skip
-        assert engine.graphs is None
+                                          max_num_seqs=8, cuda_graphs=graphs, kernels="torch"))  # fmt: skip
+        assert engine.graphs is None and engine.kernels.names()["expert_ffn"] == "torch"
         assert torch.cuda.current_stream() == torch.cuda.default_stream()
         assert torch.cuda.get_sync_debug_mode() == 0
         calls.clear()
@@ -102,7 +89,7 @@ def test_cuda_flashmla_matches_triton_in_graphs(tmp_path):
     pytest.importorskip("flash_mla")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("FlashMLA's dense decode runs on SM90 only")
-    from services.model.kernels import flashmla, gpu
+    from services.model.kernels import flashmla
     from services.presets import init_model
 
     path = init_model(
@@ -111,21 +98,21 @@ def test_cuda_flashmla_matches_triton_in_graphs(tmp_path):
     prompts = [[0, 5, 6, 7], list(range(3, 90)), [0] + [9] * 40]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs, ran = {}, {}
-    for flag in ("0", "1"):
+    for flag, kernels in (("0", "triton,torch"), ("1", "auto")):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("MOE_FLASH_MLA", flag)
-            gpu.reset()
             kernel, calls = flashmla.mla_decode, []
             mp.setattr(
                 flashmla, "mla_decode", lambda *a, _k=kernel, _c=calls, **kw: _c.append(1) or _k(*a, **kw)
             )
             engine = LocalEngine(
-                EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=8)
+                EngineConfig(
+                    model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=8, kernels=kernels
+                )
             )
             outs[flag] = [o.token_ids for o in engine.generate(prompts, params)]
-            ran[flag] = bool(calls) and not gpu.FLASH_MLA.failed  # (no fall back)
-    gpu.reset()
-    assert ran == {"0": False, "1": True}  # FlashMLA took the decode attention with the flag only
+            # (no fall back: still FlashMLA after the run)
+            ran[flag] = bool(calls) and engine.kernels.names()["mla_decode"] == "flashmla"
+    assert ran == {"0": False, "1": True}  # FlashMLA took the decode attention by default only
     assert outs["1"] == outs["0"]
 
 

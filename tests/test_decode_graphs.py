@@ -184,19 +184,26 @@ def test_the_sync_probe_lets_device_work_pass():
 
 @pytest.fixture
 def gpu_code_path(monkeypatch):
-    """The Triton kernels on (under the interpreter) and the C++ CPU kernels off: a decode step
-    runs the torch code a GPU runs. Yields the Triton backend (`ran`, `failed`: its kernels that
-    ran, that failed), read once the test has run its steps."""
-    from services.model.kernels import cpu_kernels, gpu
+    """The Triton kernels asked for (under the interpreter) and the C++ CPU kernels not: a decode
+    step runs the torch code a GPU runs. Yields (the engine's `kernels` setting, the set of the
+    Triton kernels that ran, read once the test has run its steps)."""
+    from services.model.kernels import triton_linear, triton_mla, triton_moe, triton_norm
 
     if os.environ.get("TRITON_INTERPRET") != "1":  # (on a GPU host: tests/test_cuda.py captures)
         pytest.skip("the GPU code path on CPU tensors needs triton's interpreter")
-    monkeypatch.setenv("MOE_TRITON", "1")
-    monkeypatch.setitem(cpu_kernels._state, "module", None)
-    gpu.reset()
-    yield gpu.TRITON
-    monkeypatch.undo()
-    gpu.reset()
+    ran = set()
+    kernels = {triton_mla: ("mla_decode", "latent_to_cache"), triton_moe: ("fused_moe",),
+               triton_norm: ("rms_norm", "add_rms_norm"), triton_linear: ("fp8_linear",)}  # fmt: skip
+    for module, names in kernels.items():
+        for name in names:
+            fn = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, **kw: ran.add(_n) or _f(*a, **kw))
+    return "triton,torch", ran
+
+
+def failures(kernels) -> dict:
+    """The families whose chosen kernel failed while running (Kernels.reasons)."""
+    return {f: r for f, r in kernels.reasons().items() if any("failed" in why for why in r.values())}
 
 
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "fp8"])
@@ -207,8 +214,9 @@ def test_a_graphed_decode_step_synchronises_nowhere(tmp_path, gpu_code_path, mon
 
     path = init_model(tmp_path / weights, "tiny", seed=3, fp8=weights == "fp8", fp8_block=(16, 16))
     fp8 = weights == "fp8"
+    names, ran = gpu_code_path
     engine = LocalEngine(EngineConfig(model=str(path), max_num_seqs=4, dtype="bfloat16" if weights == "bfloat16"
-                                      else "float32", keep_fp8_experts=fp8, keep_fp8_linears=fp8))  # fmt: skip
+                                      else "float32", keep_fp8_experts=fp8, keep_fp8_linears=fp8, kernels=names))  # fmt: skip
     assert engine.enable_decode_graphs(capture=False)
     probe, step, steps = HostSyncs(), engine.graphs._step, []
 
@@ -222,7 +230,7 @@ def test_a_graphed_decode_step_synchronises_nowhere(tmp_path, gpu_code_path, mon
     engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert 4 in steps and probe.calls == []
     every = {"mla_decode", "latent_to_cache", "fused_moe", "rms_norm", "add_rms_norm"}
-    assert gpu_code_path.ran == every | ({"fp8_linear"} if fp8 else set()) and not gpu_code_path.failed
+    assert ran == every | ({"fp8_linear"} if fp8 else set()) and not failures(engine.kernels)
 
 
 def test_the_pieces_of_a_segmented_step_synchronise_nowhere(
@@ -248,14 +256,17 @@ def test_the_pieces_of_a_segmented_step_synchronise_nowhere(
 
     monkeypatch.setattr(decode_graphs, "_advance", probed)
     try:
-        engine = Engine(cfg, model, experts, EngineConfig(model=str(tiny_model), max_num_seqs=4))
+        names, ran = gpu_code_path  # (the engine selects them: its model was loaded with the default ones)
+        engine = Engine(
+            cfg, model, experts, EngineConfig(model=str(tiny_model), max_num_seqs=4, kernels=names)
+        )
         assert engine.enable_decode_graphs(capture=False)
         prompts = [[0, 5, 6, 7], [1, 2, 3], [4, 8]]  # (3 rows in a bucket of 4: a padding row)
         engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     finally:
         experts.close()
     assert len(pieces) > 2 * cfg.num_moe_layers and probe.calls == []
-    assert {"mla_decode", "latent_to_cache", "rms_norm", "add_rms_norm"} <= gpu_code_path.ran
-    # (the in-process expert servers run fused_moe on their gRPC threads, where triton's interpreter
-    # fails; that is the expert side's path, not a piece's: their torch path serves it)
-    assert gpu_code_path.failed <= {"fused_moe"}
+    assert {"mla_decode", "latent_to_cache", "rms_norm", "add_rms_norm"} <= ran
+    assert engine.kernels.names()["mla_decode"] == "triton" and not failures(engine.kernels)
+    # (the in-process expert servers chose their own kernels: the C++ ones, no fused_moe)
+    assert "fused_moe" not in ran

@@ -100,7 +100,7 @@ def test_tensor_parallel_head_slices_sum_to_the_whole(oracle):
     path = oracle[0]
     cfg = ModelConfig.from_dir(path)
     model = DeepseekV3.load(CheckpointReader.for_config(path, cfg), cfg)
-    w, rope = model.layers[1].attn, Rope(cfg)
+    w, rope, k = model.layers[1].attn, Rope(cfg), model.kernels
     x = torch.randn(90, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     pre = StepBatch.build([(list(range(80)), 0, [2, 0], False)])
     dec = StepBatch.build([(list(range(10)), 80, [2, 0], False)])  # a 10-token chunk over 80 cached
@@ -108,7 +108,7 @@ def test_tensor_parallel_head_slices_sum_to_the_whole(oracle):
     def run(weights):
         cache = torch.zeros(3, BLOCK_SIZE, 1, cfg.cache_dim)
         outs = [
-            mla_forward(xs, weights, cfg, rope, rope.cos_sin(b.positions, torch.float32), cache, b)
+            mla_forward(xs, weights, cfg, k, rope.cos_sin(b.positions, torch.float32), cache, b)
             for xs, b in ((x[:80], pre), (x[80:], dec))
         ]
         return torch.cat(outs), cache
@@ -242,14 +242,15 @@ def test_cluster_api_serves_v32_like_the_local_engine(tmp_path):
 
 @pytest.mark.parametrize("Hi", [6, 32, 64])  # (a multiple of 8: the heads across the vector lanes)
 def test_fused_index_scores_equal_the_torch_math(Hi):
-    """cpu_kernels.index_scores (the indexer's scores in one call) against IndexQueries' torch
-    math, for a shared prefill context and per-query decode contexts, with prefix visibility."""
+    """The C++ index_scores (the indexer's scores in one call) against the torch math, for a
+    shared prefill context and per-query decode contexts, with prefix visibility."""
     import torch.nn.functional as F
 
-    from services.model.kernels import cpu_kernels
+    from services.model.kernels import cpu_kernels, torch_ops
 
     if not cpu_kernels.available():
         pytest.skip("no CPU kernels")
+    index_scores = cpu_kernels.CppKernels(cpu_kernels._module(), None).index_scores
     g = torch.Generator().manual_seed(0)
     Q, Di, L = 5, 16, 200
     q, w = torch.randn(Q, Hi, Di, generator=g), torch.randn(Q, Hi, generator=g)
@@ -260,4 +261,5 @@ def test_fused_index_scores_equal_the_torch_math(Hi):
             torch.einsum("qhd,ld->qhl", q, keys) if keys.dim() == 2 else torch.einsum("qhd,qld->qhl", q, keys)
         )
         want = torch.einsum("qh,qhl->ql", w, F.relu(dots * Di**-0.5)).masked_fill(~visible, float("-inf"))
-        torch.testing.assert_close(cpu_kernels.index_scores(q, w, keys, lens), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(index_scores(q, w, keys, lens), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch_ops.index_scores(q, w, keys, lens), want)

@@ -170,6 +170,23 @@ def test_cluster_yaml_is_valid_cluster_config():
     assert cfg.redis_url is None and cfg.api_key is None  # secrets come from start-head.sh
 
 
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-gpu.yaml"])
+def test_cluster_yaml_nested_by_section_is_the_same_config(name, tmp_path):
+    """The flat keys of the deploy files, nested under their sections (`attention: {tp: 1}`), give
+    the same ClusterConfig."""
+    flat = load(name)
+    settings, nested = ClusterConfig.settings(), {}
+    for key, value in flat.items():
+        s = settings[key]
+        if s.section is None:
+            nested[key] = value
+        else:
+            nested.setdefault(s.section, {})[s.name] = value
+    assert set(nested) & {"attention", "experts", "balancer", "router"}
+    (tmp_path / name).write_text(yaml.safe_dump(nested))
+    assert ClusterConfig.from_yaml(tmp_path / name) == ClusterConfig.from_yaml(DEPLOY / name)
+
+
 @pytest.mark.parametrize("name", ["serve.yaml", "kuberay serveConfigV2"])
 def test_serve_configs_build_the_app(name):
     schema = serve_configs()[name]

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from services.model.batch import DecodeRows
-from services.model.kernels import gpu
+from services.model.config import ModelConfig
+from services.model.kernels.select import select_kernels
 from services.model.kv_cache import BLOCK_SIZE
-from services.model.model import paged_decode
+from services.presets import PRESETS
 
 SCALE = 0.1352338  # DeepSeek-V3's softmax scale (FlashMLA's own default would be 1/sqrt(576))
 
@@ -69,15 +70,17 @@ def stand_in(calls: dict) -> types.ModuleType:
 
 @pytest.fixture
 def flashmla(monkeypatch):
-    """FlashMLA enabled on CPU tensors with the stand-in installed; yields its call counts."""
+    """The stand-in installed as `flash_mla`; yields its call counts."""
     calls: dict = {}
     monkeypatch.setitem(sys.modules, "flash_mla", stand_in(calls))
-    monkeypatch.setenv("MOE_FLASH_MLA", "1")
-    monkeypatch.setenv("MOE_TRITON", "0")
-    gpu.reset()
-    yield calls
-    monkeypatch.undo()
-    gpu.reset()
+    return calls
+
+
+def on_flashmla(dtype, preset: str = "tiny", fp8_cache: bool = False, **overrides):
+    """Kernels with FlashMLA asked for (on CPU tensors: the stand-in), torch otherwise, for a
+    `preset` model with V3's latent widths (512 + 64) and `overrides`."""
+    cfg = ModelConfig.from_hf({**PRESETS[preset], "kv_lora_rank": 512, "qk_rope_head_dim": 64, **overrides})
+    return select_kernels("cpu", dtype, cfg, allow="flashmla,torch", fp8_cache=fp8_cache)
 
 
 def decode_rows(lens: list[int], width: int, dtype, seed: int = 0):
@@ -108,34 +111,51 @@ def reference(q, cache, dec, C):
 def test_flashmla_gives_the_torch_paths_attention(flashmla, dtype):
     """V3's latent rows (512 + 64) in bf16 / fp16, contexts across block boundaries, 16 heads: the
     same output as the torch path, with the schedule made once for the step's layers."""
+    k = on_flashmla(dtype)
+    assert k.names()["mla_decode"] == "flashmla"
     cache, dec = decode_rows([1, 64, 65, 200], 576, dtype)
     ref_calls = dict(flashmla)
     for layer in range(3):  # the step's layers share one schedule
         q = 4 * torch.randn(4, 16, 576, generator=torch.Generator().manual_seed(layer)).to(dtype)  # peaked
-        o = paged_decode(q, cache, dec, 512, SCALE)
+        o = k.mla_decode(q, cache, dec, 512, SCALE)
         assert o.shape == (4, 16, 512) and o.dtype == dtype
         torch.testing.assert_close(o.float(), reference(q, cache, dec, 512).float(), rtol=1e-2, atol=1e-2)
     assert flashmla == {**ref_calls, "metadata": 1, "kernel": 3}
 
     _, next_step = decode_rows([66, 3, 9, 130], 576, dtype, seed=1)  # a new step: a new schedule
-    paged_decode(q, cache, next_step, 512, SCALE)
+    k.mla_decode(q, cache, next_step, 512, SCALE)
     assert flashmla["metadata"] == 2
 
 
 @pytest.mark.parametrize(
-    "dtype, C, R, width",
+    "dtype, overrides, fp8_cache, why",
     [
-        (torch.float32, 512, 64, 576),  # FlashMLA's dense decode is bf16 / fp16 only
-        (torch.bfloat16, 512, 64, 576 + 128),  # a V3.2 row: indexer keys after the latent
-        (torch.bfloat16, 64, 16, 80),  # another latent width (the tiny presets)
+        (torch.float32, {}, False, "bf16 / fp16 only"),  # FlashMLA's dense decode is bf16 / fp16 only
+        (torch.bfloat16, {"kv_lora_rank": 64, "qk_rope_head_dim": 16}, False, "512 + 64 latent rows only"),
+        (torch.bfloat16, {}, True, "torch.uint8 cache"),  # FP8 rows: FlashMLA's dense kernel reads bf16 rows
     ],
 )
-def test_flashmla_leaves_other_layouts_to_the_next_kernel(flashmla, dtype, C, R, width):
-    cache, dec = decode_rows([70, 5], width, dtype)
+def test_flashmla_is_not_chosen_for_other_layouts(flashmla, dtype, overrides, fp8_cache, why):
+    """A model FlashMLA's dense decode cannot take is refused when the kernels are selected, with
+    the reason; the next kernel (here torch) runs its decode attention."""
+    k = on_flashmla(dtype, fp8_cache=fp8_cache, **overrides)
+    assert k.names()["mla_decode"] == "torch" and why in k.reasons()["mla_decode"]["flashmla"]
+    if fp8_cache:
+        return
+    C, R = k.target.cfg.kv_lora_rank, k.target.cfg.qk_rope_head_dim
+    cache, dec = decode_rows([70, 5], C + R, dtype)
     q = torch.randn(2, 8, C + R, generator=torch.Generator().manual_seed(1)).to(dtype)
-    o = paged_decode(q, cache, dec, C, SCALE)
+    o = k.mla_decode(q, cache, dec, C, SCALE)
     assert "kernel" not in flashmla and "metadata" not in flashmla
     torch.testing.assert_close(o.float(), reference(q, cache, dec, C).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_v32_decodes_over_its_top_k_rows_without_flashmla(flashmla):
+    """V3.2's rows carry indexer keys after the latent and its decode attends to gathered top-k
+    rows: no dense decode to run, FlashMLA is not among its kernels."""
+    k = on_flashmla(torch.bfloat16, "tiny-v32", index_head_dim=128)
+    assert "mla_decode" not in k.names() and k.names()["mla_sparse_decode"] == "torch"
+    assert "flashmla" not in k.reasons()["mla_sparse_decode"]
 
 
 def test_a_failing_flashmla_is_logged_once_and_left(flashmla, caplog):
@@ -148,14 +168,16 @@ def test_a_failing_flashmla_is_logged_once_and_left(flashmla, caplog):
         raise RuntimeError("unsupported GPU architecture")
 
     flash_mla.flash_mla_with_kvcache = broken
+    k = on_flashmla(torch.bfloat16)
     cache, dec = decode_rows([70, 5], 576, torch.bfloat16)
     q = torch.randn(2, 8, 576, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with caplog.at_level(logging.ERROR):
         for _ in range(2):
-            o = paged_decode(q, cache, dec, 512, SCALE)
+            o = k.mla_decode(q, cache, dec, 512, SCALE)
             torch.testing.assert_close(o.float(), reference(q, cache, dec, 512).float(), rtol=2e-2, atol=2e-2)
     assert flashmla["kernel"] == 1
-    assert [r.message for r in caplog.records if "FlashMLA mla_decode failed" in r.message]
+    assert [r.message for r in caplog.records if "the flashmla kernel of mla_decode failed" in r.message]
+    assert k.names()["mla_decode"] == "torch" and "unsupported GPU" in k.reasons()["mla_decode"]["flashmla"]
 
 
 def test_engine_on_flashmla_keeps_greedy_outputs(tmp_path, flashmla, monkeypatch):
@@ -171,10 +193,9 @@ def test_engine_on_flashmla_keeps_greedy_outputs(tmp_path, flashmla, monkeypatch
     prompts = [[0, 5, 6, 7], list(range(3, 70))]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MOE_FLASH_MLA", flag)
-        gpu.FLASH_MLA.reset()
-        engine = LocalEngine(EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=4))
+    for flag, kernels in (("0", "torch"), ("1", "flashmla,torch")):
+        engine = LocalEngine(EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=4, kernels=kernels))
+        assert engine.stats()["kernels"]["mla_decode"] == ("flashmla" if flag == "1" else "torch")
         outs[flag] = [o.token_ids for o in engine.generate(prompts, params)]
         assert ("kernel" in flashmla) == (flag == "1")
     assert outs["1"] == outs["0"]

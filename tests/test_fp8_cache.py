@@ -8,6 +8,7 @@ import torch
 
 from services.engine.engine import EngineConfig, LocalEngine
 from services.engine.sampling import SamplingParams
+from services.model.batch import DecodeRows
 from services.model.config import ModelConfig
 from services.model.kernels import cpu_kernels
 from services.model.kv_cache import (
@@ -167,8 +168,8 @@ def test_decode_kernel_reads_fp8_rows(lens):
     table = torch.stack([torch.randperm(blocks, generator=g)[:MB] for _ in lens])
     lens_t = torch.tensor(lens)
     q = torch.randn(B, N, C + R, generator=g)
-    got = cpu_kernels.mla_decode(q, cache, table, lens_t, C, 0.1)
-    assert got is not None
+    kernels = cpu_kernels.CppKernels(cpu_kernels._module(), None)  # (the decode kernel, called directly)
+    got = kernels.mla_decode_fp8(q, cache, DecodeRows(None, None, table, lens_t), C, 0.1)
     ctx = dequantize_latent_rows(cache[table].view(B, -1, cache.shape[-1]), C, R)
     scores = torch.bmm(q, ctx.transpose(1, 2)) * 0.1
     scores.masked_fill_(torch.arange(ctx.shape[1])[None, None, :] >= lens_t[:, None, None], float("-inf"))
@@ -266,7 +267,7 @@ def test_fp8_rows_on_the_triton_kernels_keep_greedy_outputs(tmp_path, monkeypatc
     path's greedy tokens and close logits, a prompt across a block boundary and a batch mixing
     prefill chunks and decodes."""
     pytest.importorskip("triton")
-    from services.model.kernels import gpu, triton_mla
+    from services.model.kernels import triton_mla
 
     from .hf_oracle import generate_with_logits
 
@@ -288,17 +289,17 @@ def test_fp8_rows_on_the_triton_kernels_keep_greedy_outputs(tmp_path, monkeypatc
     prompts = random_prompts(320, seed=2, lengths=[4, 70, 21])
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
-    def run(flag: str):
-        monkeypatch.setenv("MOE_TRITON", flag)
-        gpu.TRITON.reset()
+    def run(kernels: str):
         engine = LocalEngine(EngineConfig(model=str(checkpoint), device=device, kv_cache_dtype="fp8",
-                                          max_num_seqs=4, max_num_batched_tokens=48))  # fmt: skip
-        return generate_with_logits(engine, prompts, params)
+                                          max_num_seqs=4, max_num_batched_tokens=48, kernels=kernels))  # fmt: skip
+        return engine, *generate_with_logits(engine, prompts, params)
 
-    ref, ref_logits = run("0")
+    _, ref, ref_logits = run("cpp,torch" if device == "cpu" else "torch")
     assert not read
-    out, logits = run("1")
-    assert read and set(read) == {torch.uint8} and "mla_decode" in gpu.TRITON.ran  # (not declined)
+    engine, out, logits = run("triton,cpp,torch" if device == "cpu" else "triton,torch")
+    attention = "mla_decode" if model == "v3" else "mla_sparse_decode"
+    assert read and set(read) == {torch.uint8} and engine.kernels.names()[attention] == "triton"
+    assert "triton" not in engine.kernels.reasons()[attention]  # (none failed)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     tol = 1e-4 if device == "cpu" else 1e-3  # (on an H200 3e-4 apart: other kernels' sums too)
     for a, b in zip(logits, ref_logits, strict=True):

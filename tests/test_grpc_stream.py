@@ -66,7 +66,7 @@ def test_stream_answers_come_in_order_on_one_stream(worker):
     assert streamed.stats.rpcs == 12 and streamed.stats.calls_by_transport == {"grpc": 12}
     assert _stream(streamed, srv).answered == 12  # (one stream carried every call)
     assert all(
-        c.answer is None for c in streamed.transports._watch._calls
+        c.answer is None for _, _, c in streamed.transports._watch._calls
     )  # (taken: not kept till the deadline)
     streamed.close()
 

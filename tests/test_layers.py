@@ -5,8 +5,10 @@ import torch
 
 from services.model.batch import StepBatch
 from services.model.config import ModelConfig
+from services.model.kernels.select import select_kernels
+from services.model.kernels.torch_ops import expert_ffn as grouped_expert_ffn
 from services.model.kv_cache import BLOCK_SIZE
-from services.model.layers import Rope, grouped_expert_ffn, route
+from services.model.layers import Rope
 from services.model.model import mla_forward
 
 from .hf_oracle import BASE, V3_YARN
@@ -31,7 +33,8 @@ def test_router_matches_transformers(groups):
         hf_router.e_score_correction_bias.copy_(torch.randn(32, generator=g) - 1.5)
     x = torch.randn(50, 64, generator=g)
     _, hf_w, hf_idx = hf_router(x)
-    idx, w = route(x, hf_router.weight.data, hf_router.e_score_correction_bias, _cfg(**kw))
+    route = select_kernels("cpu", torch.float32, _cfg(**kw)).route  # (the C++ router where built)
+    idx, w = route(x, hf_router.weight.data, hf_router.e_score_correction_bias)
     hf_order, order = hf_idx.sort(-1), idx.sort(-1)
     assert torch.equal(hf_order.values, order.values)
     torch.testing.assert_close(w.gather(1, order.indices), hf_w.gather(1, hf_order.indices))
@@ -110,19 +113,19 @@ def test_absorbed_decode_equals_naive_prefill():
     cfg = _cfg()
     g = torch.Generator().manual_seed(1)
     w = _random_mla(cfg, g)
-    rope = Rope(cfg)
+    rope, k = Rope(cfg), select_kernels("cpu", torch.float32, cfg)
     n = 150
     x = torch.randn(n, 64, generator=g)
     blocks = [5, 1, 3]
     cache_a = torch.zeros(8, BLOCK_SIZE, 1, cfg.latent_dim)
     full = StepBatch.build([(list(range(n)), 0, blocks, True)])
-    out_full = mla_forward(x, w, cfg, rope, rope.cos_sin(full.positions, torch.float32), cache_a, full)
+    out_full = mla_forward(x, w, cfg, k, rope.cos_sin(full.positions, torch.float32), cache_a, full)
 
     cache_b = torch.zeros_like(cache_a)
     pre = StepBatch.build([(list(range(n - 1)), 0, blocks, True)])
-    mla_forward(x[:-1], w, cfg, rope, rope.cos_sin(pre.positions, torch.float32), cache_b, pre)
+    mla_forward(x[:-1], w, cfg, k, rope.cos_sin(pre.positions, torch.float32), cache_b, pre)
     dec = StepBatch.build([([0], n - 1, blocks, True)])
-    out_dec = mla_forward(x[-1:], w, cfg, rope, rope.cos_sin(dec.positions, torch.float32), cache_b, dec)
+    out_dec = mla_forward(x[-1:], w, cfg, k, rope.cos_sin(dec.positions, torch.float32), cache_b, dec)
     torch.testing.assert_close(out_dec[0], out_full[-1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache_a, cache_b)
 
@@ -153,7 +156,7 @@ def test_fp8_experts_beyond_decode_sizes_dequantize_a_bounded_chunk_at_a_time(mo
     """Kept-FP8 experts on the torch path (a prefill): the slots a call touches are dequantized
     FP8_DEQUANT_BYTES at a time. In one chunk the result is that of experts dequantized at load,
     bit for bit; in several, the same up to the order of the fp32 sums."""
-    from services.model import layers
+    from services.model import fp8
     from services.model.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 
     g = torch.Generator().manual_seed(6)
@@ -169,7 +172,7 @@ def test_fp8_experts_beyond_decode_sizes_dequantize_a_bounded_chunk_at_a_time(mo
     slot = torch.randint(-1, S - 1, (T, K), generator=g)  # slot S - 1 unused
     want = grouped_expert_ffn(x, slot, weight, real13, real2)
     assert torch.equal(grouped_expert_ffn(x, slot, weight, q13, q2, None, None, s13, s2, block), want)
-    monkeypatch.setattr(layers, "FP8_DEQUANT_BYTES", 1)  # one slot per chunk
+    monkeypatch.setattr(fp8, "FP8_DEQUANT_BYTES", 1)  # one slot per chunk
     out = torch.empty(T, H)
     got = grouped_expert_ffn(x, slot, weight, q13, q2, out, None, s13, s2, block)
     assert got is out

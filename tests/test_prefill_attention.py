@@ -1,11 +1,12 @@
-"""Tiled prefill attention (model.prefill_attention) against the whole-matrix softmax it
+"""Tiled prefill attention (kernels/torch_ops.prefill_attention, the torch implementation of MLA
+prefill) against the whole-matrix softmax it
 replaces: causal chunks at the end of a longer context, several key and query tiles, score
 magnitudes that move the running max."""
 
 import pytest
 import torch
 
-from services.model import model
+from services.model.kernels import torch_ops as model
 from services.model.kv_cache import BLOCK_SIZE
 
 N, D, R, V, C = 4, 16, 8, 16, 32
@@ -39,7 +40,7 @@ def test_tiled_equals_whole_softmax(monkeypatch, L, n, score_bytes):
     monkeypatch.setattr(model, "PREFILL_KEY_TILE", 64)
     monkeypatch.setattr(model, "PREFILL_SCORE_BYTES", score_bytes)
     q, cache, blocks, kv_b = _case(L, n)
-    got = model.prefill_attention(q, cache, blocks, L, kv_b, C, R, 0.3)
+    got = model.prefill_attention(q[..., :D], q[..., D:], cache, blocks, L, kv_b, C, 0.3)
     torch.testing.assert_close(got, _reference(q, cache, blocks, L, kv_b, 0.3), rtol=1e-5, atol=1e-5)
 
 
@@ -48,6 +49,6 @@ def test_large_score_magnitudes_stay_finite(monkeypatch):
     monkeypatch.setattr(model, "PREFILL_KEY_TILE", 64)
     L, n = 256, 256
     q, cache, blocks, kv_b = _case(L, n, seed=3)
-    got = model.prefill_attention(q * 40, cache, blocks, L, kv_b, C, R, 1.0)
+    got = model.prefill_attention(q[..., :D] * 40, q[..., D:] * 40, cache, blocks, L, kv_b, C, 1.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, _reference(q * 40, cache, blocks, L, kv_b, 1.0), rtol=1e-4, atol=1e-4)

@@ -10,7 +10,7 @@ import torch
 from services.engine.block_allocator import BlockAllocator, block_hash
 from services.engine.engine import EngineConfig, LocalEngine
 from services.engine.sampling import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from services.engine.scheduler import RequestError, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from services.model.kv_cache import BLOCK_SIZE
 from services.router.affinity import PrefixAffinity
 
@@ -144,16 +144,23 @@ def test_random_schedules_never_leak_or_corrupt_a_block(seed, v4):
     states: dict[int, dict[int, tuple[int, int]]] = {}
     live: list[Sequence] = []
     hits = 0
-    for _ in range(400):
+    for step in range(400):
         if rng.random() < 0.3 and len(sched.waiting) < 8:  # a request sharing some prefix
             p = rng.choice(prefixes)
             prompt = p[: rng.randint(1, len(p))] + [rng.randrange(4, 300) for _ in range(rng.randint(0, 40))]
             seq = Sequence(prompt, SamplingParams(max_tokens=rng.randint(1, 70), ignore_eos=True))
-            try:
-                sched.add(seq)
-                live.append(seq)
-            except Exception:
-                pass
+            sched.add(seq)  # (at most 310 tokens: 5 blocks, always room; an error here is a bug)
+            live.append(seq)
+        if step % 50 == 0:  # one that can never fit is refused by name, and changes nothing
+            too_long = Sequence(
+                list(range(4, 4 + BLOCK_SIZE)),
+                SamplingParams(max_tokens=sched.allocator.num_blocks * BLOCK_SIZE),
+            )
+            waiting = list(sched.waiting)
+            with pytest.raises(RequestError, match="KV cache") as refused:
+                sched.add(too_long)
+            assert refused.value.param == "max_tokens" and list(sched.waiting) == waiting
+            assert sched.finish_id(too_long.request_id, "abort") is None  # (never registered)
         if live and rng.random() < 0.05:  # an abort
             sched.finish_id(rng.choice(live).request_id, "abort")
         chunks = sched.schedule()
@@ -289,8 +296,6 @@ def test_eviction_takes_a_prefix_from_its_tail(tiny_model):
 
 
 def test_out_of_vocabulary_stop_tokens_are_refused(tiny_model):
-    from services.engine.scheduler import RequestError
-
     engine = LocalEngine(EngineConfig(model=str(tiny_model)))
     with pytest.raises(RequestError, match="stop_token_ids"):
         engine.add_request([0, 5], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**6]))

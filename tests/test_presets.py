@@ -97,3 +97,27 @@ def test_token_id_mode_without_tokenizer(tmp_path):
     assert engine.tokenizer is None
     out = engine.generate([[0, 5, 6]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 3 and out.text == ""
+
+
+def test_medium_preset_is_v2_lite_sized_and_draws_in_bf16(tmp_path):
+    """The GPU benchmarks' preset: DeepSeek-V2-Lite's shape (~16B parameters, no q_lora), never
+    generated here in full; the same config cut to 3 layers and 8 experts writes bf16 weights
+    that load and run."""
+    from services.presets import PRESETS
+
+    hf = PRESETS["medium"]
+    cfg = ModelConfig.from_hf({**hf, "torch_dtype": "bfloat16"})
+    H, I, E, L = (
+        hf["hidden_size"],
+        hf["moe_intermediate_size"],
+        hf["n_routed_experts"],
+        hf["num_hidden_layers"],
+    )
+    routed = 3 * H * I * E * (L - hf["first_k_dense_replace"])
+    assert cfg.q_lora_rank is None and cfg.kv_lora_rank == 512 and 14e9 < routed < 15e9
+    small = {"num_hidden_layers": 3, "n_routed_experts": 8, "vocab_size": 512, "intermediate_size": 256}
+    path = init_model(tmp_path / "medium-cut", "medium", overrides=small, dtype="bfloat16")
+    assert json.loads((path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    engine = LocalEngine(EngineConfig(model=str(path), dtype="bfloat16", max_model_len=64))
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4

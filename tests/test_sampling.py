@@ -20,13 +20,18 @@ def test_penalties_follow_their_definitions():
         SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0),
         SamplingParams(),
     ]
-    out = process_logits(_logits(), params, history, [set(), set()])
+    logits = _logits()
+    out = process_logits(logits, params, history, [set(), set()])
+    assert torch.equal(logits, _logits())  # a new tensor: the caller's logits are untouched
     # repetition: tokens 0, 1, 4 seen (prompt or output): positive / 2, negative * 2
     # frequency: - 0.25 x count; presence: - 0.5 where generated
     want0 = torch.tensor([2.0 / 2 - 0.5 - 0.5, -1.0 * 2, 0.5, 0.0, 1.0 / 2 - 0.25 - 0.5])
     torch.testing.assert_close(out[0], want0)
     torch.testing.assert_close(out[1], _logits()[1])  # untouched row
-    assert process_logits(_logits(), [SamplingParams()] * 2, history, [set(), set()]) is not None
+    # no row processes its logits: the very same tensor back, no copy, nothing changed
+    plain = _logits()
+    assert process_logits(plain, [SamplingParams()] * 2, history, [set(), set()]) is plain
+    assert torch.equal(plain, _logits())
 
 
 def test_logit_bias_and_min_tokens():

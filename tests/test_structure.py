@@ -3,6 +3,9 @@ cycles, files one can read whole."""
 
 import ast
 import importlib
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,16 +136,53 @@ def _string_imports(path: Path) -> list[str]:
 
 def test_kernels_are_imported_not_named_by_strings():
     """The model reaches every kernel through an import a reader (or a type checker) can follow:
-    no module of services is loaded by a string, and the model's layers import the kernels."""
+    no module of services is loaded by a string; the selection (kernels/select.py) imports every
+    implementation, and the models import the selection."""
     assert [hit for path in MODULES.values() for hit in _string_imports(path)] == []
     assert _string_imports(ROOT / "tests" / "test_structure.py")  # (the check finds one: this file's)
-    for layer in ("services.model.model", "services.model.layers"):
-        assert {"services.model.kernels.cpu_kernels", "services.model.kernels.gpu"} <= GRAPH[layer], layer
+    implementations = {f"services.model.kernels.{m}" for m in ("cpu_kernels", "gpu", "torch_ops", "flashmla")}
+    assert implementations <= GRAPH["services.model.kernels.select"]
+    for model in ("services.model.model", "services.model.deepseek_v4", "services.model.moe"):
+        assert "services.model.kernels.select" in GRAPH[model], model
+
+
+IMPORT_CHECK = """
+import importlib, json, sys
+pure, others, io_libraries = (json.loads(a) for a in sys.argv[1:4])
+failed, files, io = {}, {}, None
+for name in pure + [None] + others:
+    if name is None:  # the pure packages loaded: which I/O libraries came with them
+        io = sorted({m.split(".")[0] for m in sys.modules} & set(io_libraries))
+        continue
+    try:
+        files[name] = importlib.import_module(name).__file__
+    except Exception as e:
+        failed[name] = f"{type(e).__name__}: {e}"
+print(json.dumps({"failed": failed, "files": files, "io": io}))
+"""
 
 
 def test_every_package_imports():
-    for package in ("services.model", "services.model.kernels", "services.engine", "services.presets"):
-        importlib.import_module(package)
+    """Every module of the model, its kernels, the engine and the presets imports, from this
+    checkout, in a fresh interpreter (no other test's imports to lean on); the pure packages'
+    modules load no I/O library even indirectly (the purity above, on what Python loads)."""
+    packages = ("services.model", "services.model.kernels", "services.engine", "services.presets")
+    names = sorted(n for n in MODULES if n in packages or n.startswith(tuple(p + "." for p in packages)))
+    assert set(packages) <= set(names) and len(names) > 20, names
+    pure = [n for n in names if _unit(n) in PURE]
+    others = [n for n in names if n not in pure]
+    # (subprocess and socket: the standard library's, which torch itself imports)
+    io_libraries = sorted(IO_LIBRARIES - {"subprocess", "socket"})
+    argv = [json.dumps(pure), json.dumps(others), json.dumps(io_libraries)]
+    run = subprocess.run([sys.executable, "-c", IMPORT_CHECK, *argv], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["failed"] == {}
+    assert {n: Path(f) for n, f in result["files"].items()} == {n: MODULES[n] for n in names}
+    assert pure and others and result["io"] == []
+    for package in packages:  # (and in this process too, where the other tests import them)
+        assert Path(importlib.import_module(package).__file__) == MODULES[package]
 
 
 @pytest.mark.parametrize("level", ["module", "service"])

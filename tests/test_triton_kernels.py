@@ -9,19 +9,31 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from services.model.kernels import gpu, hardware, triton_linear, triton_mla, triton_moe, triton_norm
+from services.model.config import ModelConfig
+from services.model.kernels import hardware, torch_ops, triton_linear, triton_mla, triton_moe, triton_norm
+from services.model.kernels.select import select_kernels
 from services.model.kv_cache import BLOCK_SIZE
+from services.presets import PRESETS
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the engines of these tests: the Triton kernels (asked for by name: on CPU tensors, under the
+# interpreter) with the C++ CPU kernels elsewhere, against the same without Triton
+TRITON = "triton,cpp,torch" if DEVICE == "cpu" else "triton,torch"
+WITHOUT = "cpp,torch" if DEVICE == "cpu" else "torch"
 
 
 @pytest.fixture
-def kernels(monkeypatch):
+def kernels():
     """(load(name) -> the kernel module, device). On CPU: the interpreter."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"  # (set by conftest.py)
-    monkeypatch.setenv("MOE_TRITON", "1")
-    gpu.reset()
+    assert DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"  # (set by conftest.py)
     modules = {"mla": triton_mla, "moe": triton_moe, "norm": triton_norm, "linear": triton_linear}
-    yield modules.__getitem__, device  # (conftest's autouse fixture resets the backends after the test)
+    return modules.__getitem__, DEVICE
+
+
+def on_triton(cfg: ModelConfig | None = None, **options):
+    """Kernels selected with Triton asked for (its kernels, torch elsewhere) for cfg (tiny)."""
+    cfg = cfg or ModelConfig.from_hf(PRESETS["tiny"])
+    return select_kernels(DEVICE, torch.float32, cfg, allow="triton,torch", **options)
 
 
 def paged_context(lens, width, dtype, device, seed=0, num_blocks=None):
@@ -92,9 +104,8 @@ def test_absorbed_prefill_matches_the_tiled_path(kernels, L, n):
     """model.absorbed_prefill (the GPU's prefill: each query a decode row of its own causal length)
     against model.prefill_attention on the same chunk: a chunk after a cached prefix, a whole prompt,
     one query."""
-    from services.model.model import absorbed_prefill, prefill_attention
-
     load, device = kernels
+    absorbed_prefill = on_triton().mla_prefill
     N, C, R, D, V = 4, 32, 16, 24, 20
     g = torch.Generator().manual_seed(3)
     nb = -(-L // BLOCK_SIZE)
@@ -104,9 +115,9 @@ def test_absorbed_prefill_matches_the_tiled_path(kernels, L, n):
     q = torch.randn(n, N, D + R, generator=g).to(device)
     got = absorbed_prefill(q[..., :D], q[..., D:], cache, blocks, L, kv_b, C, 0.3)
     torch.testing.assert_close(
-        got, prefill_attention(q, cache, blocks, L, kv_b, C, R, 0.3), rtol=1e-4, atol=1e-5
-    )
-    assert absorbed_prefill(q[..., :D], q[..., D:], cache.to(torch.uint8), blocks, L, kv_b, C, 0.3) is None
+        got, torch_ops.prefill_attention(q[..., :D], q[..., D:], cache, blocks, L, kv_b, C, 0.3), rtol=1e-4,
+        atol=1e-5,
+    )  # fmt: skip
 
 
 def fp8_context(lens, C, R, device, seed=0):
@@ -147,11 +158,13 @@ def test_mla_decode_reads_fp8_latent_rows(kernels, dtype, lens, splits):
     else:
         loose = 0.05 if device == "cpu" else 0.01
         torch.testing.assert_close(o, same, rtol=loose, atol=loose * same.abs().max())
-    assert mla.mla_decode(q, cache[..., :-2].contiguous(), table, lens_t, C, 0.05) is None  # not the layout
+    with pytest.raises(ValueError, match="FP8 rows of 654 bytes"):  # not the layout
+        mla.mla_decode(q, cache[..., :-2].contiguous(), table, lens_t, C, 0.05)
     narrow, *_ = fp8_context(lens, 256, 16, device)  # 296 bytes used, padded to 304
     assert narrow.shape[-1] == 304
     narrow = narrow[..., :296].contiguous()  # rows not a multiple of 16 bytes
-    assert mla.mla_decode(q[..., : 256 + 16].contiguous(), narrow, table, lens_t, 256, 0.05) is None
+    with pytest.raises(ValueError, match="FP8 rows of 296 bytes"):
+        mla.mla_decode(q[..., : 256 + 16].contiguous(), narrow, table, lens_t, 256, 0.05)
 
 
 @pytest.mark.parametrize("C, R", [(384, 18), (128, 6)])
@@ -172,9 +185,8 @@ def test_mla_decode_reads_fp8_rows_of_other_widths(kernels, C, R):
 def test_absorbed_prefill_over_fp8_rows_matches_the_tiled_path(kernels):
     """FP8 rows in prefill: the Triton kernel reads them in place, the tiled path dequantises a tile
     at a time; the same attention."""
-    from services.model.model import absorbed_prefill, prefill_attention
-
     load, device = kernels
+    absorbed_prefill = on_triton().mla_prefill
     N, C, R, D, V, L, n = 4, 512, 64, 24, 20, 150, 40
     cache, _, table, _ = fp8_context([L], C, R, device, seed=4)
     blocks = table[0].long()
@@ -182,9 +194,11 @@ def test_absorbed_prefill_over_fp8_rows_matches_the_tiled_path(kernels):
     kv_b = (torch.randn(N, D + V, C, generator=g) / C**0.5).to(device)
     q = torch.randn(n, N, D + R, generator=g).to(device)
     got = absorbed_prefill(q[..., :D], q[..., D:], cache, blocks, L, kv_b, C, 0.3)
-    assert got is not None
     torch.testing.assert_close(
-        got, prefill_attention(q, cache, blocks, L, kv_b, C, R, 0.3), rtol=1e-4, atol=5e-4
+        got,
+        torch_ops.prefill_attention(q[..., :D], q[..., D:], cache, blocks, L, kv_b, C, 0.3),
+        rtol=1e-4,
+        atol=5e-4,
     )  # (fp32 sums in other orders; values up to ~30 here)
 
 
@@ -252,23 +266,28 @@ def test_mla_decode_split_count(kernels, monkeypatch):
     assert [mla._splits(1, 8, blocks, cpu) for blocks in (1, 4, 5, 9, 2048)] == [1, 1, 2, 4, 64]
 
 
-def test_a_failing_kernel_leaves_its_work_to_torch(kernels, monkeypatch, caplog):
-    from services.model.layers import rms_norm
-
+def test_a_failing_kernel_leaves_its_family_to_the_next_one(kernels, monkeypatch, caplog):
+    """A Triton kernel that fails where it runs (no kernel image for this GPU, say) is logged, and
+    its family's next implementation runs it from then on, visible in what the kernels say they
+    run; the other families keep their Triton kernels."""
     load, device = kernels
+    k = on_triton()
+    assert k.names()["rms_norm"] == k.names()["add_rms_norm"] == "triton"
     x, w = torch.randn(3, 64, device=device), torch.randn(64, device=device)
-    expected = rms_norm(x, w, 1e-6)  # (the Triton kernel, matching the torch path below)
+    expected = k.rms_norm(x, w, 1e-6)  # (the Triton kernel, matching the torch path below)
+    calls = []
 
     def broken(*args):
+        calls.append(1)
         raise RuntimeError("no kernel image is available for execution on the device")
 
     monkeypatch.setattr(load("norm"), "rms_norm", broken)
-    monkeypatch.setenv("MOE_CPU_KERNELS", "0")
-    torch.testing.assert_close(rms_norm(x, w, 1e-6), expected, rtol=1e-5, atol=1e-6)
-    assert "Triton rms_norm failed" in caplog.text
-    # only that function: the module's others still run
-    assert gpu.TRITON.rms_norm(x, w, 1e-6) is None
-    assert gpu.TRITON.add_rms_norm(x, x, w, 1e-6) is not None
+    for _ in range(2):
+        torch.testing.assert_close(k.rms_norm(x, w, 1e-6), expected, rtol=1e-5, atol=1e-6)
+    assert calls == [1] and "the triton kernel of rms_norm failed" in caplog.text
+    assert k.names()["rms_norm"] == "torch" and "no kernel image" in k.reasons()["rms_norm"]["triton"]
+    assert k.names()["add_rms_norm"] == "triton"  # only that family: the module's others still run
+    k.add_rms_norm(x, x, w, 1e-6)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32-rows", "fp8-rows"])
@@ -278,7 +297,6 @@ def test_mla_decode_over_chosen_rows(kernels, fp8):
     indexer key after the latent and a pad (kv_cache.quantize_latent_rows: 176 bytes here, the
     kernel reads the first 148)."""
     from services.model.kv_cache import fp8_row_bytes, quantize_latent_rows
-    from services.model.model import sparse_decode
 
     load, device = kernels
     C, R, Di = (128, 8, 16) if fp8 else (64, 16, 8)
@@ -293,10 +311,7 @@ def test_mla_decode_over_chosen_rows(kernels, fp8):
     rows = torch.stack([torch.randperm(cache.shape[0] * 64, generator=g)[:70] for _ in range(3)]).to(device)
     count = torch.tensor([70, 1, 33], device=device)
     q = torch.randn(3, 20, C + R, generator=g).to(device)
-    with gpu.TRITON.off(cuda=q.is_cuda):  # the reference: sparse_decode's torch gather
-        assert not gpu.TRITON.enabled(q)
-        ref = sparse_decode(q, cache, rows, count, C, 0.2)
-    assert gpu.TRITON.enabled(q)
+    ref = torch_ops.sparse_decode(q, cache, rows, count, C, 0.2)  # the reference: a torch gather
     for splits in (None, 2):
         o = load("mla").mla_decode(q, cache, None, count, C, 0.2, splits=splits, rows=rows)
         assert o is not None
@@ -409,33 +424,28 @@ def test_latent_to_cache_matches_the_torch_path(kernels, dtype, interleave, T, N
     torch.testing.assert_close(got[slots, :C], want_cache[slots, :C], rtol=tol, atol=tol)
 
 
-def test_mla_decode_declines_a_mismatched_cache(kernels):
+def test_mla_decode_refuses_a_mismatched_cache(kernels):
+    """What selection checks (triton_mla.unsupported), the kernel refuses too: never a silent None."""
     load, device = kernels
     mla = load("mla")
     cache, table, lens = paged_context([10], 40, torch.float32, device)
-    assert (
-        mla.mla_decode(torch.randn(1, 16, 48, device=device), cache, table, lens, 32, 0.1) is None
-    )  # q too wide
+    with pytest.raises(ValueError, match="narrower than the latent"):  # q too wide
+        mla.mla_decode(torch.randn(1, 16, 48, device=device), cache, table, lens, 32, 0.1)
     q16 = torch.randn(1, 16, 40, device=device, dtype=torch.bfloat16)
-    assert mla.mla_decode(q16, cache, table, lens, 32, 0.1) is None  # (the caller's torch path runs)
+    with pytest.raises(ValueError, match="cache under"):
+        mla.mla_decode(q16, cache, table, lens, 32, 0.1)
 
 
 def test_kernels_stay_off_on_cpu_unless_asked(monkeypatch):
-    x = torch.zeros(1)
-
-    def enabled(**env) -> bool:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value) if value is not None else monkeypatch.delenv(name, raising=False)
-        gpu.reset()
-        return gpu.TRITON.enabled(x)
-
-    try:
-        assert not enabled(MOE_TRITON=None)
-        assert not enabled(MOE_TRITON="1", TRITON_INTERPRET=None)  # compiled Triton needs a GPU
-        assert enabled(MOE_TRITON="1", TRITON_INTERPRET="1")
-    finally:
-        monkeypatch.undo()
-        gpu.reset()
+    """On CPU tensors Triton runs only when asked for by name, under the interpreter."""
+    cfg = ModelConfig.from_hf(PRESETS["tiny"])
+    auto = select_kernels("cpu", torch.float32, cfg)
+    assert "triton" not in auto.names().values() and "asked for" in auto.reasons()["rms_norm"]["triton"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    compiled = select_kernels("cpu", torch.float32, cfg, allow="triton,torch")  # compiled Triton needs a GPU
+    assert "TRITON_INTERPRET=1" in compiled.reasons()["rms_norm"]["triton"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_kernels("cpu", torch.float32, cfg, allow="triton,torch").names()["rms_norm"] == "triton"
 
 
 def test_deepseek_v32_engine_on_the_triton_kernels_keeps_greedy_outputs(tmp_path, kernels, monkeypatch):
@@ -454,10 +464,9 @@ def test_deepseek_v32_engine_on_the_triton_kernels_keeps_greedy_outputs(tmp_path
     prompts = [list(range(3, 90)), [0, 5, 6, 7]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MOE_TRITON", flag)
-        gpu.TRITON.reset()
-        engine = LocalEngine(EngineConfig(model=str(path), device=device, max_num_seqs=4))
+    for flag, kernels in (("0", WITHOUT), ("1", TRITON)):
+        engine = LocalEngine(EngineConfig(model=str(path), device=device, max_num_seqs=4, kernels=kernels))
+        assert (engine.kernels.names()["mla_sparse_decode"] == "triton") == (flag == "1")
         outs[flag] = [o.token_ids for o in engine.generate(prompts, params)]
     assert any(sparse_calls) and outs["1"] == outs["0"]
 
@@ -488,17 +497,14 @@ def test_engine_on_the_triton_kernels_keeps_greedy_outputs(tiny_model, kernels, 
     prompts = [[0, 5, 6, 7], list(range(3, 70)), [0] + [9] * 20]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-    def run(flag: str):
-        monkeypatch.setenv("MOE_TRITON", flag)
-        gpu.TRITON.reset()  # (the modules stay patched)
-        engine = LocalEngine(
-            EngineConfig(model=str(tiny_model), device=device, max_num_seqs=4, max_num_batched_tokens=48)
-        )
+    def run(kernels: str):
+        engine = LocalEngine(EngineConfig(model=str(tiny_model), device=device, max_num_seqs=4,
+                                          max_num_batched_tokens=48, kernels=kernels))  # fmt: skip
         return generate_with_logits(engine, prompts, params)
 
-    ref, ref_logits = run("0")
+    ref, ref_logits = run(WITHOUT)
     assert not calls
-    out, logits = run("1")
+    out, logits = run(TRITON)
     assert set(calls) == {fn for _, fn in kernels}  # every kernel ran
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     for a, b in zip(logits, ref_logits, strict=True):
@@ -523,11 +529,9 @@ def test_fp8_experts_kept_fp8_run_in_the_fused_moe(tmp_path, kernels, monkeypatc
     prompts = [[0, 5, 6, 7], list(range(3, 70))]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MOE_TRITON", flag)
-        gpu.TRITON.reset()
+    for flag, names in (("0", WITHOUT), ("1", TRITON)):
         engine = LocalEngine(
-            EngineConfig(model=str(path), device=device, max_num_seqs=4, keep_fp8_experts=True)
+            EngineConfig(model=str(path), device=device, max_num_seqs=4, keep_fp8_experts=True, kernels=names)
         )
         outs[flag] = generate_with_logits(engine, prompts, params)
     assert fp8_calls and all(fp8_calls)
@@ -592,13 +596,11 @@ def test_engine_with_linears_kept_fp8_on_the_triton_kernels_keeps_greedy_outputs
     prompts = [[0, 5, 6, 7], list(range(3, 40))]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MOE_TRITON", flag)
-        gpu.TRITON.reset()
-        cfg = EngineConfig(
-            model=str(path), device=device, max_num_seqs=4, keep_fp8_experts=True, keep_fp8_linears=True
-        )
-        outs[flag] = [o.token_ids for o in LocalEngine(cfg).generate(prompts, params)]
+    for flag, names in (("0", WITHOUT), ("1", TRITON)):
+        cfg = EngineConfig(model=str(path), device=device, max_num_seqs=4, keep_fp8_experts=True,
+                           keep_fp8_linears=True, kernels=names)  # fmt: skip
+        engine = LocalEngine(cfg)
+        outs[flag] = [o.token_ids for o in engine.generate(prompts, params)]
     assert calls and set(calls) == {(torch.float8_e4m3fn, True)}
-    assert "fp8_linear" in gpu.TRITON.ran and not gpu.TRITON.failed  # (none went back to torch)
-    assert outs["1"] == outs["0"]
+    assert engine.kernels.names()["fp8_linear"] == "triton" and not engine.kernels.reasons()["fp8_linear"]
+    assert outs["1"] == outs["0"]  # (and none went back to torch: no failure among the reasons)

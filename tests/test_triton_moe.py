@@ -1,5 +1,6 @@
-"""The Triton fused MoE (services/model/kernels/triton_moe.py) against layers.grouped_expert_ffn. Without a
-GPU it runs under triton's interpreter on CPU tensors (TRITON_INTERPRET=1), on small shapes."""
+"""The Triton fused MoE (services/model/kernels/triton_moe.py) against the routed experts' torch
+implementation (kernels/torch_ops.expert_ffn). Without a GPU it runs under triton's interpreter on
+CPU tensors (TRITON_INTERPRET=1), on small shapes."""
 
 import os
 
@@ -9,21 +10,17 @@ import torch
 pytest.importorskip("triton")
 
 from services.model.fp8 import dequantize_fp8_blocks
-from services.model.kernels import gpu, hardware, triton_moe
-from services.model.layers import grouped_expert_ffn
+from services.model.kernels import hardware, triton_moe
+from services.model.kernels.torch_ops import expert_ffn as grouped_expert_ffn
 
 
 @pytest.fixture
-def moe(monkeypatch):
-    """(the triton_moe module, device). On CPU: the interpreter, imported afresh. MOE_TRITON=0 keeps
-    the reference, grouped_expert_ffn, on its torch path (it would call fused_moe otherwise)."""
+def moe():
+    """(the triton_moe module, device). On CPU: the interpreter. The reference, grouped_expert_ffn,
+    is the torch implementation."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"  # (set by conftest.py)
-    monkeypatch.setenv("MOE_TRITON", "0")
-    gpu.reset()
-    yield triton_moe, device
-    monkeypatch.undo()
-    gpu.reset()
+    return triton_moe, device
 
 
 def routing(T, K, S, seed=0, skip=0.2, idle=()):

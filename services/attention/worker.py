@@ -34,7 +34,7 @@ from services.engine.outputs import Refusal, RequestOutput, StepFailed, StepResu
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import QueueFullError
 from services.model.moe import LocalExperts
-from services.settings import BALANCER_NAME, SharedSettings
+from services.settings import BALANCER_NAME, AttentionSettings, SharedSettings, build_config
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +45,32 @@ class AttentionWorkerConfig:
     worker_id: str = "attn-0"
     tp: int = 1  # tensor-parallel ranks (processes on this node); heads split, latent cache replicated
     gpus: float = 0.0  # Ray num_gpus of each follower rank (rank 0's is the actor's own)
-    shared: SharedSettings = field(default_factory=SharedSettings)  # no redis_url: loads not reported
+    # no redis_url: loads not reported; the data plane's transport, spin and secret (DispatchConfig's)
+    shared: SharedSettings = field(default_factory=SharedSettings)
     dispatch_timeout_s: float = 10.0
-    expert_transport: str = "auto"  # DispatchConfig.transport: auto (shm on this node, else TCP, else gRPC), shm, tcp, grpc
-    expert_spin_us: float = 0.0  # DispatchConfig.spin_us
     step_retry_s: float = 30.0  # a failing step is retried this long before its requests fail
     step_retry_wait_s: float = 0.05  # pause between retries of a failing step
     idle_wait_s: float = 0.05
     owner_timeout_s: float = 5.0  # a request whose router replica renewed no lease this long is aborted
+
+    @classmethod
+    def from_settings(
+        cls, settings: AttentionSettings, shared: SharedSettings, model: str, worker_id: str = ""
+    ) -> AttentionWorkerConfig:
+        """A cluster's attention worker: the attention and shared settings (services/settings.py)
+        named like a field of EngineConfig or of this config go to it as they are."""
+        engine = build_config(EngineConfig, settings, shared, model=model, device=settings.device)
+        return build_config(cls, settings, engine=engine, worker_id=worker_id, shared=shared)
+
+    @property
+    def expert_transport(self) -> str:
+        """DispatchConfig.transport: auto (shm on this node, else TCP, else gRPC), shm, tcp, grpc."""
+        return self.shared.transport
+
+    @property
+    def expert_spin_us(self) -> float:
+        """DispatchConfig.spin_us."""
+        return self.shared.spin_us
 
 
 @dataclass
@@ -297,10 +315,10 @@ class AttentionWorker:
         def make_experts(mcfg, reader, dtype):
             if placement is None:  # single process: every routed expert here
                 return LocalExperts.load_all(reader, mcfg, dtype).to(cfg.engine.device)
-            self.remote_experts = RemoteExperts(mcfg, Placement.from_dict(placement), addresses,
-                                                DispatchConfig(timeout_s=cfg.dispatch_timeout_s, secret=cfg.shared.secret,
-                                                               transport=cfg.expert_transport,
-                                                               spin_us=cfg.expert_spin_us))  # fmt: skip
+            dispatch = DispatchConfig(timeout_s=cfg.dispatch_timeout_s, secret=cfg.shared.secret,
+                                      transport=cfg.expert_transport, spin_us=cfg.expert_spin_us,
+                                      device=str(cfg.engine.device))  # fmt: skip
+            self.remote_experts = RemoteExperts(mcfg, Placement.from_dict(placement), addresses, dispatch)
             return self.remote_experts
 
         mcfg, model, experts, tokenizer = load_engine(cfg.engine, make_experts)
@@ -404,6 +422,7 @@ class AttentionWorker:
                 **asdict(experts.stats),
                 "transport": experts.transport_of(),
                 "transport_events": experts.transport_events(),
+                "deadlines_s": experts.deadlines.snapshot(),
             }
         return {**self.service.stats(), "dispatch": dispatch, "ranks": await self._ranks()}
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from services.settings import attention_worker_name
+from services.settings import AttentionSettings, attention_worker_name, build_config
 
 from .autoscale import AttentionLoad, AttentionScaleConfig
 
@@ -57,11 +57,34 @@ class AttentionScaling:
     resources: dict[str, float] = field(default_factory=dict)  # Ray resources of each worker
     num_gpus: float = 0.0  # per worker and per TP rank
 
+    @classmethod
+    def from_settings(cls, settings: AttentionSettings, worker) -> AttentionScaling:
+        """The pool of `settings` (services/settings.py), of workers built like `worker`."""
+        lo, hi = settings.bounds()
+        scale = build_config(AttentionScaleConfig, settings, min_workers=lo, max_workers=hi)
+        return cls(scale, worker, dict(settings.resources), settings.gpus)
+
     @property
     def bundle(self) -> dict[str, float]:
         """What one attention worker's rank takes from a node ({} when nothing)."""
         bundle = {name: float(n) for name, n in self.resources.items() if n}
         return bundle | ({"GPU": float(self.num_gpus)} if self.num_gpus else {})
+
+
+def start_attention_worker(scaling: AttentionScaling, name: str, placement: dict, addresses: dict,
+                           get_if_exists: bool = False):  # fmt: skip
+    """Start attention worker `name` like `scaling.worker`, routing with `placement` (expert
+    workers at `addresses`): a detached named actor in the cluster's namespace, restarted in
+    place by Ray (it re-attaches by name). The one way attention workers start: the launcher's
+    first ones and the pool's later ones. `get_if_exists`: the running one of that name, if any
+    (a re-deploy)."""
+    from services.attention.worker import AttentionWorker
+
+    wcfg = dataclasses.replace(scaling.worker, worker_id=name)
+    return AttentionWorker.options(
+        name=name, namespace=wcfg.shared.namespace, resources=scaling.resources or None, num_gpus=scaling.num_gpus,
+        lifetime="detached", max_restarts=-1, get_if_exists=get_if_exists,
+    ).remote(wcfg, placement, addresses)  # fmt: skip
 
 
 class AttentionPool:
@@ -122,15 +145,9 @@ class AttentionPool:
     async def start_worker(self) -> str:
         """Start one more attention worker; its name once it answers `ready`. TimeoutError when no
         node had room for it within `start_timeout_s` (then it is removed again)."""
-        from services.attention.worker import AttentionWorker
-
         name = self._next_name()
-        wcfg = dataclasses.replace(self.scaling.worker, worker_id=name)
         info = self.core.placement_info()
-        actor = AttentionWorker.options(
-            name=name, namespace=self.core.shared.namespace, resources=self.scaling.resources or None,
-            num_gpus=self.scaling.num_gpus, lifetime="detached", max_restarts=-1,
-        ).remote(wcfg, info["placement"], info["addresses"])  # fmt: skip
+        actor = start_attention_worker(self.scaling, name, info["placement"], info["addresses"])
         self.starting[name] = actor
         try:
             ready = await asyncio.wait_for(actor.ready.remote(), self.scaling.scale.start_timeout_s)

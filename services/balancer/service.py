@@ -47,7 +47,7 @@ from services.redis_store import (
     read_load_window,
     restore_placement,
 )
-from services.settings import SharedSettings
+from services.settings import BalancerSettings, ExpertSettings, SharedSettings, build_config
 
 from .attention_pool import ATTENTION_NAME, AttentionScaling
 from .autoscale import AutoscaleConfig
@@ -60,29 +60,39 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BalancerConfig:
+    """The balancer's config: its settings and the expert pool's (services/settings.py), as the
+    launcher's `ClusterConfig` holds them, and what the launcher decides at start."""
+
     model: str
-    expert_workers: int = 2
-    redundant_experts: int = 0  # extra slots per MoE layer, over all workers
-    shared: SharedSettings = field(default_factory=SharedSettings)  # Redis, key prefix, namespace
-    period_s: float = 30.0  # 0: rebalance only on demand
-    window_buckets: int = 15  # load window: the last N buckets of shared.bucket_seconds
-    min_gain: float = 0.02  # balancedness gain needed to migrate (hysteresis)
-    expert_dtype: str = "float32"
-    expert_weight_dtype: str | None = None  # ExpertWorkerConfig.weight_dtype
-    expert_keep_fp8: bool = False  # ExpertWorkerConfig.keep_fp8_experts
-    expert_spare_rows: int = 0  # ExpertWorkerConfig.spare_rows
-    expert_threads: int = 1
-    expert_concurrency: int = 1  # ExpertWorkerConfig.compute_concurrency
-    expert_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"expert_node": 0.01}
-    expert_gpus: float = 0.0  # Ray num_gpus per expert worker; > 0: its experts compute on CUDA
-    expert_host: str | None = None  # None: each worker's node IP
-    expert_shm: bool = True  # ExpertWorkerConfig.shm: also serve Dispatch through shared memory
-    expert_spin_us: float = 0.0  # ExpertWorkerConfig.spin_us
-    autoscale: AutoscaleConfig | None = None  # the pool sizes itself (autoscale.py); None: fixed
+    experts: ExpertSettings = field(default_factory=ExpertSettings)  # the pool: size, autoscaling, workers
+    settings: BalancerSettings = field(default_factory=BalancerSettings)  # re-placement: period, window, gain
+    shared: SharedSettings = field(default_factory=SharedSettings)  # Redis, key prefix, namespace, data plane
     attention: AttentionScaling | None = None  # the attention pool sizes itself (attention_pool.py)
+    expert_host: str | None = None  # None: each worker's node IP
     watch_s: float = 0.5  # health check / reconcile period (0: off)
     switch_timeout_s: float = 30.0  # an attention worker slower than this to switch is retried later
     gc_s: float = 5.0  # how often versions nobody uses are released
+
+    @property
+    def period_s(self) -> float:
+        """Seconds between rebalancing checks (0: on demand only)."""
+        return self.settings.period_s
+
+    @property
+    def autoscale(self) -> AutoscaleConfig | None:
+        """The expert pool's autoscaling (autoscale.py), or None with min == max: a fixed pool."""
+        lo, hi = self.experts.bounds()
+        cfg = build_config(AutoscaleConfig, self.experts, min_workers=lo, max_workers=hi)
+        return cfg if cfg.enabled else None
+
+    def expert_worker_config(self) -> ExpertWorkerConfig:
+        """Each expert worker's config: the expert and shared settings named like its fields."""
+        return build_config(
+            ExpertWorkerConfig, self.experts, self.shared, model=self.model,
+            model_config=read_model_config(self.model),  # their nodes need no checkpoint (peer copy)
+            device=self.experts.device, host=self.expert_host,
+            shm=self.shared.transport in ("auto", "shm"),  # (grpc: no shared-memory listener at all)
+        )  # fmt: skip
 
 
 class BalancerCore:
@@ -92,17 +102,9 @@ class BalancerCore:
         self.cfg, self.shared = cfg, cfg.shared
         self.model_cfg = ModelConfig.from_dir(cfg.model)
         self.redis = connect(cfg.shared.redis_url) if cfg.shared.redis_url else None
-        worker_cfg = ExpertWorkerConfig(
-            model=cfg.model, dtype=cfg.expert_dtype, weight_dtype=cfg.expert_weight_dtype,
-            keep_fp8_experts=cfg.expert_keep_fp8, spare_rows=cfg.expert_spare_rows,
-            num_threads=cfg.expert_threads, compute_concurrency=cfg.expert_concurrency, host=cfg.expert_host,
-            model_config=read_model_config(cfg.model),  # their nodes need no checkpoint (peer copy)
-            device="cuda" if cfg.expert_gpus > 0 else "cpu", shm=cfg.expert_shm, spin_us=cfg.expert_spin_us,
-            secret=cfg.shared.secret,
-            namespace=cfg.shared.namespace,
-        )  # fmt: skip
-        self.pool = ExpertPool(cfg.shared, worker_cfg, cfg.expert_resources, num_gpus=cfg.expert_gpus)
-        self.target_workers = cfg.expert_workers
+        self.pool = ExpertPool(cfg.shared, cfg.expert_worker_config(), dict(cfg.experts.resources),
+                               num_gpus=cfg.experts.gpus)  # fmt: skip
+        self.target_workers = cfg.experts.workers
         self.attention: dict[str, ray.actor.ActorHandle] = {}
         self.attention_state: dict[str, dict] = {}  # name -> its last `ready` answer (or why none)
         self.placement: Placement | None = None
@@ -130,7 +132,7 @@ class BalancerCore:
 
     def _slots_for(self, num_workers: int) -> int:
         return max(
-            slots_per_worker(self.model_cfg, num_workers, self.cfg.redundant_experts),
+            slots_per_worker(self.model_cfg, num_workers, self.cfg.experts.redundant_experts),
             -(-self.model_cfg.n_routed_experts // num_workers),
         )
 
@@ -154,7 +156,7 @@ class BalancerCore:
         if not self.pool.members:
             raise RuntimeError(f"no expert worker started: {error}")
         pool = self.eplb_pool()
-        self.slots = slots_per_worker(self.model_cfg, pool.num_workers, self.cfg.redundant_experts)
+        self.slots = slots_per_worker(self.model_cfg, pool.num_workers, self.cfg.experts.redundant_experts)
         persisted = self._persisted()
         if persisted is not None and persisted.num_slots == self.slots * pool.num_workers:
             # the same layout on this (re)started pool, under a new version
@@ -196,7 +198,7 @@ class BalancerCore:
             return False
         placement = max(usable, key=lambda p: p.version)
         self.placement, self.slots = placement, placement.slots_per_worker
-        self.target_workers = max(self.cfg.expert_workers, len(placement.workers))
+        self.target_workers = max(self.cfg.experts.workers, len(placement.workers))
         self._persist(placement)
         self._gc_due = 0.0  # release the versions nobody uses at the first chance
         log.info("resumed placement v%d over %s (missing: %s)", placement.version, self.pool.workers,
@@ -303,7 +305,7 @@ class BalancerCore:
             if survivors:
                 pool = self.eplb_pool(survivors)
                 decision = decide(self.model_cfg, self.placement, self._loads(), pool,
-                                  self._slots_for(pool.num_workers), self.cfg.min_gain, force=True)  # fmt: skip
+                                  self._slots_for(pool.num_workers), self.cfg.settings.min_gain, force=True)  # fmt: skip
                 decision.reason = f"heal: {', '.join(dead)} died"
             else:
                 if not self.pool.members:
@@ -311,7 +313,7 @@ class BalancerCore:
                 if not self.pool.members:
                     return None  # (no node has room yet: the next watch tick tries again)
                 pool = self.eplb_pool()
-                slots = slots_per_worker(self.model_cfg, pool.num_workers, self.cfg.redundant_experts)
+                slots = slots_per_worker(self.model_cfg, pool.num_workers, self.cfg.experts.redundant_experts)
                 fresh = initial_placement(self.model_cfg, pool, slots, self._loads())
                 new = Placement(self.placement.version + 1, fresh.phy2log, pool.workers)
                 decision = Decision(
@@ -400,7 +402,7 @@ class BalancerCore:
         shared, m = self.shared, self.model_cfg
         try:
             loads = read_load_window(self.redis, shared.key_prefix, current_bucket(shared.bucket_seconds),
-                                     self.cfg.window_buckets, m.num_moe_layers, m.n_routed_experts)  # fmt: skip
+                                     self.cfg.settings.window_buckets, m.num_moe_layers, m.n_routed_experts)  # fmt: skip
         except Exception as e:
             log.warning("cannot read loads from Redis: %s", e)
             return None
@@ -427,7 +429,7 @@ class BalancerCore:
             if any(w not in self.pool.members for w in self.placement.workers):
                 return {"migrated": False, "reason": "a dead worker is being healed"}
             decision = decide(self.model_cfg, self.placement, loads, self.eplb_pool(list(self.placement.workers)),
-                              self.slots, self.cfg.min_gain, force)  # fmt: skip
+                              self.slots, self.cfg.settings.min_gain, force)  # fmt: skip
             self.last_decision = decision
             if decision.placement is None:
                 return {
@@ -461,7 +463,7 @@ class BalancerCore:
                 leaving, staying = members[num_workers:], members[:num_workers]
                 pool = self.eplb_pool(staying)
                 decision = decide(self.model_cfg, self.placement, self._loads(), pool,
-                                  self._slots_for(pool.num_workers), self.cfg.min_gain, force=True)  # fmt: skip
+                                  self._slots_for(pool.num_workers), self.cfg.settings.min_gain, force=True)  # fmt: skip
                 decision.reason = reason
                 record = await self._migrate(decision, leaving)
                 if not record.ok:

@@ -9,9 +9,9 @@ i-th response belongs to the i-th request still unanswered (`pending`); a call w
 read by a later call's wait keeps it until its own `result()`.
 
 Deadlines: a stream has none per message, so one thread per client (`DeadlineWatch`) holds every
-call's deadline, in the order they were sent (their deadlines are too), and cancels the stream of
-a call still unanswered at its deadline. It sleeps until the oldest deadline, so in steady
-serving it wakes about once per timeout, not once per call. Every call pending on a stream that
+call's deadline (each call's own: deadlines.py draws them from observed latency), earliest first,
+and cancels the stream of a call still unanswered at its deadline. It sleeps until the earliest
+deadline. Every call pending on a stream that
 breaks (a dead worker, a cancelled stream) fails with the status that says why
 (DEADLINE_EXCEEDED after a cancel for a deadline); the next call opens a new stream.
 
@@ -25,6 +25,8 @@ stream is refused with RESOURCE_EXHAUSTED and the client sends that worker unary
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -61,19 +63,20 @@ class StreamCall:
 class GrpcStream:
     """A DispatchStream to one worker. Driver-thread only, but for `expire` (the watch's thread)."""
 
-    def __init__(self, call: grpc.StreamStreamMultiCallable, watch: DeadlineWatch, timeout_s: float,
+    def __init__(self, call: grpc.StreamStreamMultiCallable, watch: DeadlineWatch,
                  metadata: tuple[tuple[str, str], ...] | None = None):  # fmt: skip
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = call(iter(self._requests.get, None), metadata=metadata)
-        self._watch, self._timeout_s = watch, timeout_s
+        self._watch = watch
         self._pending: collections.deque[StreamCall] = collections.deque()
         self._lock = threading.Lock()  # (an answer arriving vs the watch expiring its call)
         self._expired = False
         self.error: TransportError | None = None  # set once the stream broke: open a new one
         self.answered = 0
 
-    def send(self, data: bytes) -> StreamCall:
-        call = StreamCall(self, time.monotonic() + self._timeout_s)
+    def send(self, data: bytes, timeout_s: float) -> StreamCall:
+        """Queue a request, to be answered within `timeout_s`."""
+        call = StreamCall(self, time.monotonic() + timeout_s)
         if self.error is not None:
             call.error = self.error
             return call
@@ -142,10 +145,13 @@ class GrpcStream:
 
 
 class DeadlineWatch:
-    """One thread per client: cancels the stream of a call unanswered at its deadline."""
+    """One thread per client: cancels the stream of a call unanswered at its deadline. Calls are
+    kept in deadline order (a heap: deadlines differ per call, drawn from observed latency), and
+    the thread sleeps until the earliest."""
 
     def __init__(self):
-        self._calls: collections.deque[StreamCall] = collections.deque()
+        self._calls: list[tuple[float, int, StreamCall]] = []  # heap of (deadline, seq, call)
+        self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -155,23 +161,23 @@ class DeadlineWatch:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dispatch-deadlines", daemon=True)
                 self._thread.start()
-            self._calls.append(call)
-            if len(self._calls) == 1:
+            heapq.heappush(self._calls, (call.deadline, next(self._seq), call))
+            if self._calls[0][2] is call:  # (a new earliest deadline: wake to sleep less)
                 self._cond.notify()
 
     def _run(self) -> None:
         with self._cond:
             while not self._closed:
-                while self._calls and self._calls[0].done:
-                    self._calls.popleft()
+                while self._calls and self._calls[0][2].done:
+                    heapq.heappop(self._calls)
                 if not self._calls:
                     self._cond.wait()
                     continue
-                delay = self._calls[0].deadline - time.monotonic()
+                delay = self._calls[0][0] - time.monotonic()
                 if delay > 0:
                     self._cond.wait(delay)
                     continue
-                call = self._calls.popleft()
+                _, _, call = heapq.heappop(self._calls)
                 call.stream.expire(call)
 
     def close(self) -> None:

@@ -47,6 +47,12 @@ class Placement:
         s = self.slots_per_worker
         return self.phy2log[:, worker * s : (worker + 1) * s]
 
+    def worker_layout(self, worker: int, moe_layers) -> dict[int, list[int]]:
+        """{decoder layer: logical expert per local slot} of `worker` (what its LoadSlots names);
+        `moe_layers`: the decoder layer of each MoE layer."""
+        experts = self.worker_experts(worker)
+        return {layer: experts[n].tolist() for n, layer in enumerate(moe_layers)}
+
     def replicas(self, num_logical: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log2phy [layers, num_logical, max_replicas] padded with -1, logcnt [layers, num_logical])."""
         L, P = self.phy2log.shape

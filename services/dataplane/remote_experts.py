@@ -14,6 +14,10 @@ module splits a layer's rows over the workers and sums their answers. Per MoE la
       4. wait, scatter-add the partial sums in fp32 into [T, H], return in x's dtype (when one
          worker computed every pair, its answer is the result, copied out of the response)
 
+Deadlines: each call must be answered within a deadline drawn from what calls of its size took
+lately (deadlines.py: 4 x their p99, at least 1.5 s, at most `timeout_s`), so a hung worker is
+found in about a second and a busy one is given the time it has been taking.
+
 Failures: a Dispatch that fails with a transport-like status (UNAVAILABLE, DEADLINE_EXCEEDED,
 ...) marks its worker dead for `dead_worker_cooldown_s` and its pairs are resent on the router's
 resend route (other replicas on live workers); when an expert has no live replica the step raises
@@ -40,6 +44,7 @@ from services.model.messages import ExpertCombine, ExpertDispatch
 from services.rpc import wire
 
 from . import shm
+from .deadlines import Deadlines
 from .slot_router import ExpertDispatchError, ExpertUnavailableError, Route, SlotRouter
 from .transport import Call, TransportError, Transports
 
@@ -61,7 +66,13 @@ RETRYABLE = {
 
 @dataclass
 class DispatchConfig:
-    timeout_s: float = 30.0  # deadline of one Dispatch
+    timeout_s: float = (
+        30.0  # the longest a Dispatch may take (its deadline before calls of its size were seen)
+    )
+    # each call's deadline: deadline_factor x the p99 of recent calls of its size, at least
+    # deadline_floor_s (deadlines.py): a hung worker is found in about that
+    deadline_floor_s: float = 1.5
+    deadline_factor: float = 4.0
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     dead_worker_cooldown_s: float = 10.0  # replicas on a failed worker are skipped this long
     transport: str = (
@@ -72,6 +83,7 @@ class DispatchConfig:
         default=None, repr=False
     )  # the cluster's data-plane secret (dataplane/auth.py)
     spin_us: float = 0.0  # shared memory: poll for the answer this long before blocking (shm.recv_spinning)
+    device: str = "cpu"  # where this worker's rows are ("cuda": cuda-ipc channels keep them on the GPU)
 
 
 @dataclass
@@ -125,8 +137,15 @@ class RemoteExperts:
         self.stats = DispatchStats()
         d = self.dispatch_cfg
         self.transports = Transports(
-            d.transport, d.timeout_s, d.max_message_bytes, d.shm_capacity, d.secret, d.spin_us * 1e-6
+            d.transport,
+            d.timeout_s,
+            d.max_message_bytes,
+            d.shm_capacity,
+            d.secret,
+            d.spin_us * 1e-6,
+            d.device,
         )
+        self.deadlines = Deadlines(d.timeout_s, d.deadline_floor_s, d.deadline_factor)
         self._retired: set[str] = set()
         self._pending = 0
         self._dead: dict[str, float] = {}  # address -> time it failed
@@ -235,6 +254,7 @@ class RemoteExperts:
         address = pending.addresses[placement.workers[part.worker]]
         try:
             output = part.call.result()
+            self.deadlines.observe(part.call.hidden.shape[0], time.monotonic() - part.call.started)
         except TransportError as e:
             code = e.code
             if code not in RETRYABLE:
@@ -272,9 +292,8 @@ class RemoteExperts:
         x, placement, layer = pending.msg.x, pending.router.placement, pending.msg.decoder_layer
         address = pending.addresses[placement.workers[w]]
         try:
-            return self.transports.open(
-                address, layer, placement.version, (T, x.shape[1]), x.dtype, pending.msg.topk_idx.shape[1]
-            )
+            return self.transports.open(address, layer, placement.version, (T, x.shape[1]), x.dtype,
+                                        pending.msg.topk_idx.shape[1], self.deadlines.timeout_s(T))  # fmt: skip
         except TransportError as e:
             raise ExpertDispatchError(f"decoder layer {layer}: worker {address}: {e}") from None
 
@@ -302,17 +321,20 @@ class RemoteExperts:
         rows = None if bool(hit.all()) else hit.nonzero().view(-1)
         if num_rows is None:
             call = self._open(pending, w, x.shape[0] if rows is None else rows.numel())
+        slot, weight = (
+            torch.where(mine, local, _NO_SLOT),
+            torch.where(mine, weight, _NO_WEIGHT),
+        )  # [T, K], small
         if rows is None:
             wire.copy_into(call.hidden, x)
-            torch.where(mine, local, _NO_SLOT, out=call.slot)
-            torch.where(mine, weight, _NO_WEIGHT, out=call.weight)
         else:
-            if x.device.type == "cpu":
-                torch.index_select(x, 0, rows, out=call.hidden)
+            slot, weight = slot.index_select(0, rows), weight.index_select(0, rows)
+            if x.device == call.hidden.device:
+                torch.index_select(x, 0, rows.to(x.device), out=call.hidden)
             else:
                 call.hidden.copy_(x.index_select(0, rows.to(x.device)))
-            torch.index_select(torch.where(mine, local, _NO_SLOT), 0, rows, out=call.slot)
-            torch.index_select(torch.where(mine, weight, _NO_WEIGHT), 0, rows, out=call.weight)
+        call.slot.copy_(slot)  # (to the device where the call's buffers are: cuda-ipc)
+        call.weight.copy_(weight)
         return self._started(pending, w, rows, route, call)
 
     def _started(self, pending: PendingDispatch, w: int, rows, route: Route, call: Call) -> _Part:
@@ -340,10 +362,12 @@ def sum_rows(answered: list[tuple[torch.Tensor | None, torch.Tensor]], x: torch.
     if len(answered) == 1 and answered[0][0] is None:
         # one worker computed every pair: its sum is the answer (copied: it views the response)
         return answered[0][1].to(device=x.device, dtype=x.dtype, copy=True)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    # summed where the answers are (the GPU for cuda-ipc: rows stay on the device), then moved
+    device = answered[0][1].device if answered else x.device
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=device)
     for rows, output in answered:
         if rows is None:
-            out.add_(output)
+            out.add_(output.to(device))
         else:
-            out.index_add_(0, rows, output.float())
+            out.index_add_(0, rows.to(device), output.to(device=device, dtype=torch.float32))
     return out.to(device=x.device, dtype=x.dtype)

@@ -19,7 +19,13 @@ a dead peer leaves no stale buffer behind. A client sees its peer die as the con
 (at once) or as no answer within its timeout.
 
 A request larger than a channel holds (a long prefill chunk) gets a channel of its own, sized to
-it and closed after its call: every call of the pair stays in shared memory. Errors come back as
+it and closed after its call: every call of the pair stays in shared memory.
+
+A channel's regions may instead live on the attention worker's GPU (`device` cuda: the
+"cuda-ipc" transport, cuda_ipc.py): the same doorbell and frames, the buffer shared by its CUDA
+IPC handle in the handshake instead of a memfd, each side synchronising its stream before it
+rings. An expert worker that computes on the CPU, or cannot see that GPU, refuses such a
+channel with the reason. Errors come back as
 gRPC status codes (`frames.TransportError`), as on every transport.
 """
 
@@ -36,7 +42,7 @@ import time
 import grpc
 import torch
 
-from . import auth
+from . import auth, cuda_ipc
 from .frames import (
     ALIGN,
     ANSWER,
@@ -59,11 +65,13 @@ from .frames import (
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"MOE1"
-_HELLO = struct.Struct("<4sQ")  # magic, capacity (bytes of each region); then the cluster's secret
+MAGIC = b"MOE1"  # a host channel: its memfd travels with the hello (SCM_RIGHTS)
+MAGIC_CUDA = b"MOC1"  # a device channel: its IPC handle follows the hello (cuda_ipc.IpcHandle)
+_HELLO = struct.Struct("<4sQ")  # magic, capacity (bytes of each region); [handle]; the cluster's secret
 MAX_SECRET_BYTES = 1024
 MAX_CHANNELS = 4096  # per expert worker (attention workers x in-flight calls)
-_ACK = struct.Struct("<4sB")  # magic, accepted
+_ACK = struct.Struct("<4sB")  # magic, answer (ACCEPTED, or why not); then a reason's text
+REFUSED, ACCEPTED, NOT_HERE = 0, 1, 2  # NOT_HERE: a device channel this worker cannot open
 DEFAULT_CAPACITY = 8 << 20  # bytes per region: a decode step's rows (512 rows of 4096 fp32 values)
 MAX_CAPACITY = 1 << 30  # bytes per region at most (a server refuses larger buffers)
 # memfd, abstract Unix sockets and peer credentials are Linux's: elsewhere (a macOS laptop) every
@@ -134,11 +142,13 @@ class _Views:
 # The client side (the attention worker's dispatch client)
 # ---------------------------------------------------------------------------------------------
 class ShmChannel:
-    """One request at a time to one expert worker through shared memory. Not thread-safe."""
+    """One request at a time to one expert worker through shared memory (`region`: uint8 [2 x
+    capacity] on the host or, for cuda-ipc, on this process's GPU). Not thread-safe."""
 
-    def __init__(self, sock: socket.socket, buf: mmap.mmap, capacity: int, spin_s: float = 0.0):
-        self._sock, self._buf, self.capacity, self.spin_s = sock, buf, capacity, spin_s
-        self._views = _Views(torch.frombuffer(buf, dtype=torch.uint8), capacity)
+    def __init__(self, sock: socket.socket, region: torch.Tensor, capacity: int, spin_s: float = 0.0):
+        self._sock, self._region, self.capacity, self.spin_s = sock, region, capacity, spin_s
+        self.device = region.device
+        self._views = _Views(region, capacity)
         self._seq = 0
         self.answered = True  # the last request's answer frame was read (the buffer is free)
         self._shape: tuple | None = None  # (T, H, K, dtype) of the request in flight
@@ -152,36 +162,35 @@ class ShmChannel:
         timeout_s: float = 5.0,
         secret: str | None = None,
         spin_s: float = 0.0,
+        device: torch.device | str = "cpu",
     ) -> ShmChannel:
-        """A channel to the expert worker serving `grpc_address`. OSError where it has no
-        shared-memory listener on this node (another node, or a worker without one: a
-        ConnectionRefusedError) or refuses the channel. spin_s: how long `result` polls for the
-        answer before it blocks (`recv_spinning`)."""
+        """A channel to the expert worker serving `grpc_address`, its regions on `device` (a
+        CUDA device: cuda-ipc). OSError where it has no shared-memory listener on this node
+        (another node, or a worker without one: a ConnectionRefusedError), refuses the channel
+        (PermissionError), or cannot open a device channel (OSError with its reason). spin_s:
+        how long `result` polls for the answer before it blocks (`recv_spinning`)."""
         if not SUPPORTED:
             raise OSError("shared-memory channels need Linux (memfd, abstract Unix sockets, SO_PEERCRED)")
+        device = torch.device(device)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(timeout_s)
             sock.connect(abstract_address(grpc_address))
             if peer_uid(sock) != os.getuid():  # (anyone can bind an abstract name: not our secret's)
                 raise PermissionError("the listener runs as another user")
-            fd = os.memfd_create("moe-dispatch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-            try:
-                os.ftruncate(fd, 2 * capacity)
-                # (sealed: the peer cannot be sent SIGBUS by a shrink)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-                buf = mmap.mmap(fd, 2 * capacity)
-                socket.send_fds(sock, [_HELLO.pack(MAGIC, capacity) + (secret or "").encode()], [fd])
-                ack = sock.recv(_ACK.size)
-                if len(ack) != _ACK.size or _ACK.unpack(ack) != (MAGIC, 1):
-                    raise PermissionError(f"refused: {ack!r}")
-            finally:
-                os.close(fd)  # (the mapping and the peer's copy keep the memory)
+            token = (secret or "").encode()
+            if device.type == "cuda":
+                region = torch.empty(2 * capacity, dtype=torch.uint8, device=device)
+                handle = cuda_ipc.share(region).encode()
+                sock.send(_HELLO.pack(MAGIC_CUDA, capacity) + handle + token)
+            else:
+                region = torch.frombuffer(_host_buffer(sock, capacity, token), dtype=torch.uint8)
+            _check_ack(sock.recv(_ACK.size + MAX_ERROR_BYTES))
         except BaseException:
             sock.close()
             raise
         sock.settimeout(None)
-        return cls(sock, buf, capacity, spin_s)
+        return cls(sock, region, capacity, spin_s)
 
     def alive(self) -> bool:
         """An idle channel is still usable: its worker has not closed it."""
@@ -203,6 +212,8 @@ class ShmChannel:
     def send(self, layer: int, placement_version: int) -> None:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         self.answered = False  # (until its answer frame is read, the worker may still use the buffer)
+        if self.device.type == "cuda":
+            cuda_ipc.synchronize(self.device)  # (the request's rows are written before the doorbell)
         try:
             self._sock.send(request_frame(self._seq, layer, placement_version, *self._shape))
         except OSError as e:
@@ -241,6 +252,30 @@ class ShmChannel:
             self._sock.close()
 
 
+def _host_buffer(sock: socket.socket, capacity: int, token: bytes) -> mmap.mmap:
+    """A memfd of two regions, sealed against resizing (the peer cannot be sent SIGBUS by a
+    shrink), mapped here and sent with the hello; the mapping."""
+    fd = os.memfd_create("moe-dispatch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 2 * capacity)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        buf = mmap.mmap(fd, 2 * capacity)
+        socket.send_fds(sock, [_HELLO.pack(MAGIC, capacity) + token], [fd])
+    finally:
+        os.close(fd)  # (the mapping and the peer's copy keep the memory)
+    return buf
+
+
+def _check_ack(ack: bytes) -> None:
+    if len(ack) < _ACK.size or _ACK.unpack_from(ack)[0] != MAGIC:
+        raise PermissionError(f"refused: {ack[: _ACK.size]!r}")
+    answer, reason = _ACK.unpack_from(ack)[1], ack[_ACK.size :].decode(errors="replace")
+    if answer == NOT_HERE:
+        raise OSError(reason)
+    if answer != ACCEPTED:
+        raise PermissionError(f"refused: {reason or answer}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The server side (the expert worker)
 # ---------------------------------------------------------------------------------------------
@@ -250,15 +285,18 @@ class ShmServer(FrameServer):
     request against its buffer and runs `compute` straight from and into the shared regions.
     `status_of` maps a compute error to its gRPC status code (the worker keeps serving after any
     error; a malformed frame is answered INVALID_ARGUMENT). spin_s: how long a channel's thread
-    polls for the next request after each answer before it blocks (`recv_spinning`)."""
+    polls for the next request after each answer before it blocks (`recv_spinning`). `device`:
+    where the worker computes; a CUDA one also serves device (cuda-ipc) channels."""
 
     what = "shared-memory"
 
     def __init__(self, grpc_address: str, compute: Compute, status_of: StatusOf,
-                 max_capacity: int = MAX_CAPACITY, secret: str | None = None, spin_s: float = 0.0):  # fmt: skip
+                 max_capacity: int = MAX_CAPACITY, secret: str | None = None, spin_s: float = 0.0,
+                 device: torch.device | str = "cpu"):  # fmt: skip
         if not SUPPORTED:
             raise OSError("shared-memory channels need Linux (memfd, abstract Unix sockets, SO_PEERCRED)")
         self.max_capacity, self.secret, self.spin_s = max_capacity, secret, spin_s
+        self.device = torch.device(device)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             listener.bind(abstract_address(grpc_address))
@@ -281,36 +319,68 @@ class ShmServer(FrameServer):
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(10.0)
-        hello, fds, _, _ = socket.recv_fds(conn, _HELLO.size + MAX_SECRET_BYTES, 1)
+        hello, fds, _, _ = socket.recv_fds(
+            conn, _HELLO.size + cuda_ipc.MAX_HANDLE_BYTES + MAX_SECRET_BYTES, 1
+        )
         conn.settimeout(None)
         try:
-            if len(hello) < _HELLO.size or len(fds) != 1:
-                raise ValueError("bad handshake")
-            magic, capacity = _HELLO.unpack_from(hello)
-            if not self._admits(fds[0], hello[_HELLO.size :]):
-                self.refused += 1
-                raise ValueError("refused: another user's process, or no / a wrong cluster secret")
-            ok = magic == MAGIC and 0 < capacity <= self.max_capacity and capacity % ALIGN == 0
-            if not ok or os.fstat(fds[0]).st_size < 2 * capacity:
-                raise ValueError(f"bad handshake: {magic!r}, capacity {capacity}")
-            buf = mmap.mmap(fds[0], 2 * capacity)
+            region, capacity = self._open(conn, hello, fds)
         finally:
             for fd in fds:
                 os.close(fd)
-        views = _Views(torch.frombuffer(buf, dtype=torch.uint8), capacity)
-        conn.send(_ACK.pack(MAGIC, 1))
+        if region is None:
+            return
+        views = _Views(region, capacity)
+        conn.send(_ACK.pack(MAGIC, ACCEPTED))
         while True:
             frame = recv_spinning(conn, REQUEST.size + 1, self.spin_s, None)
             if not frame:
                 return  # the client closed
             conn.send(self._answer(frame, views, capacity))
 
-    def _admits(self, fd: int, secret: bytes) -> bool:
+    def _open(self, conn: socket.socket, hello: bytes, fds: list[int]) -> tuple[torch.Tensor | None, int]:
+        """The channel's regions (uint8 [2 x capacity], host or device) from its hello; (None, 0)
+        after telling the client why not where this worker cannot open a device channel.
+        ValueError (the connection closes) for a malformed or refused hello."""
+        if len(hello) < _HELLO.size:
+            raise ValueError("bad handshake")
+        magic, capacity = _HELLO.unpack_from(hello)
+        if magic not in (MAGIC, MAGIC_CUDA) or not 0 < capacity <= self.max_capacity or capacity % ALIGN:
+            raise ValueError(f"bad handshake: {magic!r}, capacity {capacity}")
+        if magic == MAGIC_CUDA:
+            if fds:
+                raise ValueError("bad handshake: a device channel with a file")
+            handle, secret = cuda_ipc.IpcHandle.decode(hello[_HELLO.size :])
+        else:
+            if len(fds) != 1:
+                raise ValueError("bad handshake: a host channel needs its memfd")
+            handle, secret = None, hello[_HELLO.size :]
+        if not self._admits(secret, None if handle is not None else fds[0]):
+            self.refused += 1
+            raise ValueError("refused: no / a wrong cluster secret, or an unsealed buffer")
+        if handle is None:
+            if os.fstat(fds[0]).st_size < 2 * capacity:
+                raise ValueError(f"bad handshake: a buffer smaller than 2 x {capacity} bytes")
+            return torch.frombuffer(mmap.mmap(fds[0], 2 * capacity), dtype=torch.uint8), capacity
+        try:
+            if self.device.type != "cuda":
+                raise OSError("this expert worker computes on the CPU: no device channel")
+            region = cuda_ipc.open_region(handle)
+            if region.numel() < 2 * capacity:
+                raise OSError(f"a device buffer smaller than 2 x {capacity} bytes")
+        except (OSError, RuntimeError) as e:  # (RuntimeError: CUDA refused the handle)
+            conn.send(_ACK.pack(MAGIC, NOT_HERE) + str(e).encode()[:MAX_ERROR_BYTES])
+            return None, 0
+        return region, capacity
+
+    def _admits(self, secret: bytes, fd: int | None) -> bool:
         """The peer (already checked to run as this process's user at accept) knows the cluster's
-        secret, if any, and sealed its buffer's size (so it cannot shrink it under us)."""
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        sealed = seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
-        return bool(sealed) and (self.secret is None or auth.matches(self.secret, secret))
+        secret, if any, and sealed its host buffer's size (so it cannot shrink it under us)."""
+        if fd is not None:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if not (seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW):
+                return False
+        return self.secret is None or auth.matches(self.secret, secret)
 
     def _answer(self, frame: bytes, views: _Views, capacity: int) -> bytes:
         """Run one request frame; the answer frame."""
@@ -322,7 +392,10 @@ class ShmServer(FrameServer):
         # (checked, then used: the client cannot change them between)
         parts = (hidden, slot.clone(), weight.clone())
         self.requests += 1
-        return compute_answer(request, self.compute, self.status_of, parts, out, self.what)
+        answer = compute_answer(request, self.compute, self.status_of, parts, out, self.what)
+        if out.device.type == "cuda":
+            cuda_ipc.synchronize(out.device)  # (the output is written before the answer)
+        return answer
 
 
 def peer_uid(sock: socket.socket) -> int:

@@ -6,6 +6,9 @@ back. The dispatch client (`remote_experts.RemoteExperts`) asks `Transports.open
 fills the call's request views in place, starts it, and later takes its `result()`; the slot
 router, resends and fault handling stay above, unchanged. Three transports:
 
+- **cuda-ipc** (shm.py with cuda_ipc.py), when both compute on GPUs of this node: shared
+  memory's channels with their buffers in this worker's GPU memory, opened by the expert worker
+  through CUDA IPC: the rows never leave the device.
 - **shm** (shm.py), when the expert worker is on this node: the rows are written into a
   shared-memory buffer of the pair and a doorbell wakes the worker's channel thread; the driver
   thread waits for the answer itself (no thread pool hop, no serialisation). A request larger
@@ -19,10 +22,11 @@ router, resends and fault handling stay above, unchanged. Three transports:
 
 The transport is chosen once per pair, when the pair is first seen (`prepare`, on a thread of
 its own, so the driver does not wait on a slow or unreachable port): `DispatchConfig.transport`
-"auto" takes shm where the worker has a shared-memory listener on this node, else TCP where it
-has a TCP data plane that answers, else gRPC; "tcp" tries TCP, then gRPC; "grpc" is gRPC; "shm"
-is shared memory or an error (FAILED_PRECONDITION on every call: for one-node deployments, tests
-and benchmarks that must not fall back). The choice and its reason are logged and kept as an
+"auto" takes cuda-ipc where this client computes on a GPU and the worker opens its buffers on a
+GPU of this node, else shm where the worker has a shared-memory listener on this node, else TCP
+where it has a TCP data plane that answers, else gRPC; "tcp" tries TCP, then gRPC; "grpc" is
+gRPC; "shm" and "cuda-ipc" are that transport or an error (FAILED_PRECONDITION on every call:
+for deployments, tests and benchmarks that must not fall back). The choice and its reason are logged and kept as an
 event (`events`), and `transport_of` says which one each pair uses now (`moe-cluster status`).
 
 A pair whose transport can no longer open a channel (its worker restarted, its port closed)
@@ -51,8 +55,14 @@ from .grpc_stream import DeadlineWatch, GrpcStream, StreamCall, decode_answer
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "shm", "tcp", "grpc")
-PREFERENCE = {"auto": ("shm", "tcp", "grpc"), "shm": ("shm",), "tcp": ("tcp", "grpc"), "grpc": ("grpc",)}
+TRANSPORTS = ("auto", "cuda-ipc", "shm", "tcp", "grpc")
+PREFERENCE = {
+    "auto": ("cuda-ipc", "shm", "tcp", "grpc"),  # (cuda-ipc only where this client computes on a GPU)
+    "cuda-ipc": ("cuda-ipc",),
+    "shm": ("shm",),
+    "tcp": ("tcp", "grpc"),
+    "grpc": ("grpc",),
+}
 RETRY_S, MAX_RETRY_S = 30.0, 600.0  # a lesser transport's pair tries the better one again after
 PROBE_S = 5.0  # deadline of each step of choosing (a connect, a Stats call) and of a new channel
 MAX_EVENTS = 64
@@ -60,7 +70,8 @@ MAX_EVENTS = 64
 
 class Call:
     """One worker's share of one Dispatch: `hidden`, `slot`, `weight` are the request's writable
-    views (fill them, then `start`); `result()` waits for the output [Tw, H] (valid until `release`)."""
+    views (fill them, then `start`); `result()` waits for the output [Tw, H] (valid until `release`)
+    until `timeout_s` after the start."""
 
     transport = ""
     hidden: torch.Tensor
@@ -68,6 +79,12 @@ class Call:
     weight: torch.Tensor
     nbytes_sent = 0
     nbytes_received = 0
+    timeout_s = 30.0
+    started = 0.0  # time.monotonic() at start
+
+    def left_s(self) -> float:
+        """Seconds left before the call's deadline (a little at least: a wait must try)."""
+        return max(1e-3, self.started + self.timeout_s - time.monotonic())
 
     def start(self) -> None:
         raise NotImplementedError
@@ -88,28 +105,29 @@ class GrpcCall(Call):
 
     transport = "grpc"
 
-    def __init__(self, link: GrpcLink, stream: GrpcStream | None, placement_version: int, layer: int,
-                 shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
-        self._link, self._stream = link, stream
+    def __init__(self, link: GrpcLink, stream: GrpcStream | None, timeout_s: float, placement_version: int,
+                 layer: int, shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
+        self._link, self._stream, self.timeout_s = link, stream, timeout_s
         self._request = wire.DispatchRequestBuffer(layer, placement_version, shape, dtype, top_k)
         self.hidden, self.slot, self.weight = self._request.hidden, self._request.slot, self._request.weight
         self.nbytes_sent = len(self._request.data)
         self._call: StreamCall | None = None
 
     def start(self) -> None:
+        self.started = time.monotonic()
         if self._stream is not None:
-            self._call = self._stream.send(self._request.data)
+            self._call = self._stream.send(self._request.data, self.timeout_s)
 
     def result(self) -> torch.Tensor:
         if self._stream is None:
-            data = self._link.unary(self._request.data)
+            data = self._link.unary(self._request.data, self.left_s())
         else:
             try:
                 data = self._stream.wait(self._call)
             except TransportError as e:
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or self._stream.answered:
                     raise
-                data = self._link.unary(self._request.data)  # (the worker refused the stream itself)
+                data = self._link.unary(self._request.data, self.left_s())  # (the worker refused the stream)
         self.nbytes_received = len(data)
         return decode_answer(data)
 
@@ -126,7 +144,7 @@ class ChannelCall(Call):
 
     def __init__(self, channel, idle: list | None, timeout_s: float, placement_version: int, layer: int,
                  shape: tuple[int, int], dtype: torch.dtype, top_k: int):  # fmt: skip
-        self._channel, self._idle, self._timeout_s = channel, idle, timeout_s  # idle None: not kept
+        self._channel, self._idle, self.timeout_s = channel, idle, timeout_s  # idle None: not kept
         self._layer, self._version = layer, placement_version
         self.hidden, self.slot, self.weight = channel.request(*shape, top_k, dtype)
         self.nbytes_sent = self.hidden.nbytes + self.slot.nbytes + self.weight.nbytes
@@ -134,6 +152,7 @@ class ChannelCall(Call):
         self._released = False
 
     def start(self) -> None:
+        self.started = time.monotonic()
         try:
             self._send()
         except TransportError as e:  # (the worker is gone: reported by result(), as for gRPC)
@@ -145,7 +164,7 @@ class ChannelCall(Call):
     def result(self) -> torch.Tensor:
         if self._error is not None:
             raise self._error
-        output, _ = self._channel.result(self._timeout_s)
+        output, _ = self._channel.result(self.left_s())
         self.nbytes_received = output.nbytes
         return output
 
@@ -175,7 +194,7 @@ class TcpCall(ChannelCall):
     transport = "tcp"
 
     def _send(self) -> None:
-        self._channel.send(self._layer, self._version, self._timeout_s)  # (a send has a deadline too)
+        self._channel.send(self._layer, self._version, self.left_s())  # (a send has a deadline too)
 
     def _reuse(self) -> None:
         self._channel.trim()  # (a long prefill's buffers are not kept)
@@ -194,9 +213,8 @@ class GrpcLink:
 
     name = "grpc"
 
-    def __init__(self, address: str, secret: str | None, max_message_bytes: int, timeout_s: float,
-                 watch: DeadlineWatch):  # fmt: skip
-        self.address, self.secret, self.timeout_s, self._watch = address, secret, timeout_s, watch
+    def __init__(self, address: str, secret: str | None, max_message_bytes: int, watch: DeadlineWatch):
+        self.address, self.secret, self._watch = address, secret, watch
         self._channel = tls.channel(address, secret, wire.grpc_options(max_message_bytes))
         channel = auth.with_secret(self._channel, secret)
         self._unary = channel.unary_unary(
@@ -210,8 +228,8 @@ class GrpcLink:
         self._unary_until = 0.0  # the worker refused a stream: unary calls until then
 
     def open(self, layer: int, placement_version: int, shape: tuple[int, int], dtype: torch.dtype,
-             top_k: int) -> Call:  # fmt: skip
-        return GrpcCall(self, self._open_stream(), placement_version, layer, shape, dtype, top_k)
+             top_k: int, timeout_s: float) -> Call:  # fmt: skip
+        return GrpcCall(self, self._open_stream(), timeout_s, placement_version, layer, shape, dtype, top_k)
 
     def _open_stream(self) -> GrpcStream | None:
         """The open DispatchStream (a new one where the last broke); None for unary calls."""
@@ -231,15 +249,13 @@ class GrpcLink:
                 return None
             stream = None
         if stream is None:
-            stream = self._stream = GrpcStream(
-                self._stream_method, self._watch, self.timeout_s, auth.metadata(self.secret)
-            )
+            stream = self._stream = GrpcStream(self._stream_method, self._watch, auth.metadata(self.secret))
         return stream
 
-    def unary(self, data: bytes) -> bytes:
+    def unary(self, data: bytes, timeout_s: float) -> bytes:
         """One blocking Dispatch."""
         try:
-            return self._unary(data, timeout=self.timeout_s)
+            return self._unary(data, timeout=timeout_s)
         except grpc.RpcError as e:
             raise TransportError(e.code(), e.details()) from None
 
@@ -256,20 +272,23 @@ class GrpcLink:
 
 class ShmLink:
     """The pair's shared-memory channels: idle ones of `capacity` bytes a region kept for reuse,
-    one made to measure (and closed after its call) for a request they cannot hold."""
+    one made to measure (and closed after its call) for a request they cannot hold. Their buffers
+    on `device`: the host ("shm") or this process's GPU ("cuda-ipc")."""
 
-    name = "shm"
-
-    def __init__(self, address: str, capacity: int, secret: str | None, spin_s: float, timeout_s: float):
+    def __init__(self, address: str, capacity: int, secret: str | None, spin_s: float,
+                 device: torch.device = torch.device("cpu")):  # fmt: skip
         self.address, self.capacity, self.secret, self.spin_s = address, capacity, secret, spin_s
-        self.timeout_s = timeout_s
+        self.device = device
+        self.name = "cuda-ipc" if device.type == "cuda" else "shm"
         self._idle: list[shm.ShmChannel] = [self._connect(capacity, PROBE_S)]  # (OSError: no listener)
 
     def _connect(self, capacity: int, timeout_s: float) -> shm.ShmChannel:
-        return shm.ShmChannel.connect(self.address, capacity, timeout_s, self.secret, self.spin_s)
+        return shm.ShmChannel.connect(
+            self.address, capacity, timeout_s, self.secret, self.spin_s, self.device
+        )
 
     def open(self, layer: int, placement_version: int, shape: tuple[int, int], dtype: torch.dtype,
-             top_k: int) -> Call:  # fmt: skip
+             top_k: int, timeout_s: float) -> Call:  # fmt: skip
         needed = region_bytes(*shape, top_k, dtype)
         idle = self._idle if needed <= self.capacity else None
         channel = None
@@ -286,8 +305,8 @@ class ShmLink:
             try:
                 channel = self._connect(capacity, PROBE_S)
             except OSError as e:
-                raise LinkDown(f"no shared-memory channel: {e!r}") from None
-        return ShmCall(channel, idle, self.timeout_s, placement_version, layer, shape, dtype, top_k)
+                raise LinkDown(f"no {self.name} channel: {e!r}") from None
+        return ShmCall(channel, idle, timeout_s, placement_version, layer, shape, dtype, top_k)
 
     def close(self) -> None:
         for channel in self._idle:
@@ -300,15 +319,15 @@ class TcpLink:
 
     name = "tcp"
 
-    def __init__(self, address: str, port: int, secret: str | None, timeout_s: float):
-        self.host, self.port, self.secret, self.timeout_s = tcp.socket_host(address), port, secret, timeout_s
+    def __init__(self, address: str, port: int, secret: str | None):
+        self.host, self.port, self.secret = tcp.socket_host(address), port, secret
         self._idle: list[tcp.TcpChannel] = [self._connect()]  # (OSError: it cannot be reached)
 
     def _connect(self) -> tcp.TcpChannel:
         return tcp.TcpChannel.connect(self.host, self.port, self.secret, timeout_s=PROBE_S)
 
     def open(self, layer: int, placement_version: int, shape: tuple[int, int], dtype: torch.dtype,
-             top_k: int) -> Call:  # fmt: skip
+             top_k: int, timeout_s: float) -> Call:  # fmt: skip
         needed = region_bytes(*shape, top_k, dtype)
         if needed > tcp.MAX_REQUEST_BYTES:
             raise TransportError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -324,7 +343,7 @@ class TcpLink:
                 channel = self._connect()
             except OSError as e:
                 raise LinkDown(f"no TCP connection to {self.host}:{self.port}: {e!r}") from None
-        return TcpCall(channel, self._idle, self.timeout_s, placement_version, layer, shape, dtype, top_k)
+        return TcpCall(channel, self._idle, timeout_s, placement_version, layer, shape, dtype, top_k)
 
     def close(self) -> None:
         for channel in self._idle:
@@ -368,10 +387,18 @@ class Transports:
     for the one driver thread; choosing runs on threads of its own."""
 
     def __init__(self, transport: str, timeout_s: float, max_message_bytes: int,
-                 shm_capacity: int = shm.DEFAULT_CAPACITY, secret: str | None = None, spin_s: float = 0.0):  # fmt: skip
+                 shm_capacity: int = shm.DEFAULT_CAPACITY, secret: str | None = None, spin_s: float = 0.0,
+                 device: torch.device | str = "cpu"):  # fmt: skip
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: one of {', '.join(TRANSPORTS)}")
+        self.device = torch.device(device)  # where this client's rows are
+        if transport == "cuda-ipc" and self.device.type != "cuda":
+            raise ValueError(f"transport cuda-ipc: this client computes on {self.device}, not a GPU")
         self.mode, self.timeout_s, self.shm_capacity = transport, timeout_s, shm_capacity
+        # the transports to try, best first (cuda-ipc only from a GPU)
+        self.preference = tuple(
+            t for t in PREFERENCE[transport] if t != "cuda-ipc" or self.device.type == "cuda"
+        )
         self.max_message_bytes, self.secret = max_message_bytes, secret  # (the cluster's: auth.py)
         self.spin_s = spin_s  # shared-memory answers: polled this long before blocking
         self._watch = DeadlineWatch()
@@ -386,9 +413,11 @@ class Transports:
             self._pair(address)
 
     def open(self, address: str, layer: int, placement_version: int, shape: tuple[int, int],
-             dtype: torch.dtype, top_k: int) -> Call:  # fmt: skip
+             dtype: torch.dtype, top_k: int, timeout_s: float | None = None) -> Call:  # fmt: skip
         """A call to the worker at `address` for a [Tw, H] request, on the pair's transport
-        (waiting, the first time, for the choice: a few seconds at most)."""
+        (waiting, the first time, for the choice: a few seconds at most), answered within
+        `timeout_s` of its start (None: the configured dispatch timeout)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         pair = self._pair(address)
         pair.chosen.wait()
         if pair.better is not None:
@@ -398,12 +427,12 @@ class Transports:
         if pair.link is None:
             raise TransportError(grpc.StatusCode.FAILED_PRECONDITION, pair.reason)
         try:
-            return pair.link.open(layer, placement_version, shape, dtype, top_k)
+            return pair.link.open(layer, placement_version, shape, dtype, top_k, timeout_s)
         except LinkDown as e:
-            if "grpc" not in PREFERENCE[self.mode]:  # (transport shm: no fallback; the next call tries again)
+            if "grpc" not in self.preference:  # (transport shm: no fallback; the next call tries again)
                 raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert worker {address}: {e}") from None
             self._switch(pair, pair.grpc, f"{pair.link.name} lost: {e}", retry=True)
-            return pair.link.open(layer, placement_version, shape, dtype, top_k)
+            return pair.link.open(layer, placement_version, shape, dtype, top_k, timeout_s)
 
     @property
     def addresses(self) -> set[str]:
@@ -433,7 +462,7 @@ class Transports:
     def _pair(self, address: str) -> Pair:
         pair = self._pairs.get(address)
         if pair is None:
-            grpc_link = GrpcLink(address, self.secret, self.max_message_bytes, self.timeout_s, self._watch)
+            grpc_link = GrpcLink(address, self.secret, self.max_message_bytes, self._watch)
             with self._lock:
                 pair = self._pairs[address] = Pair(address, grpc_link)
             self._probe(pair, retry=False)
@@ -449,7 +478,7 @@ class Transports:
         """Try the mode's transports in order of preference; the first that works is the pair's
         (a retry offers it as `better` only where it beats the current one)."""
         reasons, link = [], None
-        order = PREFERENCE[self.mode]
+        order = self.preference
         if retry and pair.link is not None:
             order = order[: order.index(pair.link.name)]  # (only the better ones)
         try:
@@ -467,7 +496,7 @@ class Transports:
                     pair.retry_at = time.monotonic() + pair.backoff
                 return
             if link is None:
-                reason = f"transport shm: expert worker {pair.address} has no shared-memory listener on this node ({'; '.join(reasons)})"  # fmt: skip
+                reason = f"transport {self.mode}: expert worker {pair.address} has no {self.mode} listener for this client ({'; '.join(reasons)})"  # fmt: skip
             else:
                 reason = _chosen_because(link, reasons)
             self._switch(pair, link, reason, retry=link is None or link.name != order[0])
@@ -476,13 +505,14 @@ class Transports:
             pair.chosen.set()
 
     def _connect(self, name: str, pair: Pair) -> GrpcLink | ShmLink | TcpLink:
-        if name == "shm":
-            return ShmLink(pair.address, self.shm_capacity, self.secret, self.spin_s, self.timeout_s)
+        if name in ("shm", "cuda-ipc"):
+            device = self.device if name == "cuda-ipc" else torch.device("cpu")
+            return ShmLink(pair.address, self.shm_capacity, self.secret, self.spin_s, device)
         if name == "tcp":
             port = pair.grpc.socket_port(PROBE_S)
             if not port:
                 raise OSError("the worker has no TCP data plane")
-            return TcpLink(pair.address, port, self.secret, self.timeout_s)
+            return TcpLink(pair.address, port, self.secret)
         return pair.grpc
 
     def _switch(self, pair: Pair, link, reason: str, retry: bool = False) -> None:
@@ -498,7 +528,7 @@ class Transports:
         event = TransportEvent(time.time(), pair.address, "" if link is None else link.name, reason)
         with self._lock:
             self.events.append(event)
-        first_choice = link is not None and link.name == PREFERENCE[self.mode][0]
+        first_choice = link is not None and link.name == self.preference[0]
         log.log(
             logging.INFO if old is None and first_choice else logging.WARNING,
             "expert worker %s: %s (%s)",
@@ -521,6 +551,7 @@ def _why(e: BaseException) -> str:
 
 def _chosen_because(link, reasons: list[str]) -> str:
     why = {
+        "cuda-ipc": "it opens this GPU's buffers",
         "shm": "a shared-memory listener on this node",
         "tcp": "its TCP data plane answers",
         "grpc": "gRPC",

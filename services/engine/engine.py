@@ -19,7 +19,7 @@ from services.model.batch import StepBatch
 from services.model.checkpoint import CheckpointReader, check_keep_fp8_experts, check_keep_fp8_linears
 from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
 from services.model.deepseek_v4 import DeepseekV4
-from services.model.kernels import cpu_kernels
+from services.model.kernels.select import Kernels, select_kernels, target_of
 from services.model.kv_cache import (
     BLOCK_SIZE,
     FP8_GROUP,
@@ -72,6 +72,22 @@ class EngineConfig:
     micro_batches: int = 1  # 2 = ping-pong: one micro-batch's expert calls overlap the other's attention
     prefix_caching: bool = True  # reuse the cache blocks of prompt prefixes seen before
     cuda_graphs: bool = True  # on CUDA, replay decode steps from captured graphs (decode_graphs.py)
+    # the kernels chosen from, once at startup (kernels/select.py): "auto" (FlashMLA and Triton on
+    # CUDA, the C++ kernels on the CPU, torch elsewhere), or a comma list of "flashmla", "triton",
+    # "cpp", "torch" (each named must run some family; "triton" under TRITON_INTERPRET=1 on CPU too)
+    kernels: str = "auto"
+
+    def select_kernels(self, cfg: ModelConfig, device=None, reuse: Kernels | None = None) -> Kernels:
+        """The kernels of a model of `cfg` on `device` (default: this config's), chosen once
+        (kernels/select.py; `reuse` where they were chosen for the same); ValueError where an
+        implementation named in `kernels` runs no family (with why)."""
+        device, dtype = device or self.device, parse_dtype(self.dtype)
+        options = dict(weight_dtype=check_weight_dtype(self.weight_dtype, dtype, self.device, cfg),
+                       fp8_linears=self.keep_fp8_linears and not cfg.is_v4, fp8_experts=self.keep_fp8_experts,
+                       fp8_cache=self.fp8_cache(cfg) and not cfg.is_v4)  # fmt: skip
+        if reuse is not None and reuse.matches(target_of(device, dtype, cfg, **options), self.kernels):
+            return reuse
+        return select_kernels(device, dtype, cfg, allow=self.kernels, strict=True, **options)
 
     def scheduler_config(self, cfg: ModelConfig) -> SchedulerConfig:
         max_model_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
@@ -214,6 +230,12 @@ class Engine:
         tensor parallelism broadcasts them to the other ranks)."""
         self.cfg, self.model, self.experts, self.engine_cfg = cfg, model, experts, engine_cfg
         self.tokenizer, self.on_batches = tokenizer, on_batches
+        # the kernels, chosen once (load_engine's, given to the model, where chosen for this config)
+        self.kernels: Kernels = engine_cfg.select_kernels(cfg, model.device, reuse=model.kernels)
+        model.kernels = self.kernels
+        if isinstance(experts, LocalExperts):  # (in-process experts compute on the engine's kernels)
+            experts.use_kernels(self.kernels)
+        log.info("%s", self.kernels.summary())
         self.cache = engine_cfg.latent_cache(cfg, model)
         self.scheduler = Scheduler(engine_cfg.scheduler_config(cfg), self.cache.num_blocks, cfg.eos_token_ids,
                                    engine_cfg.prefix_caching, cfg.v4_state_start if cfg.is_v4 else None,
@@ -364,6 +386,8 @@ class Engine:
                 "cached_blocks": sched.allocator.num_cached,
                 "evictions": sched.allocator.evictions,
             },
+            # family -> the kernel running it; family -> {better kernel not taken: why}
+            **self.kernels.stats(),
         }
 
     # ---- one step -----------------------------------------------------------------------
@@ -540,8 +564,6 @@ def load_engine(
     routed expert in process) and the tokenizer (None in token-id mode)."""
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
-    if engine_cfg.device == "cpu":
-        cpu_kernels.available()  # build (once per machine) or load the decode kernel now, not mid-request
     model_dir = Path(engine_cfg.model)
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(engine_cfg.dtype)
@@ -550,16 +572,17 @@ def load_engine(
         check_keep_fp8_experts(cfg)
     if engine_cfg.keep_fp8_linears:
         check_keep_fp8_linears(cfg)
+    # the kernels, chosen once (building the C++ CPU kernels now, once per machine, not mid-request)
+    kernels = engine_cfg.select_kernels(cfg)
     reader = CheckpointReader.for_config(model_dir, cfg)
-    if cfg.is_v4:
-        model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device)  # same forward(batch, cache) contract
+    if cfg.is_v4:  # (the same forward(batch, cache) contract)
+        model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device, kernels=kernels)
     else:
         model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device, weight_dtype=weight_dtype,
-                                keep_fp8=engine_cfg.keep_fp8_linears)  # fmt: skip
+                                keep_fp8=engine_cfg.keep_fp8_linears, kernels=kernels)  # fmt: skip
     if make_experts is None:
-        experts = LocalExperts.load_all(
-            reader, cfg, weight_dtype or dtype, keep_fp8=engine_cfg.keep_fp8_experts
-        )
+        experts = LocalExperts.load_all(reader, cfg, weight_dtype or dtype, keep_fp8=engine_cfg.keep_fp8_experts,
+                                        kernels=kernels)  # fmt: skip
         experts = experts.to(engine_cfg.device)
     else:
         experts = make_experts(cfg, reader, weight_dtype or dtype)  # (their dtype, when held in process)

@@ -83,12 +83,6 @@ class ExpertClient:
         self._raw_channel.close()
 
 
-def worker_layout(placement: Placement, worker: int, moe_layers: Sequence[int]) -> dict[int, list[int]]:
-    """{decoder layer: logical expert per local slot} of one worker of `placement`."""
-    experts = placement.worker_experts(worker)
-    return {layer: experts[n].tolist() for n, layer in enumerate(moe_layers)}
-
-
 def load_placement(
     placement: Placement,
     addresses: Mapping[str, str],
@@ -102,7 +96,7 @@ def load_placement(
     holding loaded versions (the current pool), to copy experts from where a worker's node has
     no checkpoint (each worker skips its own address)."""
     clients = [ExpertClient(addresses[w], secret=secret) for w in placement.workers]
-    layouts = [worker_layout(placement, i, moe_layers) for i in range(len(clients))]
+    layouts = [placement.worker_layout(i, moe_layers) for i in range(len(clients))]
     try:
         with ThreadPoolExecutor(len(clients)) as pool:
             futures = [

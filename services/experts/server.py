@@ -147,6 +147,7 @@ class ExpertServer:
                     status_of,
                     secret=self.cfg.secret,
                     spin_s=self.cfg.spin_us * 1e-6,
+                    device=self.store.device,
                 )
             except OSError as e:  # (another process holds the name: clients use gRPC)
                 log.warning("no shared-memory data plane on %s: %s", self.address, e)

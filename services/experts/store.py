@@ -29,6 +29,7 @@ Errors are typed so the gRPC shell can map them to status codes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,11 +41,13 @@ import torch
 from services.model.checkpoint import check_keep_fp8_experts
 from services.model.config import ModelConfig
 from services.model.fp8 import dequantize_fp8_blocks
-from services.model.kernels import cpu_kernels
+from services.model.kernels.select import select_kernels
 from services.model.moe import PackedExperts
 
 from .rows import LayerRows, plan_rows, row_map
 from .sources import Checkpoint, ExpertRows, check_expert_weights
+
+log = logging.getLogger(__name__)
 
 
 class SlotStoreError(Exception):
@@ -113,6 +116,8 @@ class StoreStats:
     slots: dict[int, dict[int, tuple[list[int], list[int]]]] = field(default_factory=dict)
     dispatch_calls: int = 0
     weight_bytes: int = 0
+    kernels: dict[str, str] = field(default_factory=dict)  # family -> the kernel running it
+    kernel_reasons: dict[str, dict[str, str]] = field(default_factory=dict)  # family -> {not taken: why}
 
 
 class SlotStore:
@@ -148,7 +153,11 @@ class SlotStore:
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load at a time: it alone claims and writes rows
         self.dispatch_calls = 0
-        cpu_kernels.available()  # build (once per machine) or load the decode kernel before serving
+        # the expert kernels, chosen once (building the C++ CPU kernels now, not mid-request)
+        self.kernels = select_kernels(self.device, dtype, cfg, weight_dtype=weight_dtype, fp8_experts=keep_fp8,
+                                      scope="experts")  # fmt: skip
+        self._dispatch = self.kernels.expert_dispatch  # (None: checked here, then the expert kernel)
+        log.info("expert store %s", self.kernels.summary())
 
     # ---- versions -----------------------------------------------------------------------
     @property
@@ -240,7 +249,8 @@ class SlotStore:
         """The new version's slots mapped to rows, layer by layer (rows.plan_rows): experts held in
         some row are used where they are; the others are read (checkpoint, then `fetch`) for one
         layer at a time and written into rows no version reads, appended where none is left."""
-        packed = PackedExperts(swiglu_limit=self.cfg.swiglu_limit, fp8_block=self.fp8_block)
+        packed = PackedExperts(swiglu_limit=self.cfg.swiglu_limit, fp8_block=self.fp8_block,
+                               ffn=self.kernels.expert_ffn)  # fmt: skip
         report = LoadReport(0)
         checkpoint = Checkpoint(self.model_dir, self.cfg, self.weight_dtype, self.fp8_block is not None)
         before = self.weight_bytes()
@@ -466,13 +476,12 @@ class SlotStore:
         """(pairs per slot [S], the output) of one checked request on `held`, whose layer's tensors
         `t` (LayerTensors) were read under the lock."""
         num_slots, packed = held.num_slots, held.packed
-        if out is not None and self.device.type == "cpu" and t.w13_scale is None:
-            counts = torch.zeros(
-                num_slots, dtype=torch.long
-            )  # (decode sizes: one kernel call checks and computes)
+        if out is not None and self._dispatch is not None:  # (the C++ Dispatch: its size rule says)
+            counts = torch.zeros(num_slots, dtype=torch.long)  # (decode sizes: one call checks and computes)
             try:
-                ran = cpu_kernels.expert_dispatch(hidden, slot, weight, t.w13, t.w2, out, counts,
-                                                  packed.swiglu_limit, t.rows)  # fmt: skip
+                ran = self._dispatch(
+                    hidden, slot, weight, t.w13, t.w2, out, counts, packed.swiglu_limit, t.rows
+                )
             except ValueError as e:
                 raise InvalidRequest(f"{e} (placement version {held.version})") from None
             if ran:
@@ -537,6 +546,7 @@ class SlotStore:
                     for layer, n in self.moe_index.items()
                 }
         stats.weight_bytes = self.weight_bytes()
+        stats.kernels, stats.kernel_reasons = self.kernels.names(), self.kernels.reasons()
         return stats
 
 

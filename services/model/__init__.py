@@ -5,7 +5,7 @@ expert FFN), `model` (MLA over the paged latent cache, `DeepseekV3`), `indexer` 
 indexer), `v4_attention` and `deepseek_v4` (V4), `moe` (packed routed experts), `weights` (a
 layer's weights and their loading), `checkpoint` (mmap'd safetensors), `fp8` (the block-FP8
 format), `kv_cache` (the cache tensors' layout), `batch` (one step's token layout), `messages`
-(dispatch / combine between a forward pass and an expert backend), `placement` (slots of logical
-experts), `kernels` (CPU and GPU kernels). No gRPC, Ray, Redis or sockets here, and nothing of
+(dispatch / combine between a forward pass and an expert backend), `kernels` (CPU and GPU
+kernels). No gRPC, Ray, Redis or sockets here, and nothing of
 the engine that drives it (services/engine).
 """

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from .batch import StepBatch
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
-from .layers import swiglu_act
+from .kernels.select import Kernels, select_kernels
+from .kernels.torch_ops import swiglu_act
 from .messages import ExpertCombine, ExpertDispatch, StepGen
 from .v4_attention import Rows, V4AttentionWeights, V4Rope, rms_norm_f32, shard_heads, v4_attention
 from .weights import load_layers
@@ -149,7 +150,8 @@ def route_v4(
 # The model (attention side)
 # ---------------------------------------------------------------------------------------------
 class DeepseekV4:
-    """Everything but the routed experts, with weights as plain tensors."""
+    """Everything but the routed experts, with weights as plain tensors; `kernels` as
+    DeepseekV3's (V4 runs the indexer's scores and, in process, the routed experts on them)."""
 
     def __init__(
         self,
@@ -161,9 +163,11 @@ class DeepseekV4:
         head: torch.Tensor,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kernels: Kernels | None = None,
     ):
         self.cfg, self.embed, self.layers, self.hc_head = cfg, embed, layers, hc_head
         self.norm, self.head, self.dtype, self.device = norm, head, dtype, torch.device(device)
+        self.kernels = kernels if kernels is not None else select_kernels(self.device, dtype, cfg)
         self.ropes = {"main": V4Rope(cfg, False, self.device), "compress": V4Rope(cfg, True, self.device)}
         self.attn_reduce = None  # tensor parallelism: sums the ranks' partial attention outputs
 
@@ -182,13 +186,17 @@ class DeepseekV4:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         progress=None,
+        kernels: Kernels | None = None,
     ) -> DeepseekV4:
-        """Read the attention-side weights; no routed-expert tensor is touched."""
+        """Read the attention-side weights; no routed-expert tensor is touched. kernels: what the
+        model computes with (None: select_kernels' default for `device`)."""
+        kernels = kernels if kernels is not None else select_kernels(device, dtype, cfg)
         layers = load_layers(_load_layer, reader, cfg, dtype, progress)
         f32 = torch.float32
         head = HyperConnection(*(reader.get(f"model.hc_head.hc_{k}", f32) for k in ("fn", "base", "scale")))
         model = cls(cfg, reader.get("model.embed_tokens.weight", dtype), layers, head,
-                    reader.get("model.norm.weight", f32), reader.get("head.weight", dtype), dtype)  # fmt: skip
+                    reader.get("model.norm.weight", f32), reader.get("head.weight", dtype), dtype,
+                    kernels=kernels)  # fmt: skip
         return model.to(device)
 
     def to(self, device: torch.device | str) -> DeepseekV4:
@@ -199,6 +207,7 @@ class DeepseekV4:
             self.embed, self.norm, self.head = (t.to(device) for t in (self.embed, self.norm, self.head))
             self.device = device
             self.ropes = {"main": V4Rope(self.cfg, False, device), "compress": V4Rope(self.cfg, True, device)}
+            self.kernels = self.kernels.for_device(device)
         return self
 
     def forward(self, batch: StepBatch, cache: list[tuple[Rows, Rows | None]]) -> StepGen:
@@ -212,7 +221,7 @@ class DeepseekV4:
         for i, layer in enumerate(self.layers):
             post, comb, x = hc_pre(h, layer.hc_attn, cfg)
             x = rms_norm_f32(x, layer.attn_norm, cfg.rms_norm_eps)
-            attn = v4_attention(x, layer.attn, cfg, self.ropes, cos_sin, cache[i], batch)
+            attn = v4_attention(x, layer.attn, cfg, self.ropes, cos_sin, cache[i], batch, self.kernels)
             if self.attn_reduce is not None:
                 attn = self.attn_reduce(attn)
             h = hc_post(h, attn, post, comb)

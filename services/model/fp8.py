@@ -56,7 +56,7 @@ def quantize_fp8_blocks(
 class Fp8Weight(NamedTuple):
     """A linear's weight kept as a DeepSeek FP8 checkpoint stores it: weight [N, K] float8_e4m3fn and
     scale [ceil(N / bn), ceil(K / bk)] fp32 (its `weight_scale_inv`: a value is its FP8 number
-    times its block's scale), block (bn, bk). cpu_kernels.linear computes with it as it is."""
+    times its block's scale), block (bn, bk). The FP8 linear kernels compute with it as it is."""
 
     weight: torch.Tensor
     scale: torch.Tensor

@@ -27,13 +27,13 @@ q_lora = q_lora_rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kernels import cpu_kernels
 
 INDEXER_NORM_EPS = 1e-6  # the k_norm LayerNorm's eps in transformers and DeepSeek's code
 
@@ -80,11 +80,13 @@ def index_keys(
 @dataclass
 class IndexQueries:
     """What a step's queries need to score context tokens: q [T, Hi, Di] (rope'd) and the
-    per-head weights w [T, Hi] (fp32, Hi^-0.5 and Di^-0.5 folded in as transformers does)."""
+    per-head weights w [T, Hi] (fp32, Hi^-0.5 and Di^-0.5 folded in as transformers does);
+    `index_scores` the model's kernel for the scores (Kernels.index_scores)."""
 
     q: torch.Tensor
     weights: torch.Tensor
     topk: int
+    index_scores: Callable
 
     @classmethod
     def build(
@@ -94,12 +96,14 @@ class IndexQueries:
         w: IndexerWeights,
         cfg: ModelConfig,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kernels,
     ) -> IndexQueries:
-        """x [T, H] (post input-norm), q_lora [T, q_lora] (MLA's q_a_layernorm output)."""
+        """x [T, H] (post input-norm), q_lora [T, q_lora] (MLA's q_a_layernorm output); kernels:
+        the model's (kernels/select.py)."""
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
         q = _rope_neox(F.linear(q_lora, w.wq_b).view(x.shape[0], Hi, Di), *cos_sin)
         weights = F.linear(x, w.weights_proj).float() * Hi**-0.5
-        return cls(q, weights, cfg.index_topk)
+        return cls(q, weights, cfg.index_topk, kernels.index_scores)
 
     def select(
         self, rows: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
@@ -110,22 +114,10 @@ class IndexQueries:
         cached indexer keys, visible [Q, L] bool (causal and within the sequence) -> (positions
         [Q, k] int64 with each row's chosen ones first, count [Q] int64 of them), k = min(topk, L)."""
         k = min(self.topk, keys.shape[-2])
-        top = self._scores(rows, keys, visible).topk(k, dim=-1).indices  # [Q, k]
+        # [Q, L] scores, -inf where not visible (each query's visible tokens are a prefix of the
+        # context: causal, or a decode row's length)
+        scores = self.index_scores(self.q[rows], self.weights[rows], keys, visible.sum(1))
+        top = scores.topk(k, dim=-1).indices  # [Q, k]
         chosen = visible.gather(1, top)  # (fewer than k visible: the rest are -inf picks)
         first = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices
         return top.gather(1, first), chosen.sum(1)
-
-    def _scores(self, rows, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """[Q, L] fp32 index scores of the queries `rows`, -inf where not visible (each query's
-        visible tokens are a prefix of the context: causal, or a decode row's length)."""
-        fused = cpu_kernels.index_scores(self.q[rows], self.weights[rows], keys, visible.sum(1))
-        if fused is not None:  # fp32 CPU: one call, no [Q, Hi, L] temporaries
-            return fused
-        q = self.q[rows].float()  # [Q, Hi, Di]
-        if keys.dim() == 2:
-            dots = torch.einsum("qhd,ld->qhl", q, keys.float())
-        else:
-            dots = torch.einsum("qhd,qld->qhl", q, keys.float())
-        scale = q.shape[-1] ** -0.5
-        scores = torch.einsum("qh,qhl->ql", self.weights[rows], F.relu(dots * scale))
-        return scores.masked_fill(~visible, float("-inf"))

@@ -2,11 +2,13 @@
 
 `PackedExperts` is what an expert worker holds and what `LocalEngine` holds for all experts:
 per MoE layer one `w13 [S, 2I, H]` and one `w2 [S, H, I]` tensor over the S physical experts
-(slots) it serves, plus which logical expert each local slot holds.
+(slots) it serves, plus which logical expert each local slot holds, and `ffn`, the routed-expert
+kernel its holder chose (kernels/select.py: Kernels.expert_ffn).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -14,7 +16,7 @@ import torch
 
 from .checkpoint import CheckpointReader, load_expert_weights, load_expert_weights_fp8
 from .config import ModelConfig
-from .layers import grouped_expert_ffn
+from .kernels.select import Kernels, select_kernels
 from .messages import ExpertCombine, ExpertDispatch
 
 
@@ -41,6 +43,9 @@ class PackedExperts:
     # decoder layer -> [S] int64 row of w13 / w2 each slot reads (an expert worker's rows are
     # shared between placement versions: services/experts/rows.py); absent: slot s is row s
     rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the routed-expert kernel (Kernels.expert_ffn of the store or engine holding them): ffn(x,
+    # slot, weight, w13, w2, out, swiglu_limit, w13_scale, w2_scale, fp8_block)
+    ffn: Callable | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(
@@ -86,12 +91,16 @@ class PackedExperts:
                             self.rows.get(layer))  # fmt: skip
 
     def forward_tensors(self, t: LayerTensors, x, slot, weight, out=None) -> torch.Tensor:
-        """`forward` on tensors read by `layer_tensors`."""
+        """`forward` on tensors read by `layer_tensors`, by `ffn`."""
         if t.rows is not None:  # (slots -> their rows; -1 stays -1)
             rows = t.rows.to(slot.device)
             slot = torch.where(slot >= 0, rows[slot.clamp(min=0).long()], slot.new_tensor(-1)).to(slot.dtype)
-        return grouped_expert_ffn(x, slot, weight, t.w13, t.w2, out, self.swiglu_limit, t.w13_scale, t.w2_scale,
-                                  self.fp8_block)  # fmt: skip
+        if self.ffn is None:
+            raise ValueError(
+                "PackedExperts without a kernel (ffn): its holder selects one (kernels/select.py)"
+            )
+        return self.ffn(x, slot, weight, t.w13, t.w2, out, self.swiglu_limit, t.w13_scale, t.w2_scale,
+                        self.fp8_block)  # fmt: skip
 
     def tensor_dicts(self) -> list[dict[int, torch.Tensor]]:
         return [self.w13, self.w2, self.w13_scale, self.w2_scale]
@@ -101,10 +110,18 @@ class PackedExperts:
 
 
 class LocalExperts:
-    """Expert backend that runs every routed expert in this process (slot == logical expert)."""
+    """Expert backend that runs every routed expert in this process (slot == logical expert), on
+    `kernels`' expert_ffn: an engine's (Engine gives its own to the in-process experts it runs),
+    else chosen for experts computing in their weights' dtype on the CPU (`load_all`)."""
 
-    def __init__(self, cfg: ModelConfig, packed: PackedExperts):
+    def __init__(self, cfg: ModelConfig, packed: PackedExperts, kernels: Kernels):
         self.cfg, self.packed = cfg, packed
+        self.use_kernels(kernels)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Compute with `kernels`' routed-expert kernel from now on."""
+        self.kernels = kernels
+        self.packed.ffn = kernels.expert_ffn
 
     @classmethod
     def load_all(
@@ -114,16 +131,22 @@ class LocalExperts:
         dtype: torch.dtype,
         progress=None,
         keep_fp8: bool = False,
+        kernels: Kernels | None = None,
     ):
+        """Every routed expert, held in `dtype` (or FP8 as shipped: keep_fp8). kernels: the ones
+        they compute with (None: selected for `dtype` on the CPU; `to` moves them along)."""
+        if kernels is None:
+            kernels = select_kernels("cpu", dtype, cfg, fp8_experts=keep_fp8, scope="experts")
         everything = {layer: list(range(cfg.n_routed_experts)) for layer in cfg.moe_layers}
         packed = PackedExperts.load(reader, everything, dtype, progress, keep_fp8)
         packed.swiglu_limit = cfg.swiglu_limit
-        return cls(cfg, packed)
+        return cls(cfg, packed, kernels)
 
     def to(self, device) -> LocalExperts:
         for d in self.packed.tensor_dicts():
             for k in d:
                 d[k] = d[k].to(device)
+        self.use_kernels(self.kernels.for_device(device))
         return self
 
     def dispatch(self, msg: ExpertDispatch) -> torch.Tensor:

@@ -48,7 +48,6 @@ import torch.nn.functional as F
 
 from .batch import DecodeRows, StepBatch
 from .config import ModelConfig, rope_inv_freq
-from .kernels import cpu_kernels
 from .kv_cache import BLOCK_SIZE, PackedRows, PlainRows, entries_per_block
 
 Rows = PlainRows | PackedRows  # a layer's state rows or entries, read and written by flat row
@@ -262,20 +261,14 @@ def _compressor_states(c: CompressorWeights, x: torch.Tensor) -> list[torch.Tens
 
 
 def _indexer_top(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor, topk: int
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor, topk: int, index_scores
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `topk` best-scoring entries of each query and whether each is visible: q [Q, Hi, Di],
     weights [Q, Hi] (fp32, Hi^-0.5 in), keys [E, Di] (one context) or [Q, E, Di] indexer entries,
     lens [Q] int64 (query i sees its first lens[i] entries) -> ([Q, topk] entry indices, [Q,
     topk] bool). With fewer than `topk` visible, the invisible ones picked are marked so. E > topk.
-    The scores come from the CPU kernel where it applies (fp32 on the CPU: no [Q, Hi, E]
-    temporaries), else from the same math in torch."""
-    scores = cpu_kernels.index_scores(q, weights, keys, lens) if q.device.type == "cpu" else None
-    if scores is None:
-        dots = torch.einsum("qhd,ed->qhe" if keys.dim() == 2 else "qhd,qed->qhe", q.float(), keys.float())
-        scores = torch.einsum("qh,qhe->qe", weights, F.relu(dots) * q.shape[-1] ** -0.5)
-        visible = torch.arange(keys.shape[-2], device=q.device)[None] < lens[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+    The scores come from the model's kernel (`index_scores`: Kernels.index_scores)."""
+    scores = index_scores(q, weights, keys, lens)
     top = scores.topk(topk, dim=-1).indices
     return top, top < lens[:, None]
 
@@ -341,6 +334,7 @@ def _decode_context(
     d: DecodeRows,
     q_idx: torch.Tensor | None,
     idx_weights: torch.Tensor | None,
+    k,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and their visibility of decode rows `d` at once, padded to the longest: keys
     [Bd, window + E, D] (each row's window rows, then its entries, E the most any has; with an
@@ -361,7 +355,8 @@ def _decode_context(
             # then costs the window plus top-k, whatever the context (the indexer's scores are
             # the part that still grows with it)
             index_keys = entries.read(at, w.indexer.compressor.entry_cols).masked_fill(~seen[..., None], 0)
-            top, seen = _indexer_top(q_idx[d.rows], idx_weights[d.rows], index_keys, num, cfg.index_topk)
+            top, seen = _indexer_top(q_idx[d.rows], idx_weights[d.rows], index_keys, num, cfg.index_topk,
+                                     k.index_scores)  # fmt: skip
             at = at.gather(1, top)  # [Bd, topk]
         keys = torch.cat((keys, entries.read(at, c.entry_cols)), dim=1)
         visible = torch.cat((visible, seen), dim=1)
@@ -379,6 +374,7 @@ def _prefill(
     q_idx: torch.Tensor | None,
     idx_weights: torch.Tensor | None,
     out: torch.Tensor,
+    k,
 ) -> None:
     """Attention of sequence b's prefill chunk into `out` [T, N, D], PREFILL_QUERIES queries at a
     time: each tile reads the band of window rows its queries see (tile + window - 1 rows, not the
@@ -402,7 +398,9 @@ def _prefill(
         if at is not None:
             num = (qpos + 1) // c.ratio  # [t] complete windows (= entries) each query sees
             if pick:  # each query's own top-k, gathered: scores [t, E], picked rows [t, top-k, D]
-                top, seen = _indexer_top(q_idx[tile], idx_weights[tile], ent, num, cfg.index_topk)
+                top, seen = _indexer_top(
+                    q_idx[tile], idx_weights[tile], ent, num, cfg.index_topk, k.index_scores
+                )
                 picked = entries.read(at[top], c.entry_cols)
                 out[tile] = _attend_picked(q[tile], keys, visible, picked, seen, w.sinks)
                 continue
@@ -419,11 +417,13 @@ def v4_attention(
     cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
     cache: tuple[Rows, Rows | None],
     batch: StepBatch,
+    k,
 ) -> torch.Tensor:
     """x [T, H] (the layer's normed attention input) -> [T, H]. cache = (state rows, entries or
     None; kv_cache.V4Cache). Writes this step's
     state rows (and the entries of the windows the step completes), then each sequence's queries
-    attend to their window rows and compressed entries."""
+    attend to their window rows and compressed entries. k: the model's kernels (kernels/select.py:
+    the indexer's scores; the rest of V4's attention is torch code)."""
     T, D, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
     rope_kind = "main" if w.kind == SLIDING else "compress"
     cos, sin = cos_sin[rope_kind]
@@ -447,11 +447,11 @@ def v4_attention(
     out = torch.empty(T, N, D, dtype=x.dtype, device=x.device)
     if batch.decode is not None:  # the decode rows in padded batches of similar lengths
         for d in _decode_groups(batch.decode):
-            keys, visible = _decode_context(w, cfg, rows, entries, batch, d, q_idx, idx_weights)
+            keys, visible = _decode_context(w, cfg, rows, entries, batch, d, q_idx, idx_weights, k)
             out[d.rows] = _attend(q[d.rows, None], keys, visible, w.sinks)[:, 0]
     for b, n in enumerate(batch.query_lens):  # prefill chunks one sequence at a time
         if n > 1:
-            _prefill(w, cfg, rows, entries, batch, b, q, q_idx, idx_weights, out)
+            _prefill(w, cfg, rows, entries, batch, b, q, q_idx, idx_weights, out, k)
 
     out = rope_tail(out, cos, -sin)  # undo the rope the values (= keys) carried
     G = cfg.o_groups * N // cfg.num_attention_heads  # (a tensor-parallel rank: its heads' groups)

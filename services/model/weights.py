@@ -64,7 +64,7 @@ def load_layer(
 ) -> LayerWeights:
     """Layer i's weights in `dtype`; the matrices that only go through `linear` (q_a, q_b / q_proj,
     kv_a, o, the dense MLP or shared experts) in `weight_dtype` when given (bf16 under fp32: see
-    cpu_kernels.linear), or with `keep_fp8` as the FP8 checkpoint stores them (fp8.Fp8Weight).
+    the C++ linear kernel), or with `keep_fp8` as the FP8 checkpoint stores them (fp8.Fp8Weight).
     kv_b (the absorbed attention's bmm), the indexer and the router stay in `dtype` (the router in
     fp32)."""
     p = f"model.layers.{i}."

@@ -51,7 +51,8 @@ class RouterMetrics:
             ["worker", "expert_worker", "transport"], registry=r,
         )  # fmt: skip
         self.transport_events = per_worker(
-            "moe_dispatch_transport_events", "Transports chosen and changed (fallbacks, restorations), last 64"
+            "moe_dispatch_transport_events",
+            "Transports chosen and changed (fallbacks, restorations), last 64",
         )
         self.dropped = per_worker(
             "moe_load_counts_dropped", "Routed-token counts dropped (Redis down too long)"

@@ -1,2 +1,3 @@
-"""The expert data plane's transport: the protobuf/gRPC modules generated from proto/*.proto
-(regenerate: `make proto`) and `wire`, the hand-written zero-copy codec of the hot messages."""
+"""The protobuf side of the expert service: the modules generated from proto/*.proto (regenerate:
+`make proto`) and `wire`, the hand-written zero-copy codec of its hot messages (Dispatch, the
+peer copy's ExpertWeights). The transports that carry them are services/dataplane."""

@@ -20,8 +20,8 @@
 `linear` and `expert_ffn` also take bf16 weights with fp32 inputs (`EngineConfig.weight_dtype`,
 as llama.cpp's f16/bf16 files: weights stored in 16 bits, everything else fp32): each weight is
 widened in registers, exactly, so the result is the fp32 kernel's on the bf16-rounded weights,
-bit for bit, from half the memory. Beyond MAX_ROWS rows, and without the kernels, the weight is
-widened by torch for the call (MKL on the widened copy beats the kernel there).
+bit for bit, from half the memory. Beyond MAX_ROWS rows the weight is widened by torch for the
+call (MKL on the widened copy beats the kernel there).
 
 Every output element is one dot product or sum in a fixed order, so a token's result does not
 depend on how many tokens share the call (batch invariance). The dot products use explicit fused
@@ -32,7 +32,14 @@ the work item 4 ahead (with fp32 weights the hardware prefetcher does as well al
 
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler and
 ninja; ~1 min once, cached under $MOE_CLUSTER_CACHE/torch_extensions). Without them, or with
-MOE_CPU_KERNELS=0, every function here falls back to torch (the callers' torch path).
+MOE_CPU_KERNELS=0, `unavailable()` says why and selection (select.py) takes no kernel of here.
+
+`CppKernels` holds them as the implementations select.py binds, one method per kernel family.
+Whether a family's kernel takes a model at all (fp32 activations on the CPU, widths that are
+multiples of 8, ...) is decided once, at selection; what is left per call is each kernel's own
+size rule, stated on its method (e.g. the linear's: up to MAX_ROWS rows, or TILE_ROWS with K %
+16 == 0 and K >= 256, the kernel; beyond, MKL): a choice of algorithm by batch size, not a
+fallback.
 """
 
 from __future__ import annotations
@@ -47,10 +54,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.model import fp8
 from services.model.fp8 import Fp8Weight
 
-from .gpu import TRITON
+from . import torch_ops
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +72,8 @@ SOURCES = ("linear.cpp", "experts.cpp", "attention.cpp")
 _SOURCE = "".join((Path(__file__).parent / "csrc" / name).read_text() for name in SOURCES)
 
 _lock = threading.Lock()
-_state: dict = {}  # "module": the compiled extension, or None when unavailable
+_state: dict = {}  # "module": the compiled extension (None when unavailable), "reason": why not
+# (the build of this process, like an import: made once, never changed after)
 
 
 def _module():
@@ -74,13 +81,19 @@ def _module():
         return _state["module"]
     with _lock:
         if "module" not in _state:
-            _state["module"] = _build()
+            _state["module"], _state["reason"] = _build()
     return _state["module"]
 
 
+def unavailable() -> str | None:
+    """Why the kernels are not built here (None: they are; building them on first call)."""
+    return None if _module() is not None else _state["reason"]
+
+
 def _build():
+    """(the extension, None), or (None, why not)."""
     if os.environ.get("MOE_CPU_KERNELS", "1") == "0":
-        return None
+        return None, "MOE_CPU_KERNELS=0"
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -92,20 +105,21 @@ def _build():
         build_dir.mkdir(parents=True, exist_ok=True)
     except Exception as e:  # no torch.utils.cpp_extension
         log.warning("CPU kernels unavailable (%s: %s); using torch ops", type(e).__name__, e)
-        return None
+        return None, f"not built ({type(e).__name__}: {e})"
     # -fopenmp: at::parallel_for is an inline template that only splits work over torch's
     # threads when the extension itself is compiled with OpenMP (without it every kernel runs on
     # one thread). Linking it loads no second runtime: torch's bundled libgomp.so.1 is the one
     # already loaded under that name. A compiler without OpenMP gets the one-thread build.
     for omp in (["-fopenmp"], []):
         try:
-            return load_inline("moe_cpu_kernels", cpp_sources=_SOURCE, functions=FUNCTIONS,
-                               extra_cflags=["-O3", "-march=native", "-ffp-contract=off", *omp],
-                               extra_ldflags=omp, build_directory=str(build_dir))  # fmt: skip
+            module = load_inline("moe_cpu_kernels", cpp_sources=_SOURCE, functions=FUNCTIONS,
+                                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", *omp],
+                                 extra_ldflags=omp, build_directory=str(build_dir))  # fmt: skip
+            return module, None
         except Exception as e:  # no compiler, no ninja, an unsupported CPU: torch's own ops
             error = e
     log.warning("CPU kernels unavailable (%s: %s); using torch ops", type(error).__name__, error)
-    return None
+    return None, f"not built ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
 
 
 def _cache_root() -> Path:
@@ -150,206 +164,234 @@ def available() -> bool:
     return _module() is not None
 
 
-def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or (t.dtype is torch.float32 and t.is_cpu) for t in tensors)
-
-
-def _weights_cpu(*tensors: torch.Tensor | None) -> bool:
-    """Linear weights the kernels take: fp32 or bf16 tensors on CPU."""
-    return all(
-        t is None or (type(t) is torch.Tensor and t.dtype in (torch.float32, torch.bfloat16) and t.is_cpu)
-        for t in tensors
-    )
-
-
-def _paged_cache_ok(cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, fp8: bool = False) -> bool:
-    """A CPU cache the kernels can address directly, fp32 rows (or with `fp8`, FP8 latent rows:
-    uint8), with int64 block tables / lengths."""
-    return (
-        cache.is_cpu
-        and cache.dtype is (torch.uint8 if fp8 else torch.float32)
-        and cache.is_contiguous()
-        and table.dtype == torch.int64
-        and lens.dtype == torch.int64
-    )
-
-
-def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias), computed in x's dtype (w may be stored narrower, e.g. bf16 under fp32
-    x, or kept FP8: `fp8_linear`); fp32 x [M, K] on CPU with fp32 or bf16 w goes through the kernel
-    for M <= MAX_ROWS (K % 8 == 0) and M <= TILE_ROWS (K % 16 == 0, K >= 256)."""
-    if type(w) is Fp8Weight:
-        return fp8_linear(x, w, bias)
-    if (  # (spelled out: this runs ~60 times per decode step)
-        x.dtype is torch.float32
-        and (w.dtype is torch.float32 or w.dtype is torch.bfloat16)
-        and x.is_cpu
-        and x.dim() == 2
-        and (
-            x.shape[1] % 8 == 0
-            if x.shape[0] <= MAX_ROWS
-            else x.shape[0] <= TILE_ROWS and x.shape[1] % 16 == 0 and x.shape[1] >= 256
-        )
-        and (bias is None or bias.dtype is torch.float32)
-    ):
-        module = _state.get("module") or _module()
-        if module is not None:
-            return module.small_linear(
-                x.contiguous(), w.contiguous(), None if bias is None else bias.contiguous()
-            )
-    return F.linear(x, w if w.dtype is x.dtype else w.to(x.dtype), bias)
-
-
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` with a weight kept FP8 (fp8.Fp8Weight), computed in x's dtype with the
-    dequantised weight's values: the Triton kernel on CUDA (triton_linear.py); on an fp32 CPU the
-    C++ kernel up to FP8_TILE_ROWS rows (each FP8 row dequantised as it is read; up to TILE_ROWS
-    rows the bits of `linear` on the dequantised weight, beyond them the register tiles' sums where
-    `linear` has MKL's); beyond (prefill) the weight dequantised FP8_DEQUANT_BYTES of rows at a
-    time, for F.linear."""
-    N, K = w.shape
-    y = TRITON.fp8_linear(x, w.weight, w.scale, w.block, bias)  # CUDA
-    if y is not None:
-        return y
-    bn, bk = w.block
-    if (
-        x.dtype is torch.float32
-        and x.dim() == 2
-        and K % 16 == 0
-        and (x.shape[0] <= MAX_ROWS or x.shape[0] <= FP8_TILE_ROWS and K >= 256)
-        and bk % 16 == 0
-        and _fp32_cpu(x, w.scale, bias)
-        and w.weight.is_cpu
-    ):
-        module = _state.get("module") or _module()
-        if module is not None:
-            return module.small_linear_fp8(x.contiguous(), w.weight.contiguous(), w.scale.contiguous(), bn, bk,
-                                           None if bias is None else bias.contiguous())  # fmt: skip
-    rows = max(bn, fp8.FP8_DEQUANT_BYTES // (4 * K) // bn * bn)  # whole row blocks per chunk
-    parts = [
-        F.linear(
-            x, w.dequantize(slice(n, n + rows)).to(x.dtype), None if bias is None else bias[n : n + rows]
-        )
-        for n in range(0, N, rows)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-
-
-def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(h + delta, rms_norm(h + delta)) for fp32 CPU h, delta [M, K] (K % 8 == 0) in one call:
-    the residual stream's update and the next sublayer's input. None where the kernel does not
-    apply."""
-    if (
-        h.dim() != 2
-        or h.shape != delta.shape
-        or not (h.is_contiguous() and delta.is_contiguous())
-        or h.shape[1] % 8
-        or h.numel() == 0
-        or weight.numel() != h.shape[1]
-        or not _fp32_cpu(h, delta, weight)
-    ):
-        return None
-    module = _state.get("module") or _module()
-    if module is None:
-        return None
-    h, x = module.add_rms_norm(h, delta, weight.contiguous(), eps)
-    return h, x
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of fp32 CPU x [..., K] (K % 8 ==
-    0); None where the kernel does not apply (the caller computes it with torch)."""
-    K = x.shape[-1]
-    if K % 8 or not _fp32_cpu(x, weight) or x.numel() == 0 or x.stride(-1) != 1:
-        return None
-    module = _module()
-    if module is None:
-        return None
-    return module.rms_norm(x.reshape(-1, K), weight.contiguous(), eps).view(x.shape)
-
-
-def expert_ffn(
-    x: torch.Tensor,
-    slot: torch.Tensor,
-    weight: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    swiglu_limit: float | None = None,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    fp8_block: tuple[int, int] | None = None,
-) -> torch.Tensor | None:
-    """The routed experts of a few tokens in one call: x [T, H], slot [T, K] int64 (-1 = none),
-    weight [T, K] fp32, w13 [S, 2I, H], w2 [S, H, I] (fp32, or both bf16) -> fp32 [T, H] (see
-    layers.grouped_expert_ffn for the math). FP8 experts kept FP8 (float8_e4m3fn, with w13_scale /
-    w2_scale and fp8_block (bn, bk): bn divides I, bk % 16 == 0, H and I % 16 == 0): each row is
-    dequantized as it is read, to the values of fp8.dequantize_fp8_blocks, so the result
-    is this kernel's on the dequantized weights, bit for bit. None where the kernel does not apply."""
-    H, I = x.shape[1], w2.shape[2]
-    if H % 8 or I % 8 or slot.dtype != torch.int64 or not _fp32_cpu(x, weight):
-        return None
-    if swiglu_limit is not None and swiglu_limit <= 0:  # (the kernel reads 0 as "no clamp")
-        return None
-    fp8 = w13_scale is not None
-    if fp8:
-        bn, bk = fp8_block
-        if I % bn or bk % 16 or H % 16 or I % 16 or not _fp32_cpu(w13_scale, w2_scale) or not w13.is_cpu:
-            return None
-    elif not _weights_cpu(w13, w2) or w13.dtype is not w2.dtype:
-        return None
-    module = _module()
-    if module is None:
-        return None
-    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    args = (x.contiguous(), slot.contiguous(), weight.contiguous(), w13.contiguous(), w2.contiguous())
-    if fp8:
-        return module.expert_ffn_fp8(*args, w13_scale.contiguous(), w2_scale.contiguous(), bn, bk, limit)
-    return module.expert_ffn(*args, limit)
-
-
-def expert_dispatch(
-    x: torch.Tensor,
-    slot: torch.Tensor,
-    weight: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    out: torch.Tensor,
-    counts: torch.Tensor,
-    swiglu_limit: float | None = None,
-    rows: torch.Tensor | None = None,
-) -> bool:
-    """An expert worker's Dispatch at decode sizes in one call, straight from the request: out
-    [T, H] fp32 = expert_ffn(x, slot, weight, w13, w2) for slot [T, K] int32 local slots (-1 =
-    none), checked (ValueError, nothing written: a slot outside [-1, S), a weight not finite), and
-    counts [S] int64 = the pairs each slot computed. rows [S] int64: the row of w13 / w2 [P, ...]
-    each slot reads (None: slot s is row s, P == S). False (nothing done) where the kernel does
-    not apply: not fp32 / bf16 on the CPU, no kernels, misaligned buffers (a gRPC payload's views
-    can be), or too many rows per slot (grouped matmuls)."""
-    H, I = x.shape[1], w2.shape[2]
-    if H % 8 or I % 8 or slot.dtype != torch.int32 or not _fp32_cpu(x, weight, out):
-        return False
-    if any(t.data_ptr() % t.element_size() for t in (x, slot, weight, out)):
-        return False
-    if (
-        (swiglu_limit is not None and swiglu_limit <= 0)
-        or not _weights_cpu(w13, w2)
-        or w13.dtype is not w2.dtype
-    ):
-        return False
-    module = _module()
-    if module is None or not (w13.is_contiguous() and w2.is_contiguous()):
-        return False
-    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    rows = _NO_ROWS if rows is None else rows.contiguous()
-    return module.expert_dispatch(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, out, counts,
-                                  rows, MAX_ROWS, limit)  # fmt: skip
+def _few_rows_per_slot(slot: torch.Tensor) -> bool:
+    """Whether the busy slots of slot [T, K] get at most MAX_ROWS rows on average (where the
+    small-batch expert kernel beats MKL's blocked matmuls)."""
+    busy = slot[slot >= 0]
+    return busy.numel() <= MAX_ROWS * torch.unique(busy).numel()
 
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
+_EMPTY = torch.empty(0)
 
 
+class CppKernels:
+    """The C++ kernels of this process's build as kernel-family implementations (select.py binds
+    the methods). `kernels` is the select.Kernels they are bound into: where a method's size rule
+    leaves a call to other kernels (a prefill's linears), it calls that object's choice.
+
+    What selection has checked for every method: fp32 activations on the CPU, the model's widths
+    (multiples of 8, of 16 for FP8 weights), weights fp32 or bf16 (or FP8 with their fp32 scales),
+    int64 block tables. What each method still decides per call is its size rule."""
+
+    def __init__(self, module, kernels):
+        # (the extension's functions are looked up on it per call, like any module's: what
+        # observes them, a test's patch, sees every call)
+        self.k, self._m = kernels, module
+
+    # ---- linears -----------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, w, bias) for x [M, K] fp32, w [N, K] fp32 or bf16. Size rule: M <=
+        MAX_ROWS (K % 8 == 0), or M <= TILE_ROWS with K % 16 == 0 and K >= 256: the kernel;
+        otherwise MKL (F.linear, a bf16 weight widened for the call)."""
+        if x.dim() == 2 and (  # (spelled out: this runs up to ~60 times per decode step)
+            x.shape[1] % 8 == 0
+            if x.shape[0] <= MAX_ROWS
+            else x.shape[0] <= TILE_ROWS and x.shape[1] % 16 == 0 and x.shape[1] >= 256
+        ):
+            return self._m.small_linear(
+                x.contiguous(), w.contiguous(), None if bias is None else bias.contiguous()
+            )
+        return F.linear(x, w if w.dtype is x.dtype else w.to(x.dtype), bias)
+
+    def fp8_linear(self, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear` with a weight kept FP8 (fp8.Fp8Weight), with the dequantised weight's values.
+        Size rule: up to MAX_ROWS rows, or FP8_TILE_ROWS with K >= 256 (K % 16 == 0), the kernel
+        (each FP8 row dequantised as it is read; up to TILE_ROWS rows the bits of `linear` on the
+        dequantised weight, beyond them the register tiles' sums where `linear` has MKL's);
+        beyond (prefill) torch_ops.fp8_linear, the weight dequantised a few row blocks at a time."""
+        K = w.shape[1]
+        M = x.shape[0]
+        if x.dim() == 2 and K % 16 == 0 and (M <= MAX_ROWS or M <= FP8_TILE_ROWS and K >= 256):
+            bn, bk = w.block
+            return self._m.small_linear_fp8(x.contiguous(), w.weight.contiguous(), w.scale.contiguous(), bn, bk,
+                                          None if bias is None else bias.contiguous())  # fmt: skip
+        return torch_ops.fp8_linear(x, w, bias)
+
+    # ---- norms, rope, router, MLPs -------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """torch_ops.rms_norm over the last dim of x [..., K] in one call."""
+        if x.numel() == 0:
+            return torch.empty_like(x)
+        K = x.shape[-1]
+        rows = x.reshape(-1, K) if x.stride(-1) == 1 else x.contiguous().view(-1, K)
+        return self._m.rms_norm(rows, weight.contiguous(), eps).view(x.shape)
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, rms_norm(h + delta)) for h, delta [M, K] in one call: the residual stream's
+        update and the next sublayer's input (the bits of the add, then `rms_norm`)."""
+        if h.numel() == 0:
+            return h + delta, torch.empty_like(h)
+        h, x = self._m.add_rms_norm(h.contiguous(), delta.contiguous(), weight.contiguous(), eps)
+        return h, x
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """torch_ops.rope_interleaved for x [T, R] or [T, N, R] (any strides but the last dim's)
+        with cos / sin [T, R/2], in one call."""
+        flat = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        return self._m.rope_interleaved(flat, cos.contiguous(), sin.contiguous()).view(x.shape)
+
+    def router(self, cfg):
+        """route(x, gate_w, bias): torch_ops.route for cfg's sigmoid scores with noaux_tc in one
+        call (x [T, H], gate_w [E, H], bias [E] or None) -> (topk_idx [T, K] int64, best first;
+        topk_weight [T, K] fp32)."""
+        module, empty = self._m, _EMPTY
+        args = (
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+        top_k = cfg.num_experts_per_tok
+
+        def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None):
+            if x.shape[0] == 0:
+                return torch.empty(0, top_k, dtype=torch.long), torch.empty(0, top_k)
+            idx, weight = module.route_sigmoid(
+                x.contiguous(), gate_w.contiguous(), empty if bias is None else bias.contiguous(), *args
+            )
+            return idx, weight
+
+        return route
+
+    def dense_ffn(self, x: torch.Tensor, w13, w2) -> torch.Tensor:
+        """torch_ops.dense_ffn (the dense MLP, the shared experts). Size rule: 1 to MAX_ROWS rows,
+        the expert kernel with one slot holding w13 [2I, H] / w2 [H, I] and weight 1 for every
+        token (the same sums as a dense MLP; kept FP8: `expert_ffn_fp8`); more (prefill), the two
+        linears of the chosen `linear`."""
+        T = x.shape[0]
+        if not 0 < T <= MAX_ROWS:
+            return torch_ops.dense_ffn(x, w13, w2, self.k.linear)
+        if type(w13) is Fp8Weight:
+            slot, weight = torch.zeros(T, 1, dtype=torch.long), torch.ones(T, 1)
+            return self._experts(x, slot, weight, w13.weight[None], w2.weight[None], None, w13.scale[None],
+                                 w2.scale[None], w13.block)  # fmt: skip
+        return self._m.dense_ffn(x.contiguous(), w13.contiguous(), w2.contiguous())
+
+    # ---- routed experts ------------------------------------------------------------------------
+    def _experts(self, x, slot, weight, w13, w2, swiglu_limit, w13_scale, w2_scale, block) -> torch.Tensor:
+        """The expert kernel: x [T, H], slot [T, K] int64 (-1 = none), weight [T, K] fp32, w13 [S,
+        2I, H], w2 [S, H, I] (fp32, or both bf16; or FP8 with w13_scale / w2_scale and block (bn,
+        bk): each row dequantised as it is read, to fp8.dequantize_fp8_blocks's values, so the
+        result is the kernel's on the dequantised weights, bit for bit) -> fp32 [T, H]."""
+        limit = 0.0 if swiglu_limit is None else float(swiglu_limit)  # (the kernel reads 0 as "no clamp")
+        args = (x.contiguous(), slot.contiguous(), weight.contiguous(), w13.contiguous(), w2.contiguous())
+        if w13_scale is not None:
+            bn, bk = block
+            return self._m.expert_ffn_fp8(*args, w13_scale.contiguous(), w2_scale.contiguous(), bn, bk, limit)
+        return self._m.expert_ffn(*args, limit)
+
+    def expert_ffn(self, x, slot, weight, w13, w2, out=None, swiglu_limit=None, w13_scale=None, w2_scale=None,
+                   fp8_block=None) -> torch.Tensor:  # fmt: skip
+        """torch_ops.expert_ffn (the routed experts). Size rule: decode sizes (at most MAX_ROWS
+        tokens, or at most MAX_ROWS rows per busy slot on average), the whole layer in one call
+        (each expert weight row read once for all of its slot's rows); beyond, torch_ops's
+        grouped matmuls (FP8 experts: their slots dequantised per call, then this method)."""
+        if slot.shape[0] <= MAX_ROWS or _few_rows_per_slot(slot):
+            y = self._experts(x, slot, weight, w13, w2, swiglu_limit, w13_scale, w2_scale, fp8_block)
+            return y if out is None else out.copy_(y)
+        return torch_ops.expert_ffn(x, slot, weight, w13, w2, out, swiglu_limit, w13_scale, w2_scale, fp8_block,
+                                    linear=self.k.linear, plain=self.expert_ffn)  # fmt: skip
+
+    def expert_dispatch(self, x, slot, weight, w13, w2, out, counts, swiglu_limit=None, rows=None) -> bool:
+        """An expert worker's Dispatch at decode sizes in one call, straight from the request: out
+        [T, H] fp32 = expert_ffn(x, slot, weight, w13, w2) for slot [T, K] int32 local slots (-1 =
+        none), checked (ValueError, nothing written: a slot outside [-1, S), a weight not finite),
+        and counts [S] int64 = the pairs each slot computed. rows [S] int64: the row of w13 / w2
+        [P, ...] each slot reads (None: slot s is row s, P == S). Its rule (False, nothing done):
+        buffers that are not aligned to their dtype (a gRPC payload's views can be), weights not
+        contiguous, or beyond decode sizes (more than MAX_ROWS tokens and rows per busy slot):
+        then the store's own checks and the expert kernel."""
+        if any(t.data_ptr() % t.element_size() for t in (x, slot, weight, out)):
+            return False
+        if not (w13.is_contiguous() and w2.is_contiguous()):
+            return False
+        limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+        rows = _NO_ROWS if rows is None else rows.contiguous()
+        return self._m.expert_dispatch(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, out, counts,
+                                     rows, MAX_ROWS, limit)  # fmt: skip
+
+    # ---- MLA -----------------------------------------------------------------------------------
+    def mla_decode(self, q: torch.Tensor, cache: torch.Tensor, dec, C: int, scale: float) -> torch.Tensor:
+        """MLA decode attention from the paged cache: q [B, N, C+R] (latent query), cache [blocks,
+        64, 1, W] fp32, dec a batch.DecodeRows (table [B, max_blocks] / lens [B] int64) -> o [B, N,
+        C], the softmax(scale * q . row[:C+R])-weighted sum of the rows' first C values, read in
+        place."""
+        return self._m.mla_decode(
+            q.contiguous(), cache, dec.table.contiguous(), dec.lens.contiguous(), C, scale
+        )
+
+    def mla_decode_fp8(self, q: torch.Tensor, cache: torch.Tensor, dec, C: int, scale: float) -> torch.Tensor:
+        """`mla_decode` over FP8 latent rows (uint8 cache, kv_cache.fp8_row_bytes), dequantized as
+        read."""
+        return self._m.mla_decode_fp8(q.contiguous(), cache, dec.table.contiguous(), dec.lens.contiguous(), C,
+                                    q.shape[-1] - C, scale)  # fmt: skip
+
+    def absorb_q(self, q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+        """torch_ops.absorb_q: q_nope [T, N, D] @ kv_b[:, :D] -> [T, N, C]. Size rule: up to
+        MAX_ROWS tokens, per-head dot products (torch.bmm runs a small GEMM per head); more,
+        torch.bmm."""
+        if q_nope.shape[0] > MAX_ROWS:
+            return torch_ops.absorb_q(q_nope, kv_b)
+        q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+        return self._m.absorb_q(q_nope, kv_b, q_nope.shape[-1])
+
+    def absorb_o(self, o_lat: torch.Tensor, kv_b: torch.Tensor, D: int) -> torch.Tensor:
+        """torch_ops.absorb_o: o_lat [T, N, C] through kv_b[:, D:] -> [T, N, V]; `absorb_q`'s size
+        rule."""
+        if o_lat.shape[0] > MAX_ROWS:
+            return torch_ops.absorb_o(o_lat, kv_b, D)
+        return self._m.absorb_o(o_lat.contiguous(), kv_b, D)
+
+    def mla_decode_layer(
+        self, x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: float
+    ) -> torch.Tensor:
+        """model.mla_forward for a decode-only step of a V3 layer (no indexer, interleaved rope) in
+        one call: x [T, H] fp32, w a weights.MLAWeights (linears fp32 / bf16, or all kept FP8 in
+        one block shape), cos_sin [T, R/2] each, cache [blocks, 64, 1, C+R] fp32, table [T,
+        max_blocks] / lens [T] int64 (batch.DecodeRows); the rows of this step are written at
+        slot_mapping [T]; eps of the latent norms."""
+        C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        linears = (w.q_a, w.q_b, w.q_proj, w.kv_a, w.o)
+        cos, sin = cos_sin
+        scales, (bn, bk) = [], (0, 0)
+        if type(w.kv_a) is Fp8Weight:  # (kept FP8: their scales, an empty tensor for an absent one)
+            scales = [_EMPTY if t is None else t.scale.contiguous() for t in linears]
+            bn, bk = w.kv_a.block
+        q_a, q_b, q_proj, kv_a, o = (t.weight if type(t) is Fp8Weight else t for t in linears)
+        return self._m.mla_decode_layer(x, q_a, w.q_a_bias, w.q_a_norm, q_b, q_proj, kv_a, w.kv_a_bias,
+                                      w.kv_a_norm, w.kv_b, o, w.o_bias, cos.contiguous(), sin.contiguous(),
+                                      cache, slot_mapping, table, lens, cfg.qk_nope_head_dim, R, C,
+                                      cfg.v_head_dim, eps, cfg.softmax_scale, scales, bn, bk)  # fmt: skip
+
+    # ---- indexer -------------------------------------------------------------------------------
+    def index_scores(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """torch_ops.index_scores in one call (no [Q, Hi, L] temporaries): q [Q, Hi, Di], w [Q,
+        Hi], keys [L, Di] (one shared context) or [Q, L, Di], lens [Q] int64 -> [Q, L] fp32, -inf
+        beyond each query's tokens."""
+        keys = keys if keys.dim() == 3 else keys.unsqueeze(0)
+        return self._m.index_scores(q.contiguous(), w.contiguous(), keys.contiguous(), lens.contiguous(),
+                                  q.shape[-1] ** -0.5)  # fmt: skip
+
+
+# ---- the data plane's packing (services/dataplane/remote_experts.py) --------------------------
 def dispatch_rows(slot: torch.Tensor, S: int, W: int) -> list[int] | None:
     """The rows of a dispatch each of W workers gets (a row counts for a worker when any of its
     pairs is there): slot [T, K] int64 global slots (-1: none), S per worker. None without kernels."""
@@ -376,179 +418,3 @@ def pack_share(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, S: int
     return module.pack_share(
         x.contiguous(), slot.contiguous(), weight.contiguous(), S, w, hidden, local, weights
     )
-
-
-def dense_ffn(
-    x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight
-) -> torch.Tensor | None:
-    """layers.dense_ffn for decode-sized fp32 CPU x [T <= MAX_ROWS, H]: the C++ `dense_ffn`, the
-    expert kernel with one slot holding w13 [2I, H] / w2 [H, I] and weight 1 for every token (the
-    same sums as a dense MLP; kept FP8: `expert_ffn_fp8`); None where the kernel does not apply."""
-    if type(w13) is Fp8Weight and type(w2) is Fp8Weight:
-        if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or w13.block != w2.block or not _fp32_cpu(x):
-            return None
-        T = x.shape[0]
-        return expert_ffn(x, torch.zeros(T, 1, dtype=torch.long), torch.ones(T, 1), w13.weight[None], w2.weight[None],
-                          None, w13.scale[None], w2.scale[None], w13.block)  # fmt: skip
-    if (
-        x.dim() != 2
-        or not 0 < x.shape[0] <= MAX_ROWS
-        or x.shape[1] % 8
-        or w2.shape[1] % 8
-        or not _fp32_cpu(x)
-        or not _weights_cpu(w13, w2)
-        or w13.dtype is not w2.dtype
-    ):
-        return None
-    module = _state.get("module") or _module()
-    if module is None:
-        return None
-    return module.dense_ffn(x.contiguous(), w13.contiguous(), w2.contiguous())
-
-
-def mla_decode(
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    table: torch.Tensor,
-    lens: torch.Tensor,
-    latent_dim: int,
-    scale: float,
-) -> torch.Tensor | None:
-    """MLA decode attention from the paged cache: q [B, N, C+R] (latent query), cache [blocks, 64,
-    1, W], table [B, max_blocks] int64, lens [B] int64 -> o [B, N, C], the softmax(scale * q .
-    row[:C+R])-weighted sum of the rows' first C = latent_dim values. None where the kernel does
-    not apply."""
-    fp8 = cache.dtype == torch.uint8  # FP8 latent rows (kv_cache.fp8_row_bytes), dequantized as read
-    if q.shape[-1] % 8 or latent_dim % 8 or not _fp32_cpu(q) or not _paged_cache_ok(cache, table, lens, fp8):
-        return None
-    if fp8 and latent_dim % 128:  # (one scale per 128 values)
-        return None
-    module = _module()
-    if module is None:
-        return None
-    args = (q.contiguous(), cache, table.contiguous(), lens.contiguous(), latent_dim)
-    if fp8:
-        return module.mla_decode_fp8(*args, q.shape[-1] - latent_dim, scale)
-    return module.mla_decode(*args, scale)
-
-
-def absorb(x: torch.Tensor, kv_b: torch.Tensor, D: int, side: str) -> torch.Tensor | None:
-    """The absorbed MLA attention's products with kv_b [N, D + V, C] (fp32, contiguous) for up to
-    MAX_ROWS tokens, per head as dot products (torch.bmm runs a small GEMM per head): side "q":
-    x = q_nope [T, N, D] (last dim contiguous) -> q_nope @ kv_b[:, :D] [T, N, C]; side "o": x =
-    o_lat [T, N, C] -> o_lat @ kv_b[:, D:]^T [T, N, V]. None where the kernel does not apply."""
-    if (
-        x.shape[0] > MAX_ROWS
-        or kv_b.shape[-1] % 8
-        or x.stride(-1) != 1
-        or not _fp32_cpu(x, kv_b)
-        or not kv_b.is_contiguous()
-    ):
-        return None
-    module = _module()
-    if module is None:
-        return None
-    return module.absorb_q(x, kv_b, D) if side == "q" else module.absorb_o(x.contiguous(), kv_b, D)
-
-
-def index_scores(
-    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor
-) -> torch.Tensor | None:
-    """DeepSeek-V3.2's lightning-indexer scores in one call (indexer.IndexQueries' math, no
-    [Q, Hi, L] temporaries): q [Q, Hi, Di], w [Q, Hi], keys [L, Di] (one shared context) or [Q, L,
-    Di], lens [Q] int64 (query q sees its first lens[q] tokens) -> [Q, L] fp32, -inf beyond each
-    query's tokens. None where the kernel does not apply (not fp32 on the CPU, Di % 8)."""
-    keys = keys if keys.dim() == 3 else keys.unsqueeze(0)
-    if q.shape[-1] % 8 or not _fp32_cpu(q, w, keys) or lens.dtype != torch.int64:
-        return None
-    module = _module()
-    if module is None:
-        return None
-    return module.index_scores(q.contiguous(), w.contiguous(), keys.contiguous(), lens.contiguous(),
-                               q.shape[-1] ** -0.5)  # fmt: skip
-
-
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """layers.Rope.apply's interleaved form for fp32 CPU x [T, R] or [T, N, R] (last dim
-    contiguous, any other strides) with cos / sin [T, R/2]; None where the kernel does not apply."""
-    if x.dim() not in (2, 3) or x.stride(-1) != 1 or not _fp32_cpu(x, cos, sin):
-        return None
-    module = _module()
-    if module is None:
-        return None
-    out = module.rope_interleaved(x if x.dim() == 3 else x.unsqueeze(1), cos.contiguous(), sin.contiguous())
-    return out.view(x.shape)
-
-
-def route_sigmoid(
-    x: torch.Tensor,
-    gate_w: torch.Tensor,
-    bias: torch.Tensor | None,
-    n_group: int,
-    topk_group: int,
-    top_k: int,
-    norm: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """layers.route for sigmoid scores with noaux_tc on fp32 CPU (x [T, H], gate_w [E, H]) in one
-    call: (topk_idx [T, K] int64, best first; topk_weight [T, K] fp32). None where the kernel
-    does not apply."""
-    if x.shape[1] % 8 or x.shape[0] == 0 or not _fp32_cpu(x, gate_w, bias):
-        return None
-    module = _module()
-    if module is None:
-        return None
-    empty = torch.empty(0)
-    idx, weight = module.route_sigmoid(x.contiguous(), gate_w.contiguous(), empty if bias is None else bias.contiguous(),
-                                       n_group, topk_group, top_k, norm, scale)  # fmt: skip
-    return idx, weight
-
-
-def mla_decode_layer(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps: float) -> torch.Tensor | None:
-    """model.mla_forward for a decode-only step of a V3 layer (no indexer, interleaved rope) in
-    one call: x [T, H] fp32 on CPU, w a weights.MLAWeights, cos_sin [T, R/2] each, cache [blocks, 64,
-    1, C+R], table [T, max_blocks] / lens [T] int64 (batch.DecodeRows); the rows of this step are
-    written at slot_mapping [T]; eps of the latent norms. None where the kernel does not apply."""
-    C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    linears = (w.q_a, w.q_b, w.q_proj, w.kv_a, w.o)
-    fp8 = _fp8_linears(linears)  # (kept FP8: their blocks scales, in this order; else None)
-    if (
-        w.indexer is not None
-        or cache.shape[-1] != C + R
-        or (C + R) % 8
-        or C % 8
-        or not _fp32_cpu(x, w.kv_b, w.kv_a_norm, w.q_a_norm)
-        or not (fp8 is not None or _weights_cpu(*linears))
-        or not _fp32_cpu(w.q_a_bias, w.kv_a_bias, w.o_bias, *cos_sin)
-        or (w.q_a_norm is not None and w.q_a_norm.numel() % 8)  # (its RMSNorm runs in the kernel)
-        or not _paged_cache_ok(cache, table, lens)
-    ):
-        return None
-    module = _module()
-    if module is None:
-        return None
-    cos, sin = cos_sin
-    q_a, q_b, q_proj, kv_a, o = (t.weight if type(t) is Fp8Weight else t for t in linears)
-    scales, (bn, bk) = ([], (0, 0)) if fp8 is None else fp8
-    return module.mla_decode_layer(x, q_a, w.q_a_bias, w.q_a_norm, q_b, q_proj, kv_a, w.kv_a_bias,
-                                   w.kv_a_norm, w.kv_b, o, w.o_bias, cos.contiguous(), sin.contiguous(),
-                                   cache, slot_mapping, table, lens, cfg.qk_nope_head_dim, R, C, cfg.v_head_dim,
-                                   eps, cfg.softmax_scale, scales, bn, bk)  # fmt: skip
-
-
-def _fp8_linears(linears) -> tuple[list[torch.Tensor], tuple[int, int]] | None:
-    """For MLA linears all kept FP8 on CPU in one block shape the kernel reads (K, bk % 16 == 0):
-    their scales (an empty tensor for an absent one) and the block; None otherwise."""
-    held = [t for t in linears if t is not None]
-    if not all(type(t) is Fp8Weight for t in held):
-        return None
-    block = held[0].block
-    if block[1] % 16 or any(
-        t.block != block
-        or t.shape[1] % 16
-        or not (t.weight.is_cpu and t.weight.is_contiguous())
-        or not _fp32_cpu(t.scale)
-        for t in held
-    ):
-        return None
-    return [torch.empty(0) if t is None else t.scale.contiguous() for t in linears], block

@@ -1,202 +1,136 @@
-"""The GPU kernels, chosen explicitly: one backend object per kernel family.
+"""The GPU kernels as kernel-family implementations: `TritonKernels` (our Triton kernels in
+`triton_mla`: MLA decode over the paged latent cache and the latent's per-token work;
+`triton_moe`: the routed experts' fused MoE; `triton_norm`: RMSNorm; `triton_linear`: linears
+with weights kept FP8) and `FlashMLAKernels` (DeepSeek's FlashMLA, built from source,
+docs/kernels.md, for decode attention on Hopper: `flashmla`). select.py decides once per
+(device, dtype, model) which of them run, from `triton_unavailable` / `flashmla_unavailable`
+and each family's static checks, and binds their methods.
 
-`TRITON` runs our Triton kernels (`triton_mla`: MLA decode over the paged latent cache and the
-latent's per-token work; `triton_moe`: the routed experts' fused MoE; `triton_norm`: RMSNorm;
-`triton_linear`: linears with weights kept FP8). `FLASH_MLA` runs DeepSeek's FlashMLA (built from
-source, docs/kernels.md) for decode attention on Hopper (`flashmla`). Each kernel is a method of
-its backend that imports its module where the kernel is first wanted (the Triton modules import
-triton at the top: `triton.jit` reads TRITON_INTERPRET when a kernel is defined), so a CPU
-install never imports triton, and the model's dependency on each kernel is an import a reader or a
-type checker can follow. Every method returns None where its kernel does not take the work: the
-caller then runs its next path (the C++ CPU kernels, then torch).
-
-The Triton kernels run on CUDA tensors when triton is installed (`pip install -e '.[gpu]'`) and
-MOE_TRITON is not "0". On the CPU they run only when asked for: MOE_TRITON=1 with
-TRITON_INTERPRET=1 (triton's interpreter, which is how CI tests them; far too slow to serve).
-FlashMLA runs on CUDA tensors when `import flash_mla` works and MOE_FLASH_MLA is not "0" (on the
-CPU only with MOE_FLASH_MLA=1: tests, with a torch stand-in for the library).
-Each kernel has a torch reference it is tested against (tests/test_triton_kernels.py).
+A CPU install never imports triton: the Triton modules import it at the top (`triton.jit`
+reads TRITON_INTERPRET when a kernel is defined) and are imported here only when a
+`TritonKernels` is made, which selection does only where `import triton` works. On CPU tensors
+the Triton kernels run only when asked for by name (`kernels="triton,..."`) under
+TRITON_INTERPRET=1 (triton's interpreter, which is how CI tests them; far too slow to serve);
+FlashMLA on CPU tensors only when asked for by name (tests, with a torch stand-in for the
+library). Each kernel has a torch reference it is tested against (tests/test_triton_kernels.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-from collections.abc import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton kernels compute in
 
 
-class Backend:
-    """A family of GPU kernels: whether it takes work on a tensor's device (its library importable,
-    its environment flag; read once per process, or again after `reset`), and running one of its
-    functions with the fallback rule: a function that fails here is logged once and left to the
-    caller's next path from then on (the family's other functions still run)."""
-
-    def __init__(self, name: str, flag: str, cpu_needs_interpreter: bool):
-        self.name, self.flag = name, flag
-        self.cpu_needs_interpreter = cpu_needs_interpreter
-        self._enabled: dict[bool, bool] = {}  # is_cuda -> whether the kernels take work there
-        self._library: bool | None = None  # whether `import library` works here
-        self.failed: set[str] = set()  # kernels (method names) that failed here: the next path's
-        self.ran: set[str] = set()  # kernels that returned a result
-
-    def enabled(self, t: torch.Tensor) -> bool:
-        on = self._enabled.get(t.is_cuda)
-        if on is None:
-            flag = os.environ.get(self.flag, "")
-            if t.is_cuda:
-                on = flag != "0"
-            else:
-                interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-                on = flag == "1" and (interpreted or not self.cpu_needs_interpreter)
-            on = on and self._importable()
-            self._enabled[t.is_cuda] = on
-        return on
-
-    def _importable(self) -> bool:
-        if self._library is None:
-            try:
-                self._import_library()
-                self._library = True
-            except ImportError as e:  # no triton / FlashMLA: the next path
-                log.info("%s kernels unavailable (%s); using the next path", self.name, e)
-                self._library = False
-        return self._library
-
-    def _import_library(self) -> None:
-        """Import the family's library (ImportError where it is not installed)."""
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        """Forget the environment's answer, the failed and the ran kernels (tests change them)."""
-        self._enabled.clear()
-        self._library = None
-        self.failed.clear()
-        self.ran.clear()
-
-    @contextlib.contextmanager
-    def off(self, cuda: bool = True):
-        """Inside: the family off on CUDA (cuda=True) or the CPU, whatever the environment says: the
-        torch path, as the references of benchmarks and tests."""
-        saved = self._enabled.pop(cuda, None)
-        self._enabled[cuda] = False
-        try:
-            yield
-        finally:
-            self._enabled.pop(cuda, None)
-            if saved is not None:
-                self._enabled[cuda] = saved
-
-    def run(self, kernel: str, fn: Callable, *args, **kwargs):
-        """fn(*args, **kwargs), the function behind this backend's method `kernel`, with args[0]'s
-        GPU as the current device (Triton launches on the current one); None once the kernel has
-        failed here, or where it declines the work (inside a CUDA-graph capture an error
-        propagates: the engine then stays eager)."""
-        t = args[0]
-        if kernel in self.failed:
-            return None
-        try:
-            with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
-                out = fn(*args, **kwargs)
-        except Exception as e:
-            if t.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode()):
-                raise  # (a capture, or the check before one: decode_graphs; the kernel itself is fine)
-            log.error(
-                "%s %s failed (%s: %s); the next path from now on", self.name, kernel, type(e).__name__, e
+def triton_unavailable(device: torch.device, asked: bool) -> str | None:
+    """Why the Triton kernels cannot run on `device` (None: they can). asked: named in the
+    engine's `kernels` (else chosen by default: CUDA only, unless MOE_TRITON=0)."""
+    if not asked and os.environ.get("MOE_TRITON") == "0":
+        return "MOE_TRITON=0"
+    if device.type != "cuda":
+        if not asked:
+            return (
+                "CPU tensors (Triton runs on the CPU only under TRITON_INTERPRET=1, when asked for by name)"
             )
-            self.failed.add(kernel)
-            return None
-        if out is not None:
-            self.ran.add(kernel)
-        return out
-
-
-class TritonKernels(Backend):
-    """Our Triton kernels (services/model/kernels/triton_*.py). Each method takes its kernel
-    function's arguments (first the tensor whose device decides) and returns its result, or None."""
-
-    def __init__(self):
-        super().__init__("Triton", "MOE_TRITON", cpu_needs_interpreter=True)
-
-    def _import_library(self) -> None:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "CPU tensors need TRITON_INTERPRET=1 (triton's interpreter)"
+    try:
         import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton not installed ({e})"
+    return None
 
-    def mla_decode(self, q, *args, **kwargs):
-        """Absorbed MLA decode over the paged latent cache (`triton_mla.mla_decode`)."""
-        if self.enabled(q):
-            from . import triton_mla
 
-            return self.run("mla_decode", triton_mla.mla_decode, q, *args, **kwargs)
-        return None
+def flashmla_unavailable(device: torch.device, asked: bool) -> str | None:
+    """Why FlashMLA cannot run on `device` (None: it can): `import flash_mla` must work (built
+    from source, docs/kernels.md); on CUDA by default unless MOE_FLASH_MLA=0, on the CPU only when
+    asked for by name (a test's stand-in); its dense decode kernel needs an SM90 GPU."""
+    if not asked and os.environ.get("MOE_FLASH_MLA") == "0":
+        return "MOE_FLASH_MLA=0"
+    if device.type != "cuda" and not asked:
+        return "CPU tensors (FlashMLA runs on Hopper GPUs)"
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError as e:
+        return f"flash_mla not installed ({e}; built from source: docs/kernels.md)"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"needs SM90 (this GPU: SM{major}{minor})"
+    return None
 
-    def latent_to_cache(self, kv, *args, **kwargs):
-        """An MLA layer's latent norm, ropes and cache write in one launch (`triton_mla.latent_to_cache`)."""
-        if self.enabled(kv):
-            from . import triton_mla
 
-            return self.run("latent_to_cache", triton_mla.latent_to_cache, kv, *args, **kwargs)
-        return None
+class TritonKernels:
+    """Our Triton kernels as kernel-family implementations (`kernels`: the select.Kernels they
+    are bound into, whose other choices the prefill's absorbed products use). `interleave`: the
+    model's rope layout (the latent kernel's)."""
 
-    def rms_norm(self, x, *args):
+    def __init__(self, kernels, interleave: bool = True):
+        from . import triton_linear, triton_mla, triton_moe, triton_norm
+
+        self.k, self.interleave = kernels, interleave
+        self._mla, self._moe, self._norm, self._linear = triton_mla, triton_moe, triton_norm, triton_linear
+
+    def mla_decode(self, q, cache, dec, C: int, scale: float):
+        """Absorbed MLA decode over each row's paged context (`triton_mla.mla_decode`)."""
+        return self._mla.mla_decode(q, cache, dec.table, dec.lens, C, scale)
+
+    def sparse_decode(self, q, cache, rows, count, C: int, scale: float):
+        """V3.2's decode over each row's chosen cache rows (`triton_mla.mla_decode` with rows)."""
+        return self._mla.mla_decode(q, cache, None, count, C, scale, rows=rows)
+
+    def mla_prefill(self, q_nope, q_pe, cache, blocks, L: int, kv_b, C: int, scale: float):
+        """Causal MLA of one sequence's prefill chunk on the decode kernel: q_nope [n, N, D], q_pe
+        [n, N, R] (positions L-n .. L-1), the context's `blocks` [ceil(L / 64)] -> [n, N, V]. Each
+        query is a decode row of its own causal length over the same blocks, in the absorbed form:
+        ~3.4x the multiply-adds of the expanded form at V3's dims, but no per-head K/V at all; its
+        scratch is the chunk's [n, N, C+R] queries and [n, N, C] outputs, whatever the context. On
+        an H200 at V3's heads (bench_mla_prefill, 2,048-query chunk) 16-20x torch_ops.
+        prefill_attention's time."""
+        n = q_nope.shape[0]
+        q_full = torch.cat((self.k.absorb_q(q_nope, kv_b), q_pe), dim=-1)  # [n, N, C+R]
+        lens = torch.arange(L - n + 1, L + 1, device=q_nope.device, dtype=torch.int32)
+        o_lat = self._mla.mla_decode(q_full, cache, blocks[None].expand(n, -1), lens, C, scale)
+        return self.k.absorb_o(o_lat, kv_b, q_nope.shape[-1])
+
+    def latent_to_cache(self, kv, q_pe, norm_weight, cos, sin, slot_mapping, cache, eps: float, extra=None):
+        """An MLA layer's latent norm, ropes and cache write in one launch
+        (`triton_mla.latent_to_cache`; selection leaves V3.2's rows, extra, to torch)."""
+        return self._mla.latent_to_cache(
+            kv, q_pe, norm_weight, cos, sin, slot_mapping, cache, self.interleave, eps
+        )
+
+    def rms_norm(self, x, weight, eps: float):
         """RMSNorm of x's rows (`triton_norm.rms_norm`)."""
-        if self.enabled(x):
-            from . import triton_norm
+        return self._norm.rms_norm(x, weight, eps)
 
-            return self.run("rms_norm", triton_norm.rms_norm, x, *args)
-        return None
-
-    def add_rms_norm(self, h, *args):
+    def add_rms_norm(self, h, delta, weight, eps: float):
         """(h + delta, RMSNorm of it) in one launch (`triton_norm.add_rms_norm`)."""
-        if self.enabled(h):
-            from . import triton_norm
+        return self._norm.add_rms_norm(h, delta, weight, eps)
 
-            return self.run("add_rms_norm", triton_norm.add_rms_norm, h, *args)
-        return None
+    def expert_ffn(self, x, slot, weight, w13, w2, out=None, swiglu_limit=None, w13_scale=None, w2_scale=None,
+                   fp8_block=None):  # fmt: skip
+        """A layer's routed experts, bf16 / fp32 or block-FP8 weights (`triton_moe.fused_moe`)."""
+        if w13_scale is None:
+            return self._moe.fused_moe(x, slot, weight, w13, w2, swiglu_limit, out=out)
+        return self._moe.fused_moe(
+            x, slot, weight, w13, w2, swiglu_limit, w13_scale, w2_scale, fp8_block, out=out
+        )
 
-    def fused_moe(self, x, *args, **kwargs):
-        """A layer's routed experts, bf16 or block-FP8 weights (`triton_moe.fused_moe`)."""
-        if self.enabled(x):
-            from . import triton_moe
-
-            return self.run("fused_moe", triton_moe.fused_moe, x, *args, **kwargs)
-        return None
-
-    def fp8_linear(self, x, *args):
+    def fp8_linear(self, x, w, bias=None):
         """y = x @ W^T (+ bias) with W kept FP8 (`triton_linear.fp8_linear`)."""
-        if self.enabled(x):
-            from . import triton_linear
-
-            return self.run("fp8_linear", triton_linear.fp8_linear, x, *args)
-        return None
+        return self._linear.fp8_linear(x, w.weight, w.scale, w.block, bias)
 
 
-class FlashMLAKernels(Backend):
+class FlashMLAKernels:
     """DeepSeek's FlashMLA (services/model/kernels/flashmla.py)."""
 
-    def __init__(self):
-        super().__init__("FlashMLA", "MOE_FLASH_MLA", cpu_needs_interpreter=False)
+    def __init__(self, kernels=None):
+        from . import flashmla
 
-    def _import_library(self) -> None:
-        import flash_mla  # noqa: F401
+        self.k, self._flashmla = kernels, flashmla
 
-    def mla_decode(self, q, *args):
-        """V3's dense decode attention (`flashmla.mla_decode`; None for other layouts and GPUs)."""
-        if self.enabled(q):
-            from . import flashmla
-
-            return self.run("mla_decode", flashmla.mla_decode, q, *args)
-        return None
-
-
-TRITON = TritonKernels()
-FLASH_MLA = FlashMLAKernels()
-
-
-def reset() -> None:
-    """Both backends forget what they read and what failed (tests change the environment)."""
-    TRITON.reset()
-    FLASH_MLA.reset()
+    def mla_decode(self, q, cache, dec, C: int, scale: float):
+        """V3's dense decode attention (`flashmla.mla_decode`)."""
+        return self._flashmla.mla_decode(q, cache, dec, C, scale)

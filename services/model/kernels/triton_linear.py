@@ -82,6 +82,15 @@ def _splits(tiles: int, k_blocks: int, device: torch.device) -> int:
     return 1 << (want.bit_length() - 1)  # (the power of two at or below)
 
 
+def unsupported(dtype: torch.dtype, block: tuple[int, int]) -> str | None:
+    """Why `fp8_linear` cannot take activations of `dtype` with FP8 blocks `block` (None: it can)."""
+    if dtype not in TL_DTYPE:
+        return f"{dtype} activations"
+    if block[1] % 16:
+        return f"FP8 column blocks of {block[1]} (a multiple of 16 needed)"
+    return None
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -89,16 +98,19 @@ def fp8_linear(
     block: tuple[int, int],
     bias: torch.Tensor | None = None,
     splits: int | None = None,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """x [..., K] fp32/bf16/fp16, weight [N, K] float8_e4m3fn, scale [ceil(N/bn), ceil(K/bk)]
     fp32, block (bn, bk), bias [N] -> [..., N] in x's dtype. `splits` of K (heuristic: `_splits`)
-    are summed in fp32 in a fixed order (deterministic). None where the kernel does not apply
-    (another weight dtype, a column block that is not a multiple of 16)."""
+    are summed in fp32 in a fixed order (deterministic). ValueError where the kernel does not
+    apply (another weight dtype, a column block that is not a multiple of 16: `unsupported`)."""
     N, K = weight.shape
     bn, bk = block
     block_k = 64 if bk % 64 == 0 else 32 if bk % 32 == 0 else 16  # a power of two dividing bk
-    if weight.dtype != torch.float8_e4m3fn or x.dtype not in TL_DTYPE or bk % block_k:
-        return None
+    problem = unsupported(x.dtype, block) or (
+        weight.dtype != torch.float8_e4m3fn and f"{weight.dtype} weights"
+    )
+    if problem:
+        raise ValueError(f"fp8_linear: {problem}")
     if x.shape[-1] != K or scale.shape != (-(-N // bn), -(-K // bk)):
         raise ValueError(
             f"fp8_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale {tuple(scale.shape)}"

@@ -17,7 +17,7 @@ decode sizes), 64 heads and tiles of 64 rows on Hopper-class GPUs at batches of 
 at every batch over FP8 rows (`decode_tiles`, chosen from bench_kernels' sweeps). Softmax and
 sums in fp32 whatever the cache dtype.
 
-The same kernel runs prefill on the GPU (model.absorbed_prefill): a chunk's queries are rows of
+The same kernel runs prefill on the GPU (gpu.TritonKernels.mla_prefill): a chunk's queries are rows of
 their own causal lengths over one block table.
 """
 
@@ -210,6 +210,23 @@ def _splits(batch: int, head_groups: int, max_blocks: int, device: torch.device)
     )
 
 
+def unsupported(dtype: torch.dtype, cache_dtype: torch.dtype, C: int, R: int, W: int) -> str | None:
+    """Why `mla_decode` cannot take queries of `dtype` over cache rows of `cache_dtype` (uint8: FP8
+    latent rows) and width W with latent C and rope R (None: it can)."""
+    if dtype not in TL_DTYPE:
+        return f"{dtype} queries"
+    if cache_dtype == torch.uint8:
+        if C % FP8_GROUP or R % 2:
+            return f"FP8 rows need kv_lora_rank % {FP8_GROUP} == 0 and an even rope dim (C={C}, R={R})"
+        if fp8_latent_bytes(C, R) > W or W % 16:
+            return f"FP8 rows of {W} bytes (a multiple of 16 holding the latent)"
+    elif cache_dtype != dtype:
+        return f"a {cache_dtype} cache under {dtype} queries"
+    elif C + R > W:
+        return f"rows of {W} values narrower than the latent's {C + R}"
+    return None
+
+
 def mla_decode(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -220,7 +237,7 @@ def mla_decode(
     splits: int | None = None,
     rows: torch.Tensor | None = None,
     tiles: DecodeTiles | None = None,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """q [B, N, C+R] (the absorbed latent query: q_nope @ W_UK, then q_pe), cache [blocks, 64, 1,
     W] (rows [c_kv | k_pe | ...]), table [B, max_blocks] int32/int64, lens [B] context lengths
     (>= 1) -> o [B, N, C] in q's dtype: softmax(scale * q . row[:C+R]) weighted sum of row[:C]
@@ -232,19 +249,15 @@ def mla_decode(
     A uint8 cache holds FP8 latent rows (`kv_cache.quantize_latent_rows`, W = fp8_row_bytes(C, R,
     Di): 656 bytes on V3, 800 on V3.2, whose indexer key the kernel skips), read as they are and
     dequantised per tile in the kernel; rows whose width is not a multiple of 16 bytes (not ours:
-    they are padded) are declined (on an H200 they raised "misaligned address").
-    None where the kernel does not apply (a cache of another dtype or layout).
+    they are padded) are refused (on an H200 they raised "misaligned address").
+    ValueError for a cache of another dtype or layout (`unsupported`: what selection checks).
     """
     B, N, D = q.shape
     C, R, W = latent_dim, q.shape[-1] - latent_dim, cache.shape[-1]
+    problem = unsupported(q.dtype, cache.dtype, C, R, W)
+    if problem or not cache.is_contiguous() or cache.shape[1] != BLOCK_SIZE:
+        raise ValueError(f"mla_decode: {problem or 'the cache is not [blocks, 64, 1, W] contiguous'}")
     fp8 = cache.dtype == torch.uint8
-    if fp8:
-        if C % FP8_GROUP or R % 2 or fp8_latent_bytes(C, R) > W or W % 16 or q.dtype not in TL_DTYPE:
-            return None
-    elif cache.dtype != q.dtype or D > W:
-        return None
-    if not cache.is_contiguous() or cache.shape[1] != BLOCK_SIZE:
-        return None
     q = q if q.stride(-1) == 1 else q.contiguous()
     table = (table if rows is None else rows).contiguous()
     lens = lens.contiguous()
@@ -286,7 +299,7 @@ def _rounded(v, DTYPE: tl.constexpr):
 @triton.jit
 def _rotate(x_ptr, o1, o2, mask, cos, sin, out_ptr, DTYPE: tl.constexpr):
     """out[o1], out[o2] = x[o1] cos - x[o2] sin, x[o2] cos + x[o1] sin, op by op in DTYPE (as
-    layers.Rope.apply)."""
+    torch_ops.rope_interleaved)."""
     x1 = tl.load(x_ptr + o1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + o2, mask=mask, other=0.0).to(tl.float32)
     y1 = _rounded(_rounded(x1 * cos, DTYPE) - _rounded(x2 * sin, DTYPE), DTYPE)
@@ -309,7 +322,7 @@ def _latent_to_cache(
     row = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * (C + R)
     c = tl.arange(0, BLOCK_C)
     x = tl.load(kv + c, mask=c < C, other=0.0).to(tl.float32)
-    normed = _rounded(x * tl.rsqrt(tl.sum(x * x, 0) / C + eps), DTYPE)  # (layers.rms_norm's math)
+    normed = _rounded(x * tl.rsqrt(tl.sum(x * x, 0) / C + eps), DTYPE)  # (torch_ops.rms_norm's math)
     w = tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)
     tl.store(row + c, _rounded(w * normed, DTYPE).to(cache_ptr.dtype.element_ty), mask=c < C)
 
@@ -338,22 +351,23 @@ def latent_to_cache(
     cache: torch.Tensor,
     interleave: bool,
     eps: float,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """The MLA layer's per-token work between its projections, in one launch: kv [T, C+R] (kv_a's
     output), q_pe [T, N, R] (the queries' rope part, a view), norm_weight [C], cos / sin [T, R/2],
     slot_mapping [T] int64 -> writes each token's latent row [rms_norm(c_kv) | rope(k_pe)] into
     cache [blocks, 64, 1, C+R] at its slot and returns rope(q_pe) [T, N, R]: the torch path's math
-    (layers.rms_norm, Rope.apply, the cache write) op by op in kv's dtype, the norm's sum in
-    another order. None where it does not apply (V3.2's wider rows, mixed dtypes)."""
+    (torch_ops.latent_to_cache: rms_norm, the rope, the cache write) op by op in kv's dtype, the norm's sum in
+    another order. ValueError for V3.2's wider rows or mixed dtypes (selection leaves those to
+    torch); other strides are made contiguous."""
     T, N, R = q_pe.shape
     C = kv.shape[1] - R
     dtypes = {kv.dtype, q_pe.dtype, cos.dtype, norm_weight.dtype}
     if cache.shape[-1] != C + R or not cache.is_contiguous() or len(dtypes) > 1 or kv.dtype not in TL_DTYPE:
-        return None
-    if kv.stride(-1) != 1:
-        return None
-    if q_pe.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1:
-        return None
+        raise ValueError(f"latent_to_cache: rows of {cache.shape[-1]} for C + R = {C + R}, dtypes {dtypes}")
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(T, N, R, dtype=q_pe.dtype, device=q_pe.device)
     if T:
         _latent_to_cache[(T,)](

@@ -1,4 +1,4 @@
-"""The routed experts' fused MoE in Triton: layers.grouped_expert_ffn as two grouped GEMM kernels.
+"""The routed experts' fused MoE in Triton: torch_ops.expert_ffn as two grouped GEMM kernels.
 
 A layer's T tokens each pick K local slots (slot [T, K], -1 = skip), so there are P = T*K
 (token, choice) pairs. `align_pairs` sorts the pairs by slot and pads each slot's group to a
@@ -166,6 +166,16 @@ def _down_kernel(
     tl.store(out, acc * route[:, None], mask=row_ok[:, None] & col_ok[None, :])
 
 
+def unsupported(dtype: torch.dtype, fp8_block: tuple[int, int] | None) -> str | None:
+    """Why `fused_moe` cannot take activations of `dtype` with experts kept FP8 in `fp8_block`
+    blocks (None: unquantized experts); None where it can."""
+    if dtype not in TL_DTYPE:
+        return f"{dtype} activations"
+    if fp8_block is not None and (fp8_block[1] % min(64, fp8_block[1]) or fp8_block[1] < 16):
+        return f"FP8 column blocks of {fp8_block[1]} (a multiple of 16 up to 64, or of 64)"
+    return None
+
+
 def _blocks(P: int, S: int, fp8: bool, block_shape: tuple[int, int]) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K): M-blocks of 16 rows while slots average <= 16 pairs (decode),
     else 64; BLOCK_K divides the FP8 quantisation block's width."""
@@ -190,7 +200,7 @@ def fused_moe(
     block_shape: tuple[int, int] = (128, 128),
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """layers.grouped_expert_ffn on the GPU: x [T, H] fp32/bf16/fp16; slot [T, K] int64 (-1 =
+    """torch_ops.expert_ffn on the GPU: x [T, H] fp32/bf16/fp16; slot [T, K] int64 (-1 =
     skip); weight [T, K] fp32; w13 [S, 2I, H] (gate rows, then up rows); w2 [S, H, I]. Returns
     [T, H] in x's dtype, the fp32 sum over k of weight[t, k] * w2[slot] @ swiglu(gate, up),
     written into `out` [T, H] when given. swiglu_limit: DeepSeek-V4's clamped SwiGLU.

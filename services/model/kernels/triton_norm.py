@@ -1,6 +1,6 @@
-"""RMSNorm in Triton: one program per row (layers.rms_norm's math: in fp32, cast to x's dtype,
+"""RMSNorm in Triton: one program per row (torch_ops.rms_norm's math: in fp32, cast to x's dtype,
 then times the weight, as transformers' DeepseekV3RMSNorm), optionally after adding a sublayer's
-output to the residual stream (layers.add_rms_norm, as vLLM's fused_add_rms_norm)."""
+output to the residual stream (torch_ops.add_rms_norm, as vLLM's fused_add_rms_norm)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """h, delta [T, K] of one dtype -> (h + delta, rms_norm(h + delta)) in one launch; None
-    for other layouts."""
-    if h.dim() != 2 or h.shape != delta.shape or h.dtype != delta.dtype or h.stride(-1) != 1:
-        return None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h, delta [T, K] of one dtype -> (h + delta, rms_norm(h + delta)) in one launch (ValueError
+    for other shapes or mixed dtypes)."""
+    if h.dim() != 2 or h.shape != delta.shape or h.dtype != delta.dtype:
+        raise ValueError(
+            f"add_rms_norm: h {h.dtype} {list(h.shape)}, delta {delta.dtype} {list(delta.shape)}"
+        )
+    h = h if h.stride(-1) == 1 else h.contiguous()
     T, K = h.shape
     delta = delta.contiguous()
     total, y = (

@@ -1,0 +1,70 @@
+"""Deadlines drawn from observed latency: a hung expert worker is found in about a second, a busy
+one is not mistaken for a hung one.
+
+A fixed deadline must be long enough for the slowest legitimate call (a long prefill chunk on a
+loaded worker, the first call that compiles a kernel), so a frozen worker stalls every stream
+for that long. Instead, each call's deadline comes from what calls of its size took lately:
+
+    deadline(rows) = clamp(factor x p99(recent latencies of rows' size class), floor_s, ceiling_s)
+
+Size classes are powers of two of the rows sent to one worker (a decode step's 8 rows and a
+prefill chunk's 2,048 are different things); a class with fewer than `min_samples` answered
+calls gets the ceiling (the configured dispatch timeout), so warm-up and rare shapes are never cut
+short. Latency is measured from a call's start to its answer being read, an upper bound of the
+worker's time (the client reads answers in turn), which only errs towards patience.
+Pure Python, one per dispatch client (driver thread only).
+"""
+
+from __future__ import annotations
+
+import collections
+
+
+class Deadlines:
+    REFRESH = 16  # observations of a class between recomputations of its p99 (a sort of the window)
+
+    def __init__(self, ceiling_s: float, floor_s: float = 1.5, factor: float = 4.0, window: int = 256,
+                 min_samples: int = 8):  # fmt: skip
+        if not (floor_s > 0 and factor >= 1 and window >= min_samples >= 1):
+            raise ValueError(
+                f"deadlines: floor {floor_s} s, factor {factor}, window {window}, min {min_samples}"
+            )
+        self.ceiling_s, self.floor_s, self.factor = ceiling_s, min(floor_s, ceiling_s), factor
+        self.window, self.min_samples = window, min_samples
+        self._seen: dict[int, collections.deque[float]] = {}
+        self._cached: dict[int, float] = {}  # size class -> its deadline (recomputed every REFRESH calls)
+        self._count: dict[int, int] = {}
+
+    @staticmethod
+    def size_class(rows: int) -> int:
+        return max(rows, 1).bit_length()
+
+    def timeout_s(self, rows: int) -> float:
+        """The deadline, in seconds from its start, of a call sending `rows` rows to one worker."""
+        c = self.size_class(rows)
+        deadline = self._cached.get(c)
+        if deadline is None:
+            seen = self._seen.get(c)
+            if seen is None or len(seen) < self.min_samples:
+                deadline = self.ceiling_s
+            else:
+                ordered = sorted(seen)
+                p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+                deadline = min(self.ceiling_s, max(self.floor_s, self.factor * p99))
+            self._cached[c] = deadline
+        return deadline
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """An answered call of `rows` rows took `seconds`."""
+        c = self.size_class(rows)
+        seen = self._seen.get(c)
+        if seen is None:
+            seen = self._seen[c] = collections.deque(maxlen=self.window)
+        seen.append(seconds)
+        n = self._count[c] = self._count.get(c, 0) + 1
+        if n == self.min_samples or n % self.REFRESH == 0 or seconds * self.factor > self._cached.get(c, 0.0):
+            self._cached.pop(c, None)  # (a slower call than the deadline assumed: at once)
+
+    def snapshot(self) -> dict[str, float]:
+        """{"rows<=N": deadline s} of the size classes seen (status)."""
+        return {f"rows<={(1 << c) - 1}": round(self.timeout_s((1 << c) - 1), 3) for c in sorted(self._seen)}
