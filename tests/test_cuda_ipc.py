@@ -141,3 +141,16 @@ def test_rows_stay_on_the_gpu_between_two_processes():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_worker_on_part_of_a_gpu_is_held_to_its_share():
+    from services.gpus import gpu_share, limit_gpu_memory
+
+    assert gpu_share({"GPU": 0.25, "CPU": 1.0}) == 0.25
+    assert (
+        gpu_share({"GPU": 1.0}) is None
+        and gpu_share({"CPU": 2.0}) is None
+        and gpu_share({"GPU": 2.0}) is None
+    )
+    if not torch.cuda.is_available():
+        assert limit_gpu_memory() is None  # (nothing to cap on the CPU, and no Ray touched)

@@ -33,6 +33,7 @@ from services.engine.engine import Engine, EngineConfig, load_engine
 from services.engine.outputs import Refusal, RequestOutput, StepFailed, StepResult
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import QueueFullError
+from services.gpus import limit_gpu_memory
 from services.model.moe import LocalExperts
 from services.settings import BALANCER_NAME, AttentionSettings, SharedSettings, build_config
 
@@ -308,6 +309,7 @@ class AttentionWorker:
         self, cfg: AttentionWorkerConfig, placement: dict | None = None, addresses: dict | None = None
     ):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        limit_gpu_memory()  # (part of a shared GPU: held to its share)
         self.remote_experts: RemoteExperts | None = None
         if placement is not None and ray.get_runtime_context().was_current_actor_reconstructed:
             placement, addresses = _current_placement(cfg.shared, placement, addresses)

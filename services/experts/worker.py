@@ -17,6 +17,7 @@ import os
 import ray
 import torch
 
+from services.gpus import limit_gpu_memory
 from services.settings import EXPERT_WORKER_NAME
 
 from .server import ExpertServer, ExpertWorkerConfig
@@ -28,6 +29,7 @@ class ExpertWorker:
         logging.basicConfig(level=logging.INFO)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        limit_gpu_memory()  # (part of a shared GPU: held to its share)
         peers = None if cfg.namespace is None else functools.partial(cluster_expert_addresses, cfg.namespace)
         self.server = ExpertServer(cfg, host=cfg.host or ray.util.get_node_ip_address(), known_peers=peers)
 
