@@ -200,8 +200,8 @@ def test_a_stranger_past_tls_that_drips_its_hello_is_cut_at_the_handshake_deadli
         assert cut and time.monotonic() - started < 5
         sock.close()
         deadline = time.monotonic() + 5
-        while srv.connections or srv._handshakes:
-            assert time.monotonic() < deadline, (srv.connections, srv._handshakes)
+        while srv.connections or srv._handshaking:
+            assert time.monotonic() < deadline, (srv.connections, srv._handshaking)
             time.sleep(0.02)
     finally:
         srv.close()

@@ -66,22 +66,20 @@ RETRYABLE = {
 
 @dataclass
 class DispatchConfig:
-    timeout_s: float = (
-        30.0  # the longest a Dispatch may take (its deadline before calls of its size were seen)
-    )
+    # the longest a Dispatch may take (its deadline before calls of its size were seen)
+    timeout_s: float = 30.0
     # each call's deadline: deadline_factor x the p99 of recent calls of its size, at least
     # deadline_floor_s (deadlines.py): a hung worker is found in about that
     deadline_floor_s: float = 1.5
     deadline_factor: float = 4.0
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     dead_worker_cooldown_s: float = 10.0  # replicas on a failed worker are skipped this long
-    transport: str = (
-        "auto"  # transport.TRANSPORTS: "auto" (shm on this node, else TCP, else gRPC), "shm", "tcp", "grpc"
-    )
+    # transport.TRANSPORTS: "auto" (cuda-ipc / shm on this node, else TCP, else gRPC), "cuda-ipc", "shm",
+    # "tcp", "grpc"
+    transport: str = "auto"
     shm_capacity: int = shm.DEFAULT_CAPACITY  # bytes of a shared-memory channel's request (and answer) buffer
-    secret: str | None = field(
-        default=None, repr=False
-    )  # the cluster's data-plane secret (dataplane/auth.py)
+    # the cluster's data-plane secret (dataplane/auth.py)
+    secret: str | None = field(default=None, repr=False)
     spin_us: float = 0.0  # shared memory: poll for the answer this long before blocking (shm.recv_spinning)
     device: str = "cpu"  # where this worker's rows are ("cuda": cuda-ipc channels keep them on the GPU)
 

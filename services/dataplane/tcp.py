@@ -268,7 +268,7 @@ class TcpServer(FrameServer):
                  max_request_bytes: int = MAX_REQUEST_BYTES):  # fmt: skip
         self.secret, self.max_request_bytes = secret, max_request_bytes
         self._tls = _server_context(secret) if secret is not None else None
-        self._handshakes = 0
+        self._handshaking: set[int] = set()  # connections not yet past the secret check
         listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                         backlog=128)  # fmt: skip
         self.port = listener.getsockname()[1]
@@ -276,11 +276,16 @@ class TcpServer(FrameServer):
 
     def _admit(self, conn: socket.socket) -> bool:
         with self._lock:
-            if self._handshakes >= MAX_HANDSHAKES or len(self._connections) >= self.max_connections:
+            if len(self._handshaking) >= MAX_HANDSHAKES or len(self._connections) >= self.max_connections:
                 return False
             self._connections[id(conn)] = conn
-            self._handshakes += 1
+            self._handshaking.add(id(conn))
             return True
+
+    def _forget(self, conn: socket.socket) -> None:
+        super()._forget(conn)
+        with self._lock:
+            self._handshaking.discard(id(conn))
 
     def _cut(self, raw: socket.socket) -> None:
         """(timer) Shut down the socket now carrying `raw` (its TLS wrapper once wrapped: the raw
@@ -315,36 +320,36 @@ class TcpServer(FrameServer):
         cut = threading.Timer(HANDSHAKE_S, self._cut, (raw,))
         cut.daemon = True
         cut.start()
-        handshaking, conn = True, raw
         try:
             conn = self._handshake(raw)
             cut.cancel()
             with self._lock:
-                handshaking = False
-                self._handshakes -= 1
-            if conn is None:
-                return
-            conn.settimeout(None)
-            frame, request, output = bytearray(REQUEST.size), None, None
-            while True:
-                try:
-                    _recv_exact(conn, memoryview(frame))
-                except ConnectionError:
-                    return  # the client closed
-                answer, request, output = self._answer(conn, frame, request, output)
-                _send(conn, *answer)
-                if request.numel() > KEEP_BYTES:  # (a long prefill's buffers are not kept)
-                    request = None
-                if output.numel() > KEEP_BYTES:
-                    output = None
-        finally:  # (ssl.SSLError is an OSError: FrameServer logs it and closes)
+                self._handshaking.discard(id(raw))  # (its handshake slot is free for another)
+            if conn is not None:
+                self._serve_requests(conn)
+        finally:  # (ssl.SSLError is an OSError: FrameServer logs it and closes the raw socket)
             cut.cancel()
-            if handshaking:
-                with self._lock:
-                    self._handshakes -= 1
-            if conn is not None and conn is not raw:
+            with self._lock:
+                in_use = self._connections.get(id(raw))
+            if in_use is not None and in_use is not raw:  # (its TLS wrapper)
                 with contextlib.suppress(OSError):
-                    conn.close()
+                    in_use.close()
+
+    def _serve_requests(self, conn: socket.socket) -> None:
+        """Answer the connection's requests until the client closes it."""
+        conn.settimeout(None)
+        frame, request, output = bytearray(REQUEST.size), None, None
+        while True:
+            try:
+                _recv_exact(conn, memoryview(frame))
+            except ConnectionError:
+                return  # the client closed
+            answer, request, output = self._answer(conn, frame, request, output)
+            _send(conn, *answer)
+            if request.numel() > KEEP_BYTES:  # (a long prefill's buffers are not kept)
+                request = None
+            if output.numel() > KEEP_BYTES:
+                output = None
 
     def _admits(self, conn: socket.socket) -> bool:
         hello = bytearray(_HELLO.size)

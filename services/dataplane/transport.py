@@ -4,7 +4,7 @@ What crosses is the same whatever the transport: the worker's rows (hidden [Tw, 
 local slots [Tw, K] int32 and routing weights [Tw, K] float32 out, its partial sums [Tw, H]
 back. The dispatch client (`remote_experts.RemoteExperts`) asks `Transports.open` for a call,
 fills the call's request views in place, starts it, and later takes its `result()`; the slot
-router, resends and fault handling stay above, unchanged. Three transports:
+router, resends and fault handling stay above, unchanged. The transports:
 
 - **cuda-ipc** (shm.py with cuda_ipc.py), when both compute on GPUs of this node: shared
   memory's channels with their buffers in this worker's GPU memory, opened by the expert worker
@@ -205,6 +205,16 @@ class LinkDown(Exception):
     """A pair's transport cannot open a channel now (the message says why)."""
 
 
+def _take_alive(idle: list):
+    """The last idle channel (shm) or connection (TCP) that is still usable, or None; the dead
+    ones met on the way are dropped (`alive` closes them)."""
+    while idle:
+        channel = idle.pop()
+        if channel.alive():
+            return channel
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Links: one pair's open transport (its idle channels, connections or stream)
 # ---------------------------------------------------------------------------------------------
@@ -291,12 +301,7 @@ class ShmLink:
              top_k: int, timeout_s: float) -> Call:  # fmt: skip
         needed = region_bytes(*shape, top_k, dtype)
         idle = self._idle if needed <= self.capacity else None
-        channel = None
-        while idle:
-            channel = idle.pop()
-            if channel.alive():
-                break
-            channel = None
+        channel = _take_alive(idle) if idle is not None else None
         if channel is None:
             capacity = self.capacity if idle is not None else shm.capacity_for(needed)
             if capacity > shm.MAX_CAPACITY:
@@ -332,12 +337,7 @@ class TcpLink:
         if needed > tcp.MAX_REQUEST_BYTES:
             raise TransportError(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"a request of {needed} bytes: over {tcp.MAX_REQUEST_BYTES} bytes")  # fmt: skip
-        channel = None
-        while self._idle:
-            channel = self._idle.pop()
-            if channel.alive():
-                break
-            channel = None
+        channel = _take_alive(self._idle)
         if channel is None:
             try:
                 channel = self._connect()
@@ -489,7 +489,9 @@ class Transports:
                 except (OSError, grpc.RpcError) as e:
                     reasons.append(f"{name}: {_why(e)}")
             if retry:
-                if link is not None and not self._forgotten(pair):
+                if link is not None and self._forgotten(pair):
+                    link.close()  # (the worker left the placement while this retry ran)
+                elif link is not None:
                     pair.better = link
                 else:
                     pair.backoff = min(MAX_RETRY_S, 2 * pair.backoff)
