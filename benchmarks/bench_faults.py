@@ -1,35 +1,43 @@
-"""Faults on a real local cluster: what a SIGKILL of each kind of process costs the requests.
+"""Faults on a real local cluster: what a SIGKILL or a freeze of each kind of process costs the requests.
 
 One cluster (tiny preset, 2 attention workers, 3 expert workers, embedded Redis), scenarios in
-turn: no fault, an expert worker, an attention worker, the balancer, Redis. In each, `--requests`
-concurrent greedy streaming completions (official `openai` client); once every stream has
-tokens, the process is killed with SIGKILL; every stream is read to its end and compared with
-LocalEngine's tokens for the same prompts. Between scenarios the cluster heals (the balancer
-replaces the dead expert worker, Ray restarts the attention worker and the balancer, Redis is
-started again on its port).
+turn: no fault; an expert worker, an attention worker, the balancer, Redis killed (SIGKILL); the
+same four frozen (SIGSTOP, SIGCONT `--freeze-s` later). In each, `--requests` concurrent greedy
+streaming completions (official `openai` client); once every stream has tokens, the fault; every
+stream is read to its end and compared with LocalEngine's tokens for the same prompts. Between
+scenarios the cluster heals (the balancer replaces a dead or fenced expert worker, Ray restarts
+the attention worker and the balancer, Redis is started again on its port).
 
-Per scenario: requests, lost (ended with an error), identical (tokens equal the no-fault run),
-seconds until tokens flowed again (the longest wait of a stream that was running at the kill, for
-its next token: the client's view of the recovery), the balancer's heal time for expert workers
-(death detected -> its experts served by the survivors), the seconds from the kill until the
-cluster was whole again (a replacement expert worker loaded, restarted actors answering; checked
-after the run) and the run's seconds. Writes benchmarks/results/faults.json.
+Per scenario: requests, lost (ended with an error), identical (tokens equal LocalEngine's), the
+longest pause of a stream running at the fault (its longest wait between two tokens after it: the
+client's view of the recovery), the balancer's heal time for expert workers (detected -> its
+experts served by the survivors) and what detected it, the seconds from the fault until the
+cluster was whole again, the run's seconds, and for a freeze whether the thawed process was
+fenced (killed) or served on. Writes benchmarks/results/faults.json.
 
-    python -m benchmarks.bench_faults [--requests 16] [--max-tokens 96] [--out ...]
+    python -m benchmarks.bench_faults [--requests 16] [--max-tokens 96] [--freeze-s 20] [--out ...]
 
 `--node-loss ROUNDS` instead loses whole nodes of a multi-raylet cluster, ROUNDS times per role
-(attention, expert), and writes benchmarks/results/faults_node_loss.json.
+(attention, expert), and writes benchmarks/results/faults_node_loss.json. `--chaos SECONDS`
+instead mixes kills and freezes of every process kind under continuous load (`chaos`) and writes
+benchmarks/results/faults_chaos.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import platform
+import random
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import openai
 import ray
 import torch
 
@@ -45,10 +53,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--freeze-s", type=float, default=20.0, help="how long each frozen process stays frozen")
     ap.add_argument("--out", default="benchmarks/results/faults.json")
     ap.add_argument("--node-loss", type=int, default=0, metavar="ROUNDS",
                     help="instead: whole nodes lost on a multi-raylet cluster, ROUNDS per role")  # fmt: skip
     ap.add_argument("--node-loss-out", default="benchmarks/results/faults_node_loss.json")
+    ap.add_argument("--chaos", type=float, default=0.0, metavar="SECONDS",
+                    help="instead: kills and freezes of every process kind under continuous load")  # fmt: skip
+    ap.add_argument("--chaos-out", default="benchmarks/results/faults_chaos.json")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     model = init_model(Path(tempfile.mkdtemp(prefix="bench-faults-")) / "tiny", "tiny", seed=0)
@@ -59,37 +72,46 @@ def main() -> None:
     cfg = ClusterConfig(model=str(model), served_model_name="tiny", port=free_port(), attention_workers=2,
                         expert_workers=3, balancer_period_s=0, max_num_seqs=32)  # fmt: skip
     cluster = Cluster.start(cfg)
+    if args.chaos:
+        return chaos(cluster, expected, args)
     ns = cfg.namespace
-    redis_port = int(cluster.redis_url.rsplit(":", 1)[1].split("/")[0])
-    kills = {
-        "none": None,
-        "expert worker": scenario.kill(lambda: scenario.expert_worker_pid(ns, 1)),
-        "attention worker": scenario.kill(lambda: scenario.actor_pid("moe-attn-0", ns)),
-        "balancer": scenario.kill(lambda: scenario.actor_pid(BALANCER_NAME, ns)),
-        "redis": scenario.kill(lambda: cluster.redis.process.pid),
+    pid_of = {
+        "expert worker": lambda: scenario.expert_worker_pid(ns, 1),
+        "attention worker": lambda: scenario.actor_pid("moe-attn-0", ns),
+        "balancer": lambda: scenario.actor_pid(BALANCER_NAME, ns),
+        "redis": lambda: cluster.redis.process.pid,
     }
+    faults = {"none": None}
+    faults |= {name: scenario.kill(pid) for name, pid in pid_of.items()}
+    faults |= {f"{name} frozen": scenario.freeze(pid, args.freeze_s) for name, pid in pid_of.items()}
     rows = []
     try:
-        for name, kill in kills.items():
+        for name, fault in faults.items():
             outcome = scenario.run(
-                cluster.url, name, kill, requests=args.requests, max_tokens=args.max_tokens
+                cluster.url, name, fault, requests=args.requests, max_tokens=args.max_tokens
             )
             if name == "redis":
-                cluster.redis = EmbeddedRedis.start(port=redis_port)
+                _restart_redis(cluster)
             status = scenario.wait_healed(ns, expert_workers=3)
-            whole_s = time.time() - outcome.killed_at  # healed, replaced, restarted: as before the kill
+            whole_s = time.time() - outcome.killed_at  # healed, replaced, restarted: as before the fault
+            if name.endswith("frozen"):  # (then the thaw: the process is back, or was fenced and is gone)
+                time.sleep(max(0.0, outcome.killed_at + args.freeze_s + 1 - time.time()))
+                status = scenario.wait_healed(ns, expert_workers=3)
             dead = [d for d in status["dead_workers"] if d["detected_at"] >= outcome.killed_at]
             row = {
                 "scenario": name,
                 "requests": args.requests,
                 "lost": outcome.lost,
                 "identical": sum(t == e for t, e in zip(outcome.tokens, expected, strict=True)),
-                "seconds_until_tokens_flow_again": round(outcome.stall_s(), 3) if kill else None,
+                "longest_pause_s": round(outcome.stall_s(), 3) if fault else None,
                 "expert_heal_s": round(dead[0]["healed_s"], 3) if dead and dead[0]["healed_s"] else None,
-                "cluster_whole_again_s": round(whole_s, 2) if kill else None,
+                "detected": dead[0]["reason"] if dead else None,
+                "cluster_whole_again_s": round(whole_s, 2) if fault else None,
                 "run_s": round(outcome.seconds, 2),
                 "errors": sorted({e for e in outcome.errors if e})[:3],
             }
+            if name.endswith("frozen"):
+                row["thawed_process"] = "killed (fenced)" if _gone(outcome.fault_result) else "alive, serving"
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -104,14 +126,136 @@ def main() -> None:
             "expert_workers": 3,
             "requests": args.requests,
             "max_tokens": args.max_tokens,
-            "fault": "SIGKILL once every stream has 8 tokens",
+            "fault": f"once every stream has 8 tokens: SIGKILL, or SIGSTOP then SIGCONT {args.freeze_s:g} s later",
         },  # fmt: skip
-        "target": {"seconds_until_tokens_flow_again": 10.0, "lost": 0},
+        "target": {"longest_pause_s": 3.0, "lost": 0},
         "scenarios": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def _restart_redis(cluster: Cluster) -> None:
+    """Redis back on its port with its password (killed: the cluster runs without it meanwhile)."""
+    port = int(cluster.redis_url.rsplit(":", 1)[1].split("/")[0])
+    cluster.redis = EmbeddedRedis.start(port=port, password=cluster.redis.password)
+
+
+def _gone(pid: int) -> bool:
+    """Process `pid` is gone (or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def chaos(cluster: Cluster, expected: list[list[int]], args) -> None:
+    """`args.chaos` seconds of continuous load (`args.requests` clients, each sending greedy
+    streams of the prompts in turn) while a fault hits a random process every 8-15 s: SIGKILL or a
+    SIGSTOP of 5-30 s (then SIGCONT) of an expert worker, an attention worker, the balancer or
+    Redis (a killed Redis is started again 5 s later). Every finished request is checked against
+    LocalEngine's tokens. Router replicas are left alone: their streams cannot move (docs/deploy.md)."""
+    ns, rng = cluster.cfg.namespace, random.Random(args.seed)
+    kinds = {
+        "expert worker": lambda: scenario.expert_worker_pid(ns, rng.randrange(2)),
+        "attention worker": lambda: scenario.actor_pid(f"moe-attn-{rng.randrange(2)}", ns),
+        "balancer": lambda: scenario.actor_pid(BALANCER_NAME, ns),
+        "redis": lambda: cluster.redis.process.pid,
+    }
+    prompts, stop = scenario.prompts(args.requests), threading.Event()
+    faults: list[dict] = []
+
+    def inject() -> None:
+        while not stop.wait(rng.uniform(8, 15)):
+            kind, frozen_s = rng.choice(sorted(kinds)), rng.choice([0, 0, rng.uniform(5, 30)])
+            try:
+                pid = kinds[kind]()
+                if frozen_s:
+                    os.kill(pid, signal.SIGSTOP)
+                    threading.Timer(frozen_s, scenario.thaw, (pid,)).start()
+                else:
+                    scenario.sigkill(pid)
+                    if kind == "redis":
+                        threading.Timer(5.0, _restart_redis, (cluster,)).start()
+            except Exception as e:  # noqa: BLE001 (its target restarting: the next fault)
+                faults.append({"at": time.time(), "kind": kind, "skipped": repr(e)})
+                continue
+            faults.append(
+                {
+                    "at": time.time(),
+                    "kind": kind,
+                    "fault": f"SIGSTOP {frozen_s:.0f} s" if frozen_s else "SIGKILL",
+                }
+            )
+            print(json.dumps(faults[-1]), flush=True)
+
+    sent, identical, lost, pauses, errors = 0, 0, 0, [], []
+
+    async def client(i: int, deadline: float) -> None:
+        nonlocal sent, identical, lost
+        http = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=300)
+        k = i
+        while time.time() < deadline:
+            k = (k + 1) % len(prompts)
+            got, times = [], []
+            sent += 1
+            try:
+                await scenario._stream(http, prompts[k], args.max_tokens, got, times)
+            except Exception as e:  # noqa: BLE001 (a lost request: counted)
+                lost += 1
+                errors.append(f"{type(e).__name__}: {e}"[:200])
+                continue
+            identical += got == expected[k]
+            pauses.append(max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0))
+        await http.close()
+
+    async def load() -> None:
+        deadline = time.time() + args.chaos
+        await asyncio.gather(*[client(i, deadline) for i in range(args.requests)])
+
+    injector = threading.Thread(target=inject, daemon=True)
+    t0 = time.time()
+    injector.start()
+    try:
+        asyncio.run(load())
+    finally:
+        stop.set()
+        injector.join()
+    time.sleep(31)  # (the last freeze thawed)
+    healed = None
+    try:
+        scenario.wait_healed(ns, expert_workers=3, timeout_s=180)
+        healed = round(time.time() - t0 - args.chaos, 1)
+    finally:
+        cluster.stop()
+    result = {
+        "benchmark": "faults_chaos",
+        "host": {"cpus": torch.get_num_threads(), "machine": platform.machine(), "ray": ray.__version__},
+        "setup": {
+            "preset": "tiny",
+            "attention_workers": 2,
+            "expert_workers": 3,
+            "clients": args.requests,
+            "max_tokens": args.max_tokens,
+            "seconds": args.chaos,
+            "seed": args.seed,
+            "faults": "every 8-15 s, a random expert worker / attention worker / balancer / Redis: SIGKILL "
+            "(2 in 3) or SIGSTOP 5-30 s then SIGCONT",
+        },  # fmt: skip
+        "target": {"lost": 0, "longest_pause_s": 3.0},
+        "sent": sent,
+        "identical": identical,
+        "lost": lost,
+        "longest_pause_s": round(max(pauses, default=0.0), 3),
+        "pause_p99_s": round(sorted(pauses)[int(0.99 * (len(pauses) - 1))], 3) if pauses else None,
+        "healed_after_s": healed,
+        "faults": faults,
+        "errors": sorted(set(errors))[:5],
+    }
+    Path(args.chaos_out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=1))
+    print(f"wrote {args.chaos_out}")
 
 
 def node_loss(model: Path, expected: list[list[int]], args) -> None:

@@ -202,6 +202,160 @@ def bench_mla(
     return row
 
 
+def flashmla_load() -> tuple[object | None, dict]:
+    """Import FlashMLA (`flash_mla`: the sgl-flash-mla wheel, or a build from source) and say what
+    loaded: its version, file, whether its legacy extension (`torch.ops.flash_mla_legacy`: SM90's
+    kernels and the V3.2 / V4 cache formats) loaded and why not, and the ops it registered; or,
+    where the import fails, the exception (a newer torch's stable ABI, a missing CUDA library)."""
+    info: dict = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import flash_mla
+    except BaseException as e:  # (an extension that will not load can raise more than ImportError)
+        info.update(loaded=False, error=f"{type(e).__name__}: {e}"[:3000])
+        return None, info
+    loader = sys.modules.get("flash_mla._loader")
+    has_legacy = getattr(flash_mla, "has_legacy", None)
+    info.update(loaded=True, version=getattr(flash_mla, "__version__", None), file=flash_mla.__file__,
+                legacy=has_legacy() if callable(has_legacy) else None,
+                legacy_unavailable=getattr(loader, "_LEGACY_UNAVAILABLE", None))  # fmt: skip
+    try:
+        ops = torch._C._dispatch_get_all_op_names()
+        info["ops"] = sorted(n for n in ops if n.startswith(("flash_mla::", "flash_mla_legacy::")))
+    except Exception as e:
+        info["ops"] = f"{type(e).__name__}: {e}"
+    return flash_mla, info
+
+
+def flashmla_dense(fm, lens, heads: int, C: int, scale: float):
+    """FlashMLA's dense bf16 decode as a call (q [B, N, C+R], cache, table) -> o [B, N, C], one
+    schedule for every call of the step (same lengths): the sgl-flash-mla wheel's API (an empty
+    FlashMLASchedMeta filled by the first call, `use_legacy=True`: dense decode and SM90 live on the
+    legacy side only) where `has_legacy` says it is that wheel, else the Feb / Sep 2025 API
+    (get_mla_metadata(lens, heads, 1) -> tensors)."""
+    if hasattr(fm, "has_legacy"):
+        sched = fm.get_mla_metadata()[0]
+        return lambda q, cache, table: fm.flash_mla_with_kvcache(
+            q[:, None], cache, table, lens, C, sched, None, softmax_scale=scale, causal=True, use_legacy=True
+        )[0][:, 0]
+    meta, splits = fm.get_mla_metadata(lens, heads, 1)
+    return lambda q, cache, table: fm.flash_mla_with_kvcache(
+        q[:, None], cache, table, lens, C, meta, splits, softmax_scale=scale, causal=True
+    )[0][:, 0]
+
+
+def bench_flashmla_dense(fm, batch: int, context: int, heads: int = 128, C: int = 512, R: int = 64) -> dict:
+    """V3's dense decode over bf16 paged rows (576 wide): FlashMLA against our Triton kernel and
+    the torch path (gather + two bmm, dense bf16), each graphed as bench_mla times them; the
+    largest difference of each from the torch path in fp32."""
+    from services.model.kernels import triton_mla
+
+    blocks, _, n, cache, tables, lens, qs, moved = mla_decode_inputs(batch, context, heads, C, R, None)
+    scale = 0.1352338
+
+    def torch_path(i):
+        ctx = cache[tables[i, :, :blocks].long()].view(batch, -1, C + R)
+        probs = (torch.bmm(qs[i], ctx.transpose(1, 2)).float() * scale).softmax(-1).to(qs.dtype)
+        return torch.bmm(probs, ctx[..., :C])
+
+    ref = torch_path(0).float()
+    row = {"batch": batch, "context": context, "heads": heads, "bytes": moved, "copies": n}
+    paths = {"triton": lambda i: triton_mla.mla_decode(qs[i], cache, tables[i], lens, C, scale),
+             "torch_bf16": torch_path}  # fmt: skip
+    try:
+        flash = flashmla_dense(fm, lens, heads, C, scale)
+        paths = {"flashmla": lambda i: flash(qs[i], cache, tables[i]), **paths}
+    except Exception as e:
+        row["flashmla"] = f"{type(e).__name__}: {str(e)[:500]}"
+    for name, fn in paths.items():
+        try:
+            row[f"{name}_max_abs_diff_vs_torch"] = (fn(0).float() - ref).abs().max().item()
+            ms = graphed_ms([lambda i=i, fn=fn: fn(i) for i in range(n)])
+            row[f"{name}_ms"], row[f"{name}_tbps"] = ms, moved / ms / 1e9
+        except Exception as e:  # (another FlashMLA's API, a GPU it was not built for: the rest still run)
+            row[name] = f"{type(e).__name__}: {str(e)[:500]}"
+    if isinstance(row.get("flashmla_ms"), float):
+        row["flashmla_speedup_over_triton"] = row["triton_ms"] / row["flashmla_ms"]
+    return row
+
+
+def bench_flashmla_sparse(fm, batch: int, context: int, topk: int = 2048, heads: int = 128, C: int = 512,
+                          R: int = 64) -> dict:  # fmt: skip
+    """V3.2's decode over FP8 rows (kv_cache.quantize_latent_rows: 512 e4m3 values, 4 fp32 scales,
+    64 bf16 rope values = 656 bytes, FlashMLA's V3.2 FP8 layout), each sequence attending to `topk`
+    rows of its context: FlashMLA's sparse FP8 decode (legacy side: SM90) against our Triton kernel
+    over the same rows (`rows=`) and the torch path (gather, dequantise, two bmm). Each row's
+    difference from the torch path; FlashMLA also over our V3.2 cache's 800-byte rows (indexer key
+    after the 656) viewed 656 wide, which needs it to take a strided cache."""
+    from services.model.kernels import torch_ops, triton_mla
+    from services.model.kv_cache import fp8_row_bytes, quantize_latent_rows
+
+    blocks, _, n, cache, tables, lens, qs, _ = mla_decode_inputs(batch, context, heads, C, R, None)
+    flat = cache.view(-1, C + R)
+    fp8 = quantize_latent_rows(flat[:, :C], flat[:, C:]).view(*cache.shape[:3], -1)  # [blocks, 64, 1, 656]
+    wide = torch.zeros(*fp8.shape[:3], fp8_row_bytes(C, R, 128), dtype=torch.uint8, device="cuda")
+    wide[..., : fp8.shape[-1]] = fp8  # V3.2's rows: the indexer key (zeros here) after the latent
+    del flat, cache
+    g = torch.Generator(device="cuda").manual_seed(1)
+    picks = torch.stack([torch.randperm(context, device="cuda", generator=g)[:topk] for _ in range(batch)])
+    rows = tables[:, :, :blocks].long().gather(2, (picks // 64)[None].expand(n, -1, -1)) * 64 + picks % 64
+    count = torch.full((batch,), topk, dtype=torch.int32, device="cuda")
+    scale = 0.1352338
+    moved = batch * topk * fp8.shape[-1] + batch * heads * (2 * C + R) * 2
+    row = {"batch": batch, "context": context, "topk": topk, "heads": heads, "row_bytes": fp8.shape[-1],
+           "bytes": moved, "copies": n}  # fmt: skip
+    ref = torch_ops.sparse_decode(qs[0], fp8, rows[0], count, C, scale).float()
+    paths = {
+        "triton": lambda i: triton_mla.mla_decode(qs[i], fp8, None, count, C, scale, rows=rows[i]),
+        "triton_v32_rows": lambda i: triton_mla.mla_decode(qs[i], wide, None, count, C, scale, rows=rows[i]),
+        "torch": lambda i: torch_ops.sparse_decode(qs[i], fp8, rows[i], count, C, scale),
+    }
+    if hasattr(fm, "has_legacy"):
+        indices = rows.int()[:, :, None, :]  # [copies, B, s_q = 1, topk]: flat cache rows
+
+        def flash(cache_):
+            sched = fm.get_mla_metadata()[0]
+            return lambda i: fm.flash_mla_with_kvcache(
+                qs[i][:, None], cache_, None, None, C, sched, None, softmax_scale=scale, causal=False,
+                is_fp8_kvcache=True, indices=indices[i], use_legacy=True,
+            )[0][:, 0]  # fmt: skip
+
+        paths = {"flashmla": flash(fp8.view(torch.float8_e4m3fn)),
+                 "flashmla_v32_rows": flash(wide.view(torch.float8_e4m3fn)[..., : fp8.shape[-1]]), **paths}  # fmt: skip
+    else:
+        row["flashmla"] = "this FlashMLA has no sparse decode API this benchmark knows (sgl-flash-mla's)"
+    for name, fn in paths.items():
+        try:
+            row[f"{name}_max_abs_diff_vs_torch"] = (fn(0).float() - ref).abs().max().item()
+            ms = graphed_ms([lambda i=i, fn=fn: fn(i) for i in range(n)])
+            row[f"{name}_ms"], row[f"{name}_tbps"] = ms, moved / ms / 1e9
+        except Exception as e:
+            row[name] = f"{type(e).__name__}: {str(e)[:500]}"
+    if isinstance(row.get("flashmla_ms"), float):
+        row["flashmla_speedup_over_triton"] = row["triton_ms"] / row["flashmla_ms"]
+    return row
+
+
+def bench_flashmla(context: int, save=lambda partial: None) -> dict:
+    """The FlashMLA section: what loaded (flashmla_load), then, if it did, V3's dense bf16 decode
+    and V3.2's FP8 sparse decode at batch 1 / 64 / 8 against our Triton kernel and torch;
+    `save(partial)` after each case (a step cut short keeps what it measured)."""
+    fm, info = flashmla_load()
+    out: dict = {"load": info, "dense_bf16": [], "sparse_fp8_v32": []}
+    save(out)
+    if fm is None:
+        return out
+    for b in (1, 64, 8):
+        for name, run in (("dense_bf16", bench_flashmla_dense), ("sparse_fp8_v32", bench_flashmla_sparse)):
+            try:
+                out[name].append(run(fm, b, context))
+            except Exception as e:  # (the next case still runs)
+                out[name].append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            print(name, json.dumps(out[name][-1]), flush=True)
+            save(out)
+            torch.cuda.empty_cache()
+    return out
+
+
 FP8_SWEEP_TILES = [
     (16, 16, 4, 2),
     (16, 32, 4, 2),
@@ -447,9 +601,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--slots", type=int, default=32, help="experts held by one expert worker")
     ap.add_argument("--sections", default=None, help="comma-separated: only these sections "
-                    "(mla_decode, mla_fp8, mla_sweep, fused_moe, rms_norm, mla_latent, fp8_linear)")  # fmt: skip
+                    "(mla_decode, mla_fp8, mla_sweep, fused_moe, rms_norm, mla_latent, fp8_linear, flashmla)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
+        if args.out and args.sections and "flashmla" in args.sections.split(","):  # a record of why
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"device": None, "error": "no CUDA device", "flashmla": {
+                "load": flashmla_load()[1]}}, indent=2) + "\n")  # fmt: skip
         sys.exit("bench_kernels needs a CUDA device (and triton: pip install -e '.[gpu]')")
     name = torch.cuda.get_device_name()
     out = args.out or Path("benchmarks/results") / f"kernels_{name.replace(' ', '_')}.json"
@@ -483,8 +641,16 @@ def main() -> None:
         "fp8_linear": lambda: [
             bench_fp8_linear(t, lin) for lin in map(linear_weights, V3_LINEARS) for t in (1, 64, 512)
         ],  # fmt: skip
+        "flashmla": lambda: bench_flashmla(
+            args.context,
+            lambda partial: out.write_text(json.dumps({**result, "flashmla": partial}, indent=2) + "\n"),
+        ),
     }
-    chosen = args.sections.split(",") if args.sections else [k for k in sections if k != "mla_sweep"]
+    chosen = (
+        args.sections.split(",")
+        if args.sections
+        else [k for k in sections if k not in ("mla_sweep", "flashmla")]
+    )
     for section, run in sections.items():
         if section not in chosen:
             continue

@@ -7,8 +7,12 @@
 #    cluster IP, port $MOE_REDIS_PORT (default 6380; Ray's GCS has 6379), unless it already runs.
 # 3. Writes CLUSTER_YAML plus redis_url and api_key into a private copy, ~/.moe-cluster/cluster.yaml
 #    (secrets never appear on a command line).
-# 4. Starts `moe-cluster up --config` with that copy, replacing an app this script started before;
-#    MOE_START_APP=0 skips this (e.g. to `serve deploy` the app with that Redis instead).
+# 4. Checks that the running cluster offers what `control_resources` asks for, once per router
+#    replica and once for the balancer (the head's head_node units: `ray start --head` with
+#    node-resources.sh --head, or the head node type's resources), then starts
+#    `moe-cluster up --config` with that copy, replacing an app this script started before;
+#    MOE_START_APP=0 skips both (e.g. to `serve deploy` the app with that Redis instead).
+#    MOE_CHECK_CONTROL=0 skips the check (control nodes that the autoscaler has yet to start).
 # 5. Starts deploy/head-watchdog.py, which stops the app and Redis when this machine's Ray stops.
 #
 # Read the API key with: ray exec <ray-up yaml> 'cat ~/.moe-cluster/api-key'
@@ -62,6 +66,29 @@ fi
 if [ "${MOE_START_APP:-1}" = 0 ]; then
     echo "config with secrets: $state/cluster.yaml (app not started: MOE_START_APP=0)"
     exit 0
+fi
+# Router replicas and the balancer wait, unplaced, for room that no node offers: say so now instead.
+if [ "${MOE_CHECK_CONTROL:-1}" != 0 ]; then
+    "$python" - "$state/cluster.yaml" <<'PY'
+import sys
+
+import ray
+
+from services.cluster import ClusterConfig
+
+cfg = ClusterConfig.from_yaml(sys.argv[1])
+units = cfg.router_replicas + 1  # each router replica and the balancer
+need = {k: v * units for k, v in cfg.control_resources.items()}
+if need:
+    ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    offered = ray.cluster_resources()
+    ray.shutdown()
+    short = {k: offered.get(k, 0) for k, v in need.items() if offered.get(k, 0) < v}
+    if short:
+        sys.exit(f"start-head.sh: control_resources {cfg.control_resources} for {cfg.router_replicas} router "
+                 f"replicas and the balancer needs {need}, the cluster offers {short}: start the head with "
+                 "more (deploy/node-resources.sh --head, MOE_HEAD_NODE_UNITS) or lower router_replicas")
+PY
 fi
 if [ -f "$state/app.pid" ] && kill -0 "$(cat "$state/app.pid")" 2>/dev/null; then
     old=$(cat "$state/app.pid")

@@ -50,6 +50,7 @@ def cmd_generate(args) -> int:
             keep_fp8_experts=args.keep_fp8_experts,
             keep_fp8_linears=args.keep_fp8_linears,
             num_threads=args.threads,
+            deterministic=args.deterministic,
         )
     )
     prompts: list[list[int]] = list(args.prompt_token_ids or [])
@@ -99,6 +100,7 @@ def cmd_up(args) -> int:
             if args.config
             else ClusterConfig.from_dict(overrides)
         )
+        cfg = secrets_from_env(cfg)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -240,6 +242,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def secrets_from_env(cfg, environ=os.environ):
+    """`cfg` with the secrets neither a flag nor the YAML file gave taken from the environment
+    (MOE_API_KEY, MOE_EXPERT_SECRET, MOE_REDIS_URL: services/serve.py's), so that none has to be
+    on a command line, where `ps` shows it."""
+    import dataclasses
+
+    from services.serve import SECRET_ENV
+
+    found = {
+        key: environ[env] for key, env in SECRET_ENV.items() if environ.get(env) and not getattr(cfg, key)
+    }
+    if not found:
+        return cfg
+    cfg = dataclasses.replace(cfg, **found)
+    cfg.validate()
+    return cfg
+
+
 def up_flags() -> dict[str, tuple[type, str]]:
     """`moe-cluster up` flags: every scalar setting of ClusterConfig (services/settings.py), as
     (type, help) by flat key (dict settings are YAML-only)."""
@@ -302,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--keep-fp8-linears", action="store_true", help="FP8 checkpoints: linears held in FP8")
     s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: each prompt's tokens as if it ran alone (CPU)")  # fmt: skip
     s.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     s.set_defaults(fn=cmd_generate)
 

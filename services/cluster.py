@@ -339,7 +339,7 @@ class Cluster:
     model_dir: str
     url: str
     redis: Any  # EmbeddedRedis or None
-    redis_url: str
+    redis_url: str = field(repr=False)  # (holds the Redis password)
     balancer: Any
     attention: dict[str, Any]
     started_ray: bool

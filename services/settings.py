@@ -89,7 +89,11 @@ class SharedSettings:
 
     namespace: str = setting(NAMESPACE, "Ray namespace of the cluster's actors")
     # load counts and the persisted placement (the launcher's: the Redis it uses); None: no Redis
-    redis_url: str | None = setting(None, "external Redis (default: an embedded redis-server)")
+    redis_url: str | None = setting(
+        None,
+        "external Redis, redis://:PASSWORD@HOST:PORT/0 (default: an embedded redis-server; env MOE_REDIS_URL)",
+        repr=False,  # (holds a password)
+    )
     # Redis keys: {prefix}:load:{bucket}, {prefix}:placement
     key_prefix: str = setting("moe", "prefix of every Redis key")
     bucket_seconds: float = setting(2.0, "width of one load bucket", key="balancer_bucket_seconds")
@@ -97,7 +101,8 @@ class SharedSettings:
     # the data plane's shared secret (services/dataplane/auth.py): every expert call carries it; None: open
     secret: str | None = setting(
         None,
-        "the data plane's shared secret: expert calls without it are refused (default: a new random one per up)",
+        "the data plane's shared secret: expert calls without it are refused (default: a new random one per up; "
+        "env MOE_EXPERT_SECRET)",
         key="expert_secret",
         repr=False,
     )
@@ -105,6 +110,12 @@ class SharedSettings:
     dtype: str = setting("float32", "weights and activations: float32, bfloat16, float16")
     weight_dtype: str | None = setting(
         None, "bfloat16: hold linear and expert weights in bf16 under float32 on CPU (half the memory)"
+    )
+    # batch-invariant kernels (services/model/kernels/deterministic.py): both ends compute with them
+    deterministic: bool = setting(
+        False,
+        "batch-invariant kernels: a greedy request's tokens do not depend on the batch, the prompt's chunking or "
+        "the expert workers (CPU, DeepSeek-V3 layers)",
     )
     transport: str = setting(
         "auto",
@@ -327,7 +338,7 @@ class RouterSettings:
     )
     host: str = setting("127.0.0.1", "HTTP host of the OpenAI API")
     port: int = setting(8000, "HTTP port of the OpenAI API")
-    api_key: str | None = setting(None, "require this bearer token on the API")
+    api_key: str | None = setting(None, "require this bearer token on the API (env MOE_API_KEY)", repr=False)
     replicas: int = setting(
         2,
         "Ray Serve replicas of the OpenAI router (a client's retry finds a live one when one dies)",

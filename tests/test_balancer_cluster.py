@@ -199,7 +199,7 @@ def test_redis_restart_stops_rebalancing_not_serving(cluster, workload):
         result = ray.get(cluster.balancer.rebalance.remote())
         assert not result["migrated"] and "Redis" in result["reason"]
     finally:
-        cluster.redis = EmbeddedRedis.start(port=port)
+        cluster.redis = EmbeddedRedis.start(port=port, password=cluster.redis.password)
     for p, prompt in enumerate(prompts[:3]):
         assert _complete(cluster.url, prompt) == expected[p]
     _wait_counts_in_redis(cluster)  # counts kept while Redis was down are flushed now

@@ -107,10 +107,10 @@ def test_onprem_provider_takes_a_single_node_type():
         prepare_config({**raw, "available_node_types": {"experts": {"resources": {}, "node_config": {}}}})
 
 
-def node_resources(ip: str) -> dict[str, float]:
-    """What deploy/node-resources.sh prints on a machine with this IP."""
+def node_resources(ip: str, *flags: str, roles: Path = DEPLOY / "node-roles") -> dict[str, float]:
+    """What deploy/node-resources.sh prints on a machine with this IP (flags: `--head`)."""
     out = subprocess.run(
-        ["sh", str(DEPLOY / "node-resources.sh"), str(DEPLOY / "node-roles")],
+        ["sh", str(DEPLOY / "node-resources.sh"), *flags, str(roles)],
         env={**os.environ, "MOE_NODE_IPS": f"203.0.113.9 {ip}"},
         capture_output=True, text=True, check=True,
     )  # fmt: skip
@@ -224,6 +224,7 @@ API_VERSIONS = {
     "Service": "v1",
     "NetworkPolicy": "networking.k8s.io/v1",
     "PersistentVolumeClaim": "v1",
+    "StatefulSet": "apps/v1",
 }
 MANIFESTS = sorted(DEPLOY.glob("kuberay-*.yaml"))
 
@@ -294,15 +295,17 @@ def test_rayservice_pods_share_image_model_secrets_and_redis():
         assert volumes[model_mount["name"]]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
         env = {e["name"]: e for e in container["env"]}
         # the Redis URL points at the Service of kuberay-redis.yaml, with the password of its Secret
-        url = urlparse(env["MOE_REDIS_URL"]["value"].replace("$(REDIS_PASSWORD)", "pw"))
+        url = urlparse(env["MOE_REDIS_URL"]["value"].replace("$(MOE_REDIS_PASSWORD)", "pw"))
         assert (url.scheme, url.hostname, url.port, url.password) == (
             "redis",
             redis_service["metadata"]["name"],
             redis_service["spec"]["ports"][0]["port"],
             "pw",
         )
-        assert env["REDIS_PASSWORD"]["valueFrom"] == redis_secret["valueFrom"]
-        assert list(env).index("REDIS_PASSWORD") < list(env).index("MOE_REDIS_URL")  # $(VAR) needs order
+        assert env["MOE_REDIS_PASSWORD"]["valueFrom"] == redis_secret["valueFrom"]
+        assert list(env).index("MOE_REDIS_PASSWORD") < list(env).index("MOE_REDIS_URL")  # $(VAR) needs order
+        # KubeRay refuses a head pod with these when gcsFaultToleranceOptions is set (it sets them itself)
+        assert not {"REDIS_PASSWORD", "RAY_REDIS_ADDRESS", "REDIS_USERNAME"} & set(env), name
         assert (
             env["MOE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"]
             == redis_secret["valueFrom"]["secretKeyRef"]["name"]
@@ -382,11 +385,101 @@ def _ping(client: redis.Redis, timeout: float = 5.0) -> bool:
             time.sleep(0.05)
 
 
-def test_rayservice_gcs_keeps_its_tables_in_the_clusters_redis():
-    """GCS fault tolerance: the same Redis Service as the app's MOE_REDIS_URL, its password from the
-    same Secret (tests/faults/test_gcs_restart.py shows what it buys on one machine)."""
+def test_rayservice_gcs_keeps_its_tables_in_a_redis_of_its_own():
+    """GCS fault tolerance: the GCS's Redis is deploy/kuberay-gcs-redis.yaml's, not the app's (which
+    may lose its data): persistent (append-only file on a PVC, fsync every second), no eviction, no
+    idle timeout, a password from the Secret, reachable from the head pod only
+    (tests/faults/test_gcs_restart.py shows what GCS fault tolerance buys on one machine)."""
     spec = rayservice()["spec"]["rayClusterConfig"]
     ft = spec["gcsFaultToleranceOptions"]
+    docs = {d["kind"]: d for d in load_all("kuberay-gcs-redis.yaml")}
+    statefulset, service, policy = docs["StatefulSet"], docs["Service"], docs["NetworkPolicy"]
+    app_service = {d["kind"]: d for d in load_all("kuberay-redis.yaml")}["Service"]
+    host, port = ft["redisAddress"].split(":")
+    assert host == service["metadata"]["name"] != app_service["metadata"]["name"]
+    assert int(port) == service["spec"]["ports"][0]["port"]
     env = {e["name"]: e for e in pod_templates()["head"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["MOE_REDIS_URL"]["value"].endswith("@" + ft["redisAddress"] + "/0")
-    assert ft["redisPassword"]["valueFrom"] == env["REDIS_PASSWORD"]["valueFrom"]
+    assert host not in env["MOE_REDIS_URL"]["value"]  # the app keeps its own Redis
+    # selectors
+    pod = statefulset["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert statefulset["spec"]["replicas"] == 1 and statefulset["spec"]["serviceName"] == host
+    for selector in (statefulset["spec"]["selector"]["matchLabels"], service["spec"]["selector"],
+                     policy["spec"]["podSelector"]["matchLabels"]):  # fmt: skip
+        assert selector.items() <= labels.items()
+    (container,) = pod["spec"]["containers"]
+    assert service["spec"]["ports"][0]["targetPort"] in {p["name"] for p in container["ports"]}
+    # the password: the Secret key the RayService hands the GCS
+    redis_env = {e["name"]: e for e in container["env"]}
+    args = container["args"]
+    (var,) = re.fullmatch(r"\$\((\w+)\)", args[args.index("--requirepass") + 1]).groups()
+    assert redis_env[var]["valueFrom"] == ft["redisPassword"]["valueFrom"]
+    secret = ft["redisPassword"]["valueFrom"]["secretKeyRef"]
+    assert secret["name"] == "moe-cluster" and secret["key"] != "redis-password"  # not the app's password
+    # persistence and no eviction
+    options = dict(zip(args[::2], args[1::2], strict=True))
+    assert options["--appendonly"] == "yes" and options["--appendfsync"] == "everysec"
+    assert options["--maxmemory-policy"] == "noeviction" and options["--maxmemory"] == "0"
+    assert options["--timeout"] == "0"  # Redis never drops the GCS's idle connection
+    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
+    assert mount["mountPath"] == options["--dir"]
+    assert (
+        claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+        and claim["spec"]["resources"]["requests"]["storage"]
+    )
+    # only the head (and KubeRay's Redis cleanup Job, built from the head's template) may connect
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    head_labels = pod_templates()["head"]["template"]["metadata"]["labels"]
+    assert peer["podSelector"]["matchLabels"].items() <= head_labels.items()
+    (node_type,) = peer["podSelector"]["matchExpressions"]
+    assert node_type["key"] == "ray.io/node-type" and node_type["operator"] == "In"
+    assert set(node_type["values"]) == {"head", "redis-cleanup"}
+
+
+# --------------------------------------------------------------------------------------------------
+# The front door: router replicas and the balancer on the head, in every shipped setup
+# --------------------------------------------------------------------------------------------------
+
+
+def _control_fits(cfg: ClusterConfig, head: dict[str, float], workers: list[dict[str, float]]) -> None:
+    """The head offers control_resources for every router replica and the balancer, plus one for a
+    rolling update's extra replica; no worker machine offers any of it."""
+    assert cfg.control_resources, "the router replicas and the balancer would go anywhere"
+    units = cfg.router_replicas + 2  # replicas + the balancer + a rolling update's new replica
+    for key, amount in cfg.control_resources.items():
+        assert head.get(key, 0) >= units * amount, (key, head, cfg.router_replicas)
+    for worker in workers:
+        assert not set(worker) & set(cfg.control_resources), worker
+
+
+def test_onprem_head_holds_the_front_door(tmp_path):
+    raw = load("ray-up-onprem.yaml")
+    (flags,) = re.findall(r"node-resources\.sh((?: --[\w-]+)*) ", " ".join(raw["head_start_ray_commands"]))
+    (worker_flags,) = re.findall(
+        r"node-resources\.sh((?: --[\w-]+)*) ", " ".join(raw["worker_start_ray_commands"])
+    )
+    head = node_resources(raw["provider"]["head_ip"], *flags.split())
+    workers = [node_resources(ip, *worker_flags.split()) for ip in raw["provider"]["worker_ips"]]
+    _control_fits(cluster_config(), head, workers + [node_resources("198.51.100.7", *worker_flags.split())])
+    # deploy/ray-up-this-machine.sh's one machine: a roles line with both worker roles, and the head's units
+    roles = tmp_path / "node-roles"
+    roles.write_text('192.0.2.1 {"attention_node":1,"expert_node":3}\n')
+    assert node_resources("192.0.2.1", *flags.split(), roles=roles) == {
+        "head_node": 4, "attention_node": 1, "expert_node": 3}  # fmt: skip
+
+
+def test_cloud_head_holds_the_front_door():
+    raw = load("ray-up-aws-gpu.yaml")
+    types = raw["available_node_types"]
+    head = types[raw["head_node_type"]]["resources"]  # `ray up` hands them to the head's `ray start`
+    workers = [t["resources"] for name, t in types.items() if name != raw["head_node_type"]]
+    _control_fits(ClusterConfig.from_yaml(DEPLOY / "cluster-gpu.yaml"), head, workers)
+
+
+def test_kuberay_head_holds_the_front_door():
+    (app,) = serve_configs()["kuberay serveConfigV2"].applications
+    cfg = serve_app.app_config(app.args, environ=SECRETS)
+    groups = {name: start_resources(g["rayStartParams"]) for name, g in pod_templates().items()}
+    _control_fits(cfg, groups.pop("head"), list(groups.values()))

@@ -62,7 +62,7 @@ def test_redis_down_keeps_counts_then_flushes_when_back():
     assert not rep.flush()
     assert time.monotonic() - t < 2.0  # fails fast, never stalls the caller
     assert rep.failed_flushes == 1 and rep.dropped_tokens == 0
-    server = EmbeddedRedis.start(port=port)
+    server = EmbeddedRedis.start(port=port, password=server.password)  # (the same server again)
     try:
         rep.add(torch.tensor([[1, 0]]))
         assert rep.flush()

@@ -9,6 +9,7 @@ import itertools
 import pytest
 import ray
 
+from services.deadlines import Deadlines
 from services.engine.outputs import Refusal, RequestOutput
 from services.router.core import RouterConfig, RouterCore, Sub
 from services.router.metrics import RouterMetrics
@@ -56,9 +57,12 @@ class FakeWorker:
                                       finish_reason="length" if last else None))  # fmt: skip
 
 
-def _core(workers: dict[str, FakeWorker]) -> RouterCore:
+def _core(workers: dict[str, FakeWorker], **cfg) -> RouterCore:
     core = RouterCore.__new__(RouterCore)  # (no Ray, no tokenizer: only what run() uses)
-    core.cfg = RouterConfig("-", "m", list(workers), prefix_caching=False)
+    core.cfg = RouterConfig("-", "m", list(workers), prefix_caching=False, **cfg)
+    core.gaps, core.pings, core._pinging = {}, Deadlines(ceiling_s=3.0, floor_s=core.cfg.ping_floor_s), {}
+    for _ in range(8):  # (the pings of the pool refresh loop, which measure them)
+        core.pings.observe(1, 0.01)
     core.workers, core.outstanding, core.down = workers, dict.fromkeys(workers, 0), {}
     core._probes, core._rr, core.metrics, core.owner = set(), itertools.count(), RouterMetrics(), "me"
     core._keepalive = object()  # (no lease thread)
@@ -159,3 +163,59 @@ def test_the_router_follows_the_pool_as_it_grows_and_drains(monkeypatch):
     core.outstanding["b"] = 0
     core.set_pool(["a", "c"], [])
     assert "b" not in core.workers and "b" not in core.outstanding
+
+
+class FreezingWorker(FakeWorker):
+    """Streams `freeze_after` tokens, then stops producing for `frozen_s` (forever: None); its
+    `ready` answers only when `answers_pings` (a live but slow worker), as a SIGSTOPped process
+    answers nothing."""
+
+    def __init__(self, freeze_after: int, frozen_s: float | None, answers_pings: bool):
+        super().__init__()
+        self.freeze_after, self.frozen_s, self.pings = freeze_after, frozen_s, 0
+        self.ready = _Call(self._ready if answers_pings else lambda: asyncio.Event().wait())
+
+    def _ready(self):
+        self.pings += 1
+        return _done(True)
+
+    async def _generate(self, prompt, params, request_id, resumed, owner):
+        self.calls.append((list(prompt), dict(params), request_id))
+        for i in range(params["max_tokens"]):
+            if i == self.freeze_after:
+                await (asyncio.sleep(self.frozen_s) if self.frozen_s else asyncio.Event().wait())
+            last = i == params["max_tokens"] - 1
+            yield _done(RequestOutput(request_id, [100 + i], finished=last,
+                                      finish_reason="length" if last else None))  # fmt: skip
+
+
+def _collect(core, max_tokens=16):
+    async def collect():
+        return [out async for out in core.run(Sub(0, 0, [0, 5], {"max_tokens": max_tokens}, "req"))]
+
+    return asyncio.run(collect())
+
+
+def test_a_hung_worker_is_found_by_its_stalled_stream_and_an_unanswered_ping():
+    """No output for the stall deadline (learned from this worker's gaps), then no answer to a
+    ping: hung. The request resumes on the other worker, the hung one is marked down and aborted."""
+    hung, healthy = FreezingWorker(freeze_after=12, frozen_s=None, answers_pings=False), FakeWorker()
+    core = _core({"a": hung, "b": healthy}, stall_floor_s=0.05, ping_floor_s=0.2)
+    core.outstanding["b"] = 1
+    outs = _collect(core)
+    assert [t for o in outs for t in o.token_ids] == [100 + i for i in range(16)]
+    prompt, params, request_id = healthy.calls[0]
+    assert prompt[2:] == [100 + i for i in range(12)] and params["max_tokens"] == 4
+    assert request_id == "req-resumed-1" and hung.aborted == ["req"] and "a" in core.down
+    assert core.gaps["a"].timeout_s(1) < 1.0  # (learned: 12 gaps seen, not the 5 s ceiling)
+
+
+def test_a_slow_worker_that_answers_pings_is_waited_for():
+    """A stream that stalls on a live worker (a long prefill elsewhere in its batch) pings it; the
+    worker answers, so the stream waits and ends there: nothing moved, nobody marked down."""
+    slow, other = FreezingWorker(freeze_after=12, frozen_s=0.6, answers_pings=True), FakeWorker()
+    core = _core({"a": slow, "b": other}, stall_floor_s=0.05, ping_floor_s=0.2)
+    core.outstanding["b"] = 1
+    outs = _collect(core)
+    assert [t for o in outs for t in o.token_ids] == [100 + i for i in range(16)]
+    assert slow.pings >= 1 and other.calls == [] and core.down == {}

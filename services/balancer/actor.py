@@ -96,6 +96,10 @@ class Balancer:
                 self._tasks.append(loop.create_task(self._every(self.core.cfg.period_s, self._rebalance)))
             if self.core.cfg.watch_s > 0:
                 self._tasks.append(loop.create_task(self._every(self.core.cfg.watch_s, self.core.watch)))
+            if self.core.cfg.health_s > 0:
+                self._tasks.append(
+                    loop.create_task(self._every(self.core.cfg.health_s, self.core.check_health))
+                )
             if self.autoscaler is not None:
                 period = self.autoscaler.cfg.period_s
                 self._tasks.append(loop.create_task(self._every(period, self._autoscale)))
@@ -227,6 +231,12 @@ class Balancer:
     async def migration_log(self) -> list[dict]:
         self._kick()
         return [asdict(m) for m in self.core.migrations]
+
+    async def fence_attention(self, name: str, reason: str) -> dict:
+        """A router found attention worker `name` hung: killed (and restarted by Ray) unless it
+        answers the balancer's own ping (service.py)."""
+        self._kick()
+        return await self.core.fence_attention(name, reason)
 
     async def pid(self) -> int:
         self._kick()

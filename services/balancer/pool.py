@@ -7,9 +7,16 @@ pool. A worker that dies is not restarted in place: the balancer re-plans its ex
 survivors and starts a fresh worker under a new name (numbered after every worker this balancer
 knows of).
 
-Health: a grpc.health.v1 check per worker every watch tick. A worker whose gRPC server is
-unreachable and whose actor Ray reports dead is dead at once; `max_missed` failed checks in a
-row (unreachable or too slow, with the actor alive) make it dead too.
+Health: a grpc.health.v1 check of every worker, every `health_s` (the balancer's own loop, which
+nothing else delays). Each check's deadline is drawn from what checks took lately (deadlines.py:
+4 x their p99, at least `hung_after_s`, at most `health_timeout_s`), so a hung worker (SIGSTOP, a
+stuck process) is found in about 1.5 s (two checks in a row unanswered within 0.75 s) and a
+loaded one is given the time it has been taking. A worker whose gRPC server is unreachable and
+whose actor Ray reports dead is dead at once, one found unreachable by two checks in a row is dead
+too (a lost node Ray has not declared yet), and one that misses two deadlines in a row is hung,
+and is fenced as the dead are: it leaves the pool (the healed
+placement, a new version, does not name it, so no attention worker sends it a row once switched),
+and its actor is killed (SIGKILL reaches a stopped process), so a thawed worker serves nothing.
 
 Machines: the pool asks Ray's autoscaler for room for its target size (`request_capacity`: one
 bundle of the worker's resources per worker, a request that replaces the last, so a smaller pool
@@ -30,6 +37,7 @@ import grpc
 import ray
 from ray.autoscaler.sdk import request_resources
 
+from services.deadlines import Deadlines
 from services.experts.client import ExpertClient
 from services.experts.server import ExpertWorkerConfig
 from services.experts.worker import ExpertWorker
@@ -64,7 +72,8 @@ class Member:
     address: str  # host:port of its gRPC server
     node: str  # Ray node id
     client: ExpertClient  # control channel (health, stats)
-    missed: int = 0  # health checks missed in a row
+    unreachable: int = 0  # health checks in a row that found its server unreachable, its actor alive
+    missed: int = 0  # health checks in a row that it did not answer within their deadline
 
 
 @dataclass
@@ -82,8 +91,9 @@ class ExpertPool:
     worker_cfg: ExpertWorkerConfig
     resources: dict[str, float] = field(default_factory=dict)
     num_gpus: float = 0.0  # Ray num_gpus of each worker
-    health_timeout_s: float = 1.0
-    max_missed: int = 3
+    hung_after_s: float = 0.75  # the least a health check is waited for (deadlines.py's floor)
+    max_missed: int = 2  # checks in a row unanswered within their deadline (hung) or unreachable (dead)
+    health_timeout_s: float = 5.0  # the most (and the deadline until enough checks were timed)
     members: dict[str, Member] = field(default_factory=dict)  # worker id -> member, in start order
     dead: list[DeadWorker] = field(default_factory=list)  # history, oldest first
     next_index: int = 0
@@ -92,6 +102,10 @@ class ExpertPool:
     pending: dict[str, float] = field(default_factory=dict)  # worker id -> wall clock it was asked for
     requested_workers: int | None = None  # workers' worth of room asked of Ray's autoscaler (None: not yet)
     capacity: Capacity = field(default_factory=Capacity)  # (shared with the attention pool)
+    health_deadlines: Deadlines = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.health_deadlines = Deadlines(ceiling_s=self.health_timeout_s, floor_s=self.hung_after_s)
 
     # ---- machines -----------------------------------------------------------------------
     @property
@@ -237,34 +251,58 @@ class ExpertPool:
 
     # ---- health -------------------------------------------------------------------------
     async def check(self) -> dict[str, str]:
-        """One health check of every member: {worker id: why it is dead} for the dead ones."""
+        """One health check of every member, concurrently, each within its measured deadline:
+        {worker id: why it is dead or hung} for those that are."""
         ids = list(self.members)
-        results = await asyncio.gather(*[asyncio.to_thread(self._check_one, w) for w in ids])
-        return {w: why for w, why in zip(ids, results, strict=True) if why}
+        timeout_s = self.health_deadlines.timeout_s(1)
+        results = await asyncio.gather(*[asyncio.to_thread(self._check_one, w, timeout_s) for w in ids])
+        dead = {}
+        for wid, (why, seconds) in zip(ids, results, strict=True):
+            if why:
+                dead[wid] = why
+            elif seconds is not None:
+                self.health_deadlines.observe(1, seconds)
+        return dead
 
-    def _check_one(self, wid: str) -> str | None:
+    def _check_one(self, wid: str, timeout_s: float) -> tuple[str | None, float | None]:
+        """(why `wid` is dead or hung, or None; the seconds its answer took, None without one)."""
         member = self.members.get(wid)
         if member is None:
-            return None
+            return None, None
+        t0 = time.monotonic()
         try:
-            status = member.client.health(timeout=self.health_timeout_s)
+            status = member.client.health(timeout=timeout_s)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE and self._process_gone(member):
-                return f"unreachable ({e.details()}) and its actor is dead"
-            member.missed += 1
-            if member.missed >= self.max_missed:
-                return f"{member.missed} health checks missed in a row ({e.code().name})"
-            return None
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                if Deadlines.caller_stalled(time.monotonic() - t0, timeout_s):  # (this balancer was)
+                    return None, None
+                member.missed += 1  # (one miss may be a hiccup of a loaded machine; two in a row: hung)
+                if member.missed >= self.max_missed:
+                    return (
+                        f"hung: {member.missed} health checks in a row unanswered in {timeout_s:.2f}s",
+                        None,
+                    )
+                return None, None
+            if self._process_gone(member, timeout_s):
+                return f"unreachable ({e.code().name}: {e.details()}) and its actor is dead", None
+            member.unreachable += 1  # (a lost node Ray has not noticed yet, a server that failed, a blip)
+            if member.unreachable >= self.max_missed:
+                return (
+                    f"{member.unreachable} health checks in a row found it unreachable ({e.code().name})",
+                    None,
+                )
+            return None, None
         except ValueError:  # its channel was closed: the worker is being stopped
-            return None
-        member.missed = 0
-        return None if status == "SERVING" else f"health status {status}"
+            return None, None
+        seconds = time.monotonic() - t0
+        member.unreachable = member.missed = 0
+        return (None if status == "SERVING" else f"health status {status}"), seconds
 
     @staticmethod
-    def _process_gone(member: Member) -> bool:
+    def _process_gone(member: Member, timeout_s: float) -> bool:
         """Ray's word on an unreachable worker: True when its actor is dead."""
         try:
-            ray.get(member.actor.pid.remote(), timeout=2.0)
+            ray.get(member.actor.pid.remote(), timeout=timeout_s)
             return False
         except ray.exceptions.RayActorError:
             return True

@@ -11,12 +11,16 @@ Every `period_s` (and on demand) it sums the last `window_buckets` load buckets 
       its next step boundary and answers once no step of its uses the old version.
   (c) ReleaseSlots(old version) on every expert worker; workers leaving the pool stop now.
 
-Every `watch_s` it checks the pool's health (pool.py). A dead worker leaves the pool at once and
-its experts are re-planned onto the survivors (a migration like the above, "heal"): steps that
-needed it wait, retrying, until the attention workers switch. A fresh worker is then started to
-bring the pool back to its target size (another migration). The same tick pushes the current
-placement to attention workers that are behind (a restarted one) and releases versions nobody
-uses any more.
+Every `health_s` it checks the pool's health (pool.py: a deadline per check drawn from observed
+latency). A dead or hung worker leaves the pool at once (a hung one is killed: fenced) and its
+experts are re-planned onto the survivors (a migration like the above, "heal"): steps that needed
+it wait, retrying, until the attention workers switch. Every `watch_s` a fresh worker is started
+to bring the pool back to its target size (another migration), the current placement is pushed to
+attention workers that are behind (a restarted one) and versions nobody uses are released.
+
+A router that finds an attention worker hung (its streams stalled, its pings unanswered) asks
+`fence_attention`: the balancer pings it too, within its own measured deadline, and if it does not
+answer kills it; Ray restarts it in place (a fresh process, which re-attaches and catches up).
 
 The balancer is a detached actor that Ray restarts; the expert workers are detached too, so they
 survive it. A restarted balancer re-attaches to the running workers and attention workers by
@@ -51,9 +55,10 @@ from services.settings import BalancerSettings, ExpertSettings, SharedSettings, 
 
 from .attention_pool import ATTENTION_NAME, AttentionScaling
 from .autoscale import AutoscaleConfig
-from .eplb import gpu_loads, placement_stats
+from .fencing import AttentionFence
 from .policy import Decision, MigrationRecord, Pool, decide, initial_placement, slots_per_worker
 from .pool import ExpertPool
+from .status import balancer_status
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +74,9 @@ class BalancerConfig:
     shared: SharedSettings = field(default_factory=SharedSettings)  # Redis, key prefix, namespace, data plane
     attention: AttentionScaling | None = None  # the attention pool sizes itself (attention_pool.py)
     expert_host: str | None = None  # None: each worker's node IP
-    watch_s: float = 0.5  # health check / reconcile period (0: off)
+    watch_s: float = 0.5  # reconcile / replace period (0: off)
+    health_s: float = 0.25  # expert workers' health check period (0: off; checked on the watch tick)
+    attention_restart_s: float = 120.0  # a fenced attention worker is not fenced again while it restarts
     switch_timeout_s: float = 30.0  # an attention worker slower than this to switch is retried later
     gc_s: float = 5.0  # how often versions nobody uses are released
 
@@ -119,6 +126,7 @@ class BalancerCore:
         self._heal_after = self._heal_backoff = 0.0
         self._scale_after = self._scale_backoff = 0.0
         self._replacing: asyncio.Task | None = None
+        self.fence = AttentionFence(cfg.attention_restart_s)  # hung attention workers (fencing.py)
         self._lock = asyncio.Lock()
         self._scale_lock = asyncio.Lock()  # one resize at a time, from its first start to its end
 
@@ -251,17 +259,23 @@ class BalancerCore:
             self.attention[n] = ray.get_actor(n, namespace=self.shared.namespace)
 
     # ---- health: the watch tick ---------------------------------------------------------
-    async def watch(self) -> None:
-        """One tick: drop dead workers, heal the placement, catch attention workers up, release
-        versions nobody uses, start replacements for the dead."""
+    async def check_health(self) -> None:
+        """Check the expert workers (each within its measured deadline); the dead and the hung
+        leave the pool (a hung one is killed) and their experts are re-placed at once."""
         if self.placement is None:
             return
         for wid, why in (await self.pool.check()).items():
-            log.warning("expert worker %s is dead (%s)", wid, why)
+            log.warning(
+                "expert worker %s is %s; fencing it", wid, why if why.startswith("hung") else f"dead ({why})"
+            )
             self.pool.remove_dead(wid, why)
+        await self._heal_if_needed()
+
+    async def _heal_if_needed(self) -> None:
         if (
             any(w not in self.pool.members for w in self.placement.workers)
             and time.monotonic() >= self._heal_after
+            and not self._lock.locked()  # (a heal or migration under way: the next tick)
         ):
             record = await self.heal()
             if record is not None and not record.ok:  # back off: 0.5, 1, 2, ... 10 s
@@ -269,6 +283,16 @@ class BalancerCore:
                 self._heal_after = time.monotonic() + self._heal_backoff
             else:
                 self._heal_backoff = 0.0
+
+    async def watch(self) -> None:
+        """One tick: heal what the health checks found (with `health_s` 0, check here), catch
+        attention workers up, release versions nobody uses, start replacements for the dead."""
+        if self.placement is None:
+            return
+        if self.cfg.health_s > 0:
+            await self._heal_if_needed()
+        else:
+            await self.check_health()
         if not self._lock.locked():
             await self._reconcile()
         replacing = self._replacing is not None and not self._replacing.done()
@@ -333,18 +357,20 @@ class BalancerCore:
         dead for good; once every one routes with the current placement, release the versions
         nobody uses any more (every `gc_s`) and stop workers that left the pool."""
         version, everyone_current = self.placement.version, True
-        for name, actor in list(self.attention.items()):
-            try:
-                state = self.attention_state[name] = await asyncio.wait_for(actor.ready.remote(), 2.0)
-            except ray.exceptions.ActorDiedError:  # gone for good (killed, or out of restarts)
+        attention = list(self.attention.items())
+        answers = await asyncio.gather(*[self.fence.ping(actor, max(2.0, self.fence.pings.timeout_s(1)))
+                                         for _, actor in attention], return_exceptions=True)  # fmt: skip
+        for (name, actor), state in zip(attention, answers, strict=True):
+            if isinstance(state, ray.exceptions.ActorDiedError):  # gone for good (killed, or out of restarts)
                 log.warning("attention worker %s is gone; forgetting it", name)
                 self.attention.pop(name)
                 self.attention_state.pop(name, None)
                 continue
-            except Exception as e:  # restarting: it catches up when it answers again
-                self.attention_state[name] = {"state": "unavailable", "error": type(e).__name__}
+            if isinstance(state, BaseException):  # restarting: it catches up when it answers again
+                self.attention_state[name] = {"state": "unavailable", "error": type(state).__name__}
                 everyone_current = False
                 continue
+            self.attention_state[name] = state
             if state["placement_version"] != version:
                 everyone_current = False
                 await self._switch_attention(
@@ -361,15 +387,24 @@ class BalancerCore:
                 self._gc_due = time.monotonic() + self.cfg.gc_s
                 await self._release_unused()
 
+    async def fence_attention(self, name: str, reason: str) -> dict:
+        """A router found attention worker `name` hung: fenced unless it answers (fencing.py)."""
+        actor = self.attention.get(name)
+        if actor is None:
+            return {"fenced": False, "why": "not an attention worker of this cluster"}
+        return await self.fence.fence(name, actor, reason)
+
     async def _release_unused(self) -> None:
         """ReleaseSlots for every version an expert worker holds but the placement is not."""
         version = self.placement.version
-        for member in list(self.pool.members.values()):
-            try:
-                stats = await asyncio.to_thread(member.client.stats, 5.0)
-            except Exception:
+        members = list(self.pool.members.values())
+        timeout_s = 2 * self.pool.health_deadlines.timeout_s(1)
+        stats = await asyncio.gather(*[asyncio.to_thread(m.client.stats, timeout_s) for m in members],
+                                     return_exceptions=True)  # fmt: skip
+        for member, st in zip(members, stats, strict=True):
+            if isinstance(st, BaseException):  # (dead or hung: the health checks deal with it)
                 continue
-            for v in stats.loaded_versions:
+            for v in st.loaded_versions:
                 if v != version:
                     await self._release(v, [member.address])
 
@@ -518,61 +553,7 @@ class BalancerCore:
 
     # ---- reporting ----------------------------------------------------------------------
     def status(self) -> dict:
-        p = self.placement
-        loads = self.last_loads
-        stats = worker_load = None
-        if (
-            p is not None
-            and loads is not None
-            and bool(loads.any())
-            and set(p.workers) <= set(self.pool.members)
-        ):
-            nodes, gpus = self.eplb_pool(list(p.workers)).eplb_args(self.model_cfg)
-            stats = placement_stats(p.phy2log, loads.double(), gpus, nodes)
-            worker_load = gpu_loads(p.phy2log, loads.double(), gpus).sum(0).tolist()
-        serving = set(p.workers) if p else set()
-        return {
-            "version": p.version if p else 0,
-            "workers": [
-                {
-                    "id": w,
-                    "state": "serving" if w in self.pool.members else "dead",
-                    "address": self.addresses.get(w, "-"),
-                    "node": self.pool.nodes.get(w, "-"),
-                    "slots": list(p.worker_slots(i)),
-                    "load": worker_load[i] if worker_load else None,
-                }
-                for i, w in enumerate(p.workers if p else [])
-            ]
-            + [
-                {
-                    "id": w,
-                    "state": "joining",
-                    "address": self.addresses[w],
-                    "node": self.pool.nodes[w],
-                    "slots": [],
-                    "load": None,
-                }
-                for w in self.pool.workers
-                if w not in serving
-            ],  # fmt: skip
-            "target_workers": self.target_workers,
-            "pending_workers": {w: round(time.time() - t, 1) for w, t in self.pool.pending.items()},
-            "requested": {"workers": self.pool.requested_workers, "bundle": self.pool.bundle},
-            "dead_workers": [asdict(d) for d in self.pool.dead],
-            "heals": self.heals,
-            "resumed": self.resumed,
-            "slots_per_worker": self.slots,
-            "phy2log": p.phy2log.tolist() if p else [],
-            "loads": loads.tolist() if loads is not None else None,
-            "balancedness": stats.balancedness if stats else None,
-            "balancedness_per_layer": stats.layer_balancedness.tolist() if stats else None,
-            "migrations": sum(1 for m in self.migrations if m.ok),
-            "last_migration": asdict(self.migrations[-1]) if self.migrations else None,
-            "last_decision": self.last_decision.info() if self.last_decision else None,
-            "attention_workers": list(self.attention),
-            "attention": {n: self.attention_state.get(n, {}) for n in self.attention},
-        }
+        return balancer_status(self)
 
     async def worker_stats(self) -> dict:
         """Per expert worker: token counts per local slot of each loaded version (their own counters)."""

@@ -21,7 +21,9 @@ found in about a second and a busy one is given the time it has been taking.
 Failures: a Dispatch that fails with a transport-like status (UNAVAILABLE, DEADLINE_EXCEEDED,
 ...) marks its worker dead for `dead_worker_cooldown_s` and its pairs are resent on the router's
 resend route (other replicas on live workers); when an expert has no live replica the step raises
-`ExpertUnavailableError`. INVALID_ARGUMENT / FAILED_PRECONDITION are bugs or placement mismatches
+`ExpertUnavailableError`, and for `deadline_floor_s` after the failure steps that need such an
+expert fail at once instead of waiting on it again (their retries pick up a healed placement
+within a step's time). INVALID_ARGUMENT / FAILED_PRECONDITION are bugs or placement mismatches
 and raise `ExpertDispatchError` at once. Routes skip dead workers while they cool down.
 
 Not thread-safe: one driver thread per instance (the attention worker's step loop).
@@ -38,13 +40,13 @@ import grpc
 import torch
 
 from services.dataplane.placement import Placement
+from services.deadlines import Deadlines
 from services.model.config import ModelConfig
 from services.model.kernels import cpu_kernels
 from services.model.messages import ExpertCombine, ExpertDispatch
 from services.rpc import wire
 
 from . import shm
-from .deadlines import Deadlines
 from .slot_router import ExpertDispatchError, ExpertUnavailableError, Route, SlotRouter
 from .transport import Call, TransportError, Transports
 
@@ -188,21 +190,32 @@ class RemoteExperts:
         """The transports chosen and changed, oldest first (the last transport.MAX_EVENTS)."""
         return [asdict(e) for e in list(self.transports.events)]
 
-    def _dead_workers(self, pending: PendingDispatch) -> frozenset[int]:
-        """Indices (in the pending dispatch's placement) of workers that failed recently."""
+    def _dead_workers(self, pending: PendingDispatch, within_s: float | None = None) -> frozenset[int]:
+        """Indices (in the pending dispatch's placement) of workers that failed recently (in the
+        last `within_s`; None: the cooldown)."""
         now, cooldown = time.monotonic(), self.dispatch_cfg.dead_worker_cooldown_s
         self._dead = {a: t for a, t in self._dead.items() if now - t < cooldown}
         if not self._dead:
             return frozenset()
+        within = cooldown if within_s is None else within_s
         workers = pending.router.placement.workers
-        return frozenset(i for i, w in enumerate(workers) if pending.addresses[w] in self._dead)
+        return frozenset(
+            i for i, w in enumerate(workers) if now - self._dead.get(pending.addresses[w], -1e9) < within
+        )
 
     # ---- dispatch / combine ------------------------------------------------------------
     def dispatch(self, msg: ExpertDispatch) -> PendingDispatch:
         """Start the expert RPCs of one MoE layer; returns at once."""
         pending = PendingDispatch(msg, self.router, self.addresses)
+        topk_idx = msg.topk_idx.cpu()
+        # a worker that failed in the last `deadline_floor_s` is not waited for again where it holds
+        # an expert's only replicas: the step fails at once and is retried (its retries apply a
+        # new placement as soon as the balancer sends one); after that it is tried again
+        pending.router.check_live(
+            msg.moe_layer, topk_idx, self._dead_workers(pending, self.dispatch_cfg.deadline_floor_s)
+        )
         route = pending.router.first(
-            msg.moe_layer, msg.topk_idx.cpu(), msg.expert_counts.cpu(), self._dead_workers(pending)
+            msg.moe_layer, topk_idx, msg.expert_counts.cpu(), self._dead_workers(pending)
         )
         pending.parts = self._send(pending, route)
         self._pending += 1
@@ -260,9 +273,18 @@ class RemoteExperts:
                     f"decoder layer {pending.msg.decoder_layer}: worker {address} refused Dispatch "
                     f"(placement version {placement.version}): {code.name}: {e.details}"
                 ) from None
-            log.warning("decoder layer %d: worker %s failed (%s: %s); resending",
-                        pending.msg.decoder_layer, address, code.name, e.details)  # fmt: skip
-            self._dead[address] = time.monotonic()
+            elapsed = time.monotonic() - part.call.started
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and Deadlines.caller_stalled(
+                elapsed, part.call.timeout_s
+            ):
+                # this process was stalled (frozen, starved), not the worker: resent elsewhere for
+                # this step (or the step retried), the worker not held dead
+                log.warning("decoder layer %d: this process stalled %.1fs during a call to %s; resending",
+                            pending.msg.decoder_layer, elapsed, address)  # fmt: skip
+            else:
+                log.warning("decoder layer %d: worker %s failed (%s: %s); resending",
+                            pending.msg.decoder_layer, address, code.name, e.details)  # fmt: skip
+                self._dead[address] = time.monotonic()
             failed.append(part)
             return None
         self.stats.bytes_received += part.call.nbytes_received

@@ -81,6 +81,12 @@ class SlotRouter:
             chosen = self._choose(moe_layer, experts, counts, dead, strict=False)
         return self._split(chosen.view(topk_idx.shape))
 
+    def check_live(self, moe_layer: int, topk_idx: torch.Tensor, failed: frozenset[int]) -> None:
+        """Raise ExpertUnavailableError when an expert of topk_idx [T, K] has every replica on
+        the `failed` workers (nothing to send it to)."""
+        if failed:
+            self._check_live(moe_layer, topk_idx.reshape(-1), failed)
+
     def resend(
         self, moe_layer: int, topk_idx: torch.Tensor, pairs: torch.Tensor, dead: frozenset[int]
     ) -> Route:
@@ -96,24 +102,29 @@ class SlotRouter:
         self, moe_layer: int, experts: torch.Tensor, counts: torch.Tensor, dead: frozenset[int], strict: bool
     ) -> torch.Tensor:
         """Global slot [N] for each pair's logical expert in `experts` [N] (counts: its bincount)."""
+        if strict and dead:
+            self._check_live(moe_layer, experts, dead)
         log2phy, logcnt = self._live_replicas(dead)
         log2phy, logcnt = log2phy[moe_layer], logcnt[moe_layer]
-        if strict and dead:
-            slots = log2phy[experts, 0]
-            stranded = torch.isin(slots // self.placement.slots_per_worker, torch.tensor(sorted(dead)))
-            if bool(stranded.any()):
-                lost = sorted(set(experts[stranded].tolist()))
-                raise ExpertUnavailableError(
-                    f"MoE layer {moe_layer}: logical experts {lost} have no replica on a live worker "
-                    f"(placement version {self.placement.version}, failed workers "
-                    f"{[self.placement.workers[w] for w in sorted(dead)]})"
-                )
         if not self.replicated[moe_layer]:  # one slot per expert: nothing to choose, no rotation
             return log2phy[experts, 0]
         sent = self.sent[moe_layer]
         rank = sent[experts] + replica_rank(experts, counts)
         sent += counts
         return log2phy[experts, rank % logcnt[experts]]
+
+    def _check_live(self, moe_layer: int, experts: torch.Tensor, dead: frozenset[int]) -> None:
+        """ExpertUnavailableError when an expert of `experts` [N] has every replica on `dead` workers
+        (its first replica after `_live_replicas` is then on a dead one)."""
+        slots = self._live_replicas(dead)[0][moe_layer][experts, 0]
+        stranded = torch.isin(slots // self.placement.slots_per_worker, torch.tensor(sorted(dead)))
+        if bool(stranded.any()):
+            lost = sorted(set(experts[stranded].tolist()))
+            raise ExpertUnavailableError(
+                f"MoE layer {moe_layer}: logical experts {lost} have no replica on a live worker "
+                f"(placement version {self.placement.version}, failed workers "
+                f"{[self.placement.workers[w] for w in sorted(dead)]})"
+            )
 
     def _live_replicas(self, dead: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(log2phy [L, E, R], logcnt [L, E]) with replicas on `dead` workers moved behind the live

@@ -307,8 +307,8 @@ class ShmLink:
             if capacity > shm.MAX_CAPACITY:
                 raise TransportError(grpc.StatusCode.INVALID_ARGUMENT,
                                      f"a request of {needed} bytes: over {shm.MAX_CAPACITY} bytes")  # fmt: skip
-            try:
-                channel = self._connect(capacity, PROBE_S)
+            try:  # (within the call's deadline: a hung worker must not hold the step longer)
+                channel = self._connect(capacity, min(PROBE_S, timeout_s))
             except OSError as e:
                 raise LinkDown(f"no {self.name} channel: {e!r}") from None
         return ShmCall(channel, idle, timeout_s, placement_version, layer, shape, dtype, top_k)
@@ -328,8 +328,8 @@ class TcpLink:
         self.host, self.port, self.secret = tcp.socket_host(address), port, secret
         self._idle: list[tcp.TcpChannel] = [self._connect()]  # (OSError: it cannot be reached)
 
-    def _connect(self) -> tcp.TcpChannel:
-        return tcp.TcpChannel.connect(self.host, self.port, self.secret, timeout_s=PROBE_S)
+    def _connect(self, timeout_s: float = PROBE_S) -> tcp.TcpChannel:
+        return tcp.TcpChannel.connect(self.host, self.port, self.secret, timeout_s=timeout_s)
 
     def open(self, layer: int, placement_version: int, shape: tuple[int, int], dtype: torch.dtype,
              top_k: int, timeout_s: float) -> Call:  # fmt: skip
@@ -339,8 +339,8 @@ class TcpLink:
                                  f"a request of {needed} bytes: over {tcp.MAX_REQUEST_BYTES} bytes")  # fmt: skip
         channel = _take_alive(self._idle)
         if channel is None:
-            try:
-                channel = self._connect()
+            try:  # (within the call's deadline, as above)
+                channel = self._connect(min(PROBE_S, timeout_s))
             except OSError as e:
                 raise LinkDown(f"no TCP connection to {self.host}:{self.port}: {e!r}") from None
         return TcpCall(channel, self._idle, timeout_s, placement_version, layer, shape, dtype, top_k)
@@ -426,13 +426,19 @@ class Transports:
             self._probe(pair, retry=True)
         if pair.link is None:
             raise TransportError(grpc.StatusCode.FAILED_PRECONDITION, pair.reason)
+        t0 = time.monotonic()
         try:
             return pair.link.open(layer, placement_version, shape, dtype, top_k, timeout_s)
         except LinkDown as e:
             if "grpc" not in self.preference:  # (transport shm: no fallback; the next call tries again)
                 raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert worker {address}: {e}") from None
             self._switch(pair, pair.grpc, f"{pair.link.name} lost: {e}", retry=True)
-            return pair.link.open(layer, placement_version, shape, dtype, top_k, timeout_s)
+            left = timeout_s - (time.monotonic() - t0)  # (the deadline counts from this call's start)
+            if left <= 0.01:
+                raise TransportError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"expert worker {address}: {e}"
+                ) from None
+            return pair.link.open(layer, placement_version, shape, dtype, top_k, left)
 
     @property
     def addresses(self) -> set[str]:

@@ -76,6 +76,7 @@ class EngineConfig:
     # CUDA, the C++ kernels on the CPU, torch elsewhere), or a comma list of "flashmla", "triton",
     # "cpp", "torch" (each named must run some family; "triton" under TRITON_INTERPRET=1 on CPU too)
     kernels: str = "auto"
+    deterministic: bool = False  # batch-invariant kernels (kernels/deterministic.py): tokens as if run alone
 
     def select_kernels(self, cfg: ModelConfig, device=None, reuse: Kernels | None = None) -> Kernels:
         """The kernels of a model of `cfg` on `device` (default: this config's), chosen once
@@ -84,7 +85,7 @@ class EngineConfig:
         device, dtype = device or self.device, parse_dtype(self.dtype)
         options = dict(weight_dtype=check_weight_dtype(self.weight_dtype, dtype, self.device, cfg),
                        fp8_linears=self.keep_fp8_linears and not cfg.is_v4, fp8_experts=self.keep_fp8_experts,
-                       fp8_cache=self.fp8_cache(cfg) and not cfg.is_v4)  # fmt: skip
+                       fp8_cache=self.fp8_cache(cfg) and not cfg.is_v4, deterministic=self.deterministic)  # fmt: skip
         if reuse is not None and reuse.matches(target_of(device, dtype, cfg, **options), self.kernels):
             return reuse
         return select_kernels(device, dtype, cfg, allow=self.kernels, strict=True, **options)
@@ -231,10 +232,10 @@ class Engine:
         self.cfg, self.model, self.experts, self.engine_cfg = cfg, model, experts, engine_cfg
         self.tokenizer, self.on_batches = tokenizer, on_batches
         # the kernels, chosen once (load_engine's, given to the model, where chosen for this config)
-        self.kernels: Kernels = engine_cfg.select_kernels(cfg, model.device, reuse=model.kernels)
-        model.kernels = self.kernels
-        if isinstance(experts, LocalExperts):  # (in-process experts compute on the engine's kernels)
+        self.kernels = model.kernels = engine_cfg.select_kernels(cfg, model.device, reuse=model.kernels)
+        if isinstance(experts, LocalExperts):  # (on the engine's kernels; a token's experts added in order)
             experts.use_kernels(self.kernels)
+            model.experts_sum_in_order = True
         log.info("%s", self.kernels.summary())
         self.cache = engine_cfg.latent_cache(cfg, model)
         self.scheduler = Scheduler(engine_cfg.scheduler_config(cfg), self.cache.num_blocks, cfg.eos_token_ids,
@@ -386,8 +387,7 @@ class Engine:
                 "cached_blocks": sched.allocator.num_cached,
                 "evictions": sched.allocator.evictions,
             },
-            # family -> the kernel running it; family -> {better kernel not taken: why}
-            **self.kernels.stats(),
+            **self.kernels.stats(),  # family -> the kernel running it; -> {better ones not taken: why}
         }
 
     # ---- one step -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class ExpertWorkerConfig:
     dtype: str = "float32"  # compute dtype; Dispatch hidden states must come in this dtype
     weight_dtype: str | None = None  # experts held narrower than dtype: "bfloat16" under float32 on CPU
     keep_fp8_experts: bool = False  # an FP8 checkpoint's experts held as shipped, with their block scales
+    deterministic: bool = False  # batch-invariant expert kernels (SharedSettings.deterministic)
     device: str = "cpu"  # where the experts are held and computed ("cuda": the GPU Ray gave the worker)
     num_threads: int | None = 1  # torch intra-op threads in the worker process (None: leave as is)
     compute_concurrency: int = (
@@ -100,7 +102,8 @@ class ExpertServer:
         dtype, model_cfg = parse_dtype(cfg.dtype), ModelConfig.from_hf(hf)
         weight_dtype = check_weight_dtype(cfg.weight_dtype, dtype, cfg.device, model_cfg)
         self.store = SlotStore(model_cfg, cfg.model, dtype, cfg.max_versions, cfg.device,
-                               weight_dtype, cfg.keep_fp8_experts, cfg.spare_rows)  # fmt: skip
+                               weight_dtype, cfg.keep_fp8_experts, cfg.spare_rows,
+                               deterministic=cfg.deterministic)  # fmt: skip
         self.servicer = ExpertServicer(
             self.store,
             peer_timeout_s=cfg.peer_timeout_s,
@@ -191,7 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--secret", default=None, help="refuse calls without this data-plane secret")
+    ap.add_argument(
+        "--secret",
+        default=os.environ.get("MOE_EXPERT_SECRET"),
+        help="refuse calls without this data-plane secret (default: $MOE_EXPERT_SECRET)",
+    )
     ap.add_argument(
         "--spin-us", type=float, default=0.0, help="shared memory: poll this long before blocking"
     )

@@ -131,13 +131,15 @@ class SlotStore:
         weight_dtype: torch.dtype | None = None,
         keep_fp8: bool = False,
         spare_rows: int = 0,
+        deterministic: bool = False,
     ):
         """dtype: what Dispatch computes in; weight_dtype: how the experts are held when narrower
         (bf16 under fp32 on CPU: config.check_weight_dtype); None: dtype. keep_fp8: an FP8
         checkpoint's experts are held as shipped, with their block scales (ValueError where they
         cannot be: checkpoint.check_keep_fp8_experts). spare_rows: rows per layer allocated beyond
         the first version's, for later re-plans' moved experts (none: a layer that needs more rows
-        grows, copied once)."""
+        grows, copied once). deterministic: batch-invariant expert kernels (kernels/deterministic.py:
+        each (token, expert) pair's output has the same bits however many rows share the call)."""
         self.cfg, self.model_dir, self.dtype, self.max_versions = cfg, Path(model_dir), dtype, max_versions
         self.weight_dtype = weight_dtype or dtype
         if keep_fp8:
@@ -155,7 +157,7 @@ class SlotStore:
         self.dispatch_calls = 0
         # the expert kernels, chosen once (building the C++ CPU kernels now, not mid-request)
         self.kernels = select_kernels(self.device, dtype, cfg, weight_dtype=weight_dtype, fp8_experts=keep_fp8,
-                                      scope="experts")  # fmt: skip
+                                      scope="experts", deterministic=deterministic)  # fmt: skip
         self._dispatch = self.kernels.expert_dispatch  # (None: checked here, then the expert kernel)
         log.info("expert store %s", self.kernels.summary())
 

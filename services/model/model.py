@@ -29,6 +29,7 @@ from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .fp8 import Fp8Weight
 from .indexer import IndexQueries, index_keys
+from .kernels.deterministic import expand_dispatch, sum_choices
 from .kernels.select import Kernels, select_kernels
 from .kv_cache import BLOCK_SIZE, dequantize_index_keys, fp8_latent_bytes
 from .layers import Rope
@@ -200,6 +201,10 @@ class DeepseekV3:
         self.rope = Rope(cfg, self.device)
         # attention tensor parallelism: sums the ranks' partial attention outputs (an all-reduce)
         self.attn_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # whether the expert backend adds each token's expert outputs in ascending expert order, in
+        # fp32, from zero (moe.LocalExperts); else, with deterministic kernels, the model asks for one
+        # row per (token, choice) and adds them itself in that order (kernels/deterministic.py)
+        self.experts_sum_in_order = False
 
     def shard_attention(self, rank: int, tp: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Keep only rank `rank` of `tp`'s slice of every layer's heads (the latent projections
@@ -291,10 +296,13 @@ class DeepseekV3:
                 delta = k.dense_ffn(x, layer.mlp_w13, layer.mlp_down)
                 continue
             topk_idx, topk_weight = k.route(x, layer.router, layer.router_bias)
-            msg = ExpertDispatch.routed(i, layer.moe_layer, x, topk_idx, topk_weight, cfg.n_routed_experts)
-            handle = yield msg
+            per_choice = k.deterministic and not self.experts_sum_in_order  # (summed below, in expert order)
+            dispatch = expand_dispatch if per_choice else ExpertDispatch.routed
+            handle = yield dispatch(i, layer.moe_layer, x, topk_idx, topk_weight, cfg.n_routed_experts)
             shared = k.dense_ffn(x, layer.mlp_w13, layer.mlp_down) if layer.mlp_w13 is not None else 0
             routed = yield ExpertCombine(handle)
+            if per_choice:
+                routed = sum_choices(routed, topk_idx)
             delta = routed + shared
         rows = batch.logits_index
         _, last = add_rms_norm(k, h[rows], None if delta is None else delta[rows], self.norm, eps)

@@ -28,10 +28,15 @@ class PrefixAffinity:
 
     @staticmethod
     def hashes(prompt_ids: Sequence[int], max_blocks: int, cache_salt: str | None = None) -> list[int]:
-        """Chained hashes of the prompt's full blocks (the ones a worker can have cached)."""
+        """Chained hashes of the prompt's full blocks (the ones a worker can have cached), up to
+        the first block holding an id no worker could cache (outside int64: the engine refuses the
+        prompt; affinity must not fail on it first)."""
         out, parent = [], salt_root(cache_salt)
         for i in range(min(max_blocks, (len(prompt_ids) - 1) // BLOCK_SIZE)):
-            parent = block_hash(parent, prompt_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            try:
+                parent = block_hash(parent, prompt_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            except (OverflowError, TypeError):
+                break
             out.append(parent)
         return out
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -38,13 +39,37 @@ from .responses import ResponsesRequest
 log = logging.getLogger(__name__)
 
 
-app = FastAPI(title="moe-cluster", docs_url=None, redoc_url=None)
+# no /openapi.json, /docs or /redoc: the API is OpenAI's, and the schema would list internals
+app = FastAPI(title="moe-cluster", docs_url=None, redoc_url=None, openapi_url=None)
+
+# what a server-side error's text may hold that no client should see: addresses (IPv4/IPv6 with
+# ports, URLs, host:port), Ray's node / worker / actor ids (long hex), file paths
+_INTERNAL = re.compile(
+    r"[a-z][a-z0-9+.-]*://\S+"  # URLs (redis://:pw@host, grpc://...)
+    r"|\[?(?:[0-9a-f]{0,4}:){2,7}[0-9a-f]{0,4}\]?(?::\d+)?"  # IPv6
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # IPv4[:port]
+    r"|\b[\w.-]+:\d{2,5}\b"  # host:port
+    r"|\b[0-9a-f]{16,}\b"  # node / worker / actor / object ids
+    r"|(?<![\w.])/(?:[\w.-]+/)+[\w.-]*",  # absolute paths
+    re.I,
+)
+
+
+def public_body(e: APIError) -> dict:
+    """An error's JSON as a client gets it: a server-side one (5xx, whose text comes from Ray and
+    names nodes, workers, addresses) logged whole and answered without internal addresses, ids
+    and paths."""
+    body = e.body()
+    if e.status >= 500:
+        log.warning("answered %d: %s", e.status, e.message)
+        body["error"]["message"] = _INTERNAL.sub("<internal>", body["error"]["message"])
+    return body
 
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return JSONResponse(public_body(e), status_code=e.status, headers=headers)
 
 
 @app.exception_handler(Exception)
@@ -168,9 +193,9 @@ class Router:
         core = self.core
         req: TokenizeRequest = await self._tokenizer_request(request, TokenizeRequest)
         if req.messages is not None:
-            text = core.tokenizer.apply_chat_template(
-                proto.chat_messages(req.messages), req.add_generation_prompt
-            )
+            messages = proto.chat_messages(req.messages)
+            self._check_messages(messages)
+            text = core.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
             ids = core.tokenizer.encode(text, add_bos=False)
         else:
             core.check_prompts([req.prompt])
@@ -201,10 +226,23 @@ class Router:
                 raise APIError(413, f"the request body is larger than {limit} bytes")
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply") from None
+        except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError, an int beyond Python's digit limit)
+            if "integer string conversion" in str(e):
+                raise APIError(400, "the request body holds a number with too many digits") from None
+            raise APIError(400, "the request body is not valid JSON") from None
+
+    def _check_messages(self, messages: list[dict]) -> None:
+        """`max_prompt_chars` over a chat's messages (their text and tool calls, all turns
+        together), checked before they are templated and tokenized."""
+        limit, total = self.core.cfg.max_prompt_chars, 0
+        for m in messages:
+            total += len(m.get("content") or "") + len(m.get("name") or "")
+            for call in m.get("tool_calls") or ():
+                total += len(call["function"]["name"]) + len(call["function"]["arguments"])
+        if total > limit:
+            raise APIError(400, f"the messages have more than {limit} characters", param="messages")
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -275,8 +313,11 @@ class Router:
         if core.tokenizer is None:
             raise APIError(400, "chat needs a tokenizer; this model runs in token-id mode", param="messages")
         tools = req.tool_choice_spec()
-        prompt = core.tokenizer.apply_chat_template(req.chat_messages(), req.add_generation_prompt,
-                                                    tools.template_tools())  # fmt: skip
+        messages = req.chat_messages()
+        self._check_messages(messages)
+        prompt = core.tokenizer.apply_chat_template(
+            messages, req.add_generation_prompt, tools.template_tools()
+        )
         thinking = prompt.rstrip().endswith(THINK_BEGIN)  # the template opened the reasoning block
         if thinking and req.output_schema() is not None:  # constrained from the first token: no reasoning
             prompt, thinking = prompt + THINK_END, False
@@ -343,7 +384,7 @@ class Router:
                     yield responses.sse(event)
             except APIError as e:
                 status = e.status
-                yield responses.sse(events.failed(e.message))
+                yield responses.sse(events.failed(public_body(e)["error"]["message"]))
             finally:
                 await outputs.aclose()
                 core.metrics.request_finished(status)
@@ -459,7 +500,7 @@ class Router:
                     yield proto.sse(proto.usage_chunk(head, self._usage(subs, completion_tokens, firsts)))
             except APIError as e:
                 status = e.status
-                yield proto.sse(e.body())
+                yield proto.sse(public_body(e))
             finally:
                 await outputs.aclose()
                 core.metrics.request_finished(status)

@@ -177,9 +177,15 @@ class ChatParser:
     _started: bool = False
     _in_calls: bool = False
     _stream: CallStream = field(default_factory=CallStream)  # what the client has of the calls
+    # a forced call's text as it came (joined at finish) and its incremental reading (required):
+    # each delta's work is bounded by the delta, not by the text so far
+    _forced: list[str] = field(default_factory=list)
+    _scanner: tool_stream.RequiredScanner = field(default_factory=tool_stream.RequiredScanner)
 
     def feed(self, text: str) -> dict:
         """The delta fields ({"reasoning_content", "content"}) to send for the new `text`."""
+        if self._forced:  # (a forced call's text has started: all the rest is its)
+            return self._with_forced(text, {})
         buf, delta = self._pending + text, {}
         if not self._started:
             if THINK_BEGIN.startswith(buf) and buf != THINK_BEGIN:
@@ -199,7 +205,10 @@ class ChatParser:
             if buf[:end]:
                 delta["reasoning_content"] = buf[:end]
             buf, self.in_reasoning = buf[end + len(THINK_END) :], False
-        if self.tools.forced or self._in_calls:
+        if self.tools.forced:
+            self._pending = ""
+            return self._with_forced(buf, delta)
+        if self._in_calls:
             self._pending = buf
             return self._with_calls(delta)
         if self.tools.mode == "auto":
@@ -218,6 +227,20 @@ class ChatParser:
             self._with_calls(delta)
         return delta
 
+    def _with_forced(self, text: str, delta: dict) -> dict:
+        """`delta` with the tool-call deltas of a forced call's next `text`."""
+        self._forced.append(text)
+        if self.tools.mode == "named":
+            calls = self._stream.named_deltas(self.tools.name, text)
+        else:
+            self._scanner.feed(text)
+            calls = self._stream.scanned_deltas(
+                self._scanner, len(self._scanner) if self.tools.parallel else 1
+            )
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
     def _with_calls(self, delta: dict) -> dict:
         """`delta` with the tool-call deltas the calls' text so far allows."""
         calls = tool_stream.progress(self.tools.mode, self._pending, self.tools.name)
@@ -229,7 +252,8 @@ class ChatParser:
     def finish(self, finish_reason: str | None) -> tuple[dict, str | None]:
         """The last delta (held-back text, or what is left of the tool calls) and the choice's
         finish reason."""
-        rest, self._pending = self._pending, ""
+        rest, self._pending = "".join(self._forced) + self._pending, ""
+        self._forced = []
         if self.in_reasoning:
             return ({"reasoning_content": rest} if rest else {}), finish_reason
         calls = self._calls(rest) if (self.tools.forced or self._in_calls) else None

@@ -11,11 +11,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from fastapi import Request
 
+from services.deadlines import Deadlines
 from services.engine.outputs import Refusal, RequestOutput
 from services.engine.tokenizer import Tokenizer
 from services.model.kv_cache import BLOCK_SIZE
@@ -35,7 +36,7 @@ class RouterConfig:
     attention_workers: list[str]  # Ray actor names
     namespace: str = NAMESPACE  # of the attention workers and the balancer (SharedSettings.namespace)
     balancer: str | None = None  # Ray actor name of the balancer (placement/loads for operators)
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     max_model_len: int = 4096
     default_completion_max_tokens: int = 16
     max_body_bytes: int = 8 << 20  # larger request bodies get 413 before they are parsed
@@ -46,6 +47,10 @@ class RouterConfig:
     affinity_max_imbalance_tokens: int = 8192  # how much busier the worker holding a prefix may be
     max_failovers: int = 3  # times one request moves on after its attention worker died
     failover_wait_s: float = 60.0  # how long a request waits for a live attention worker
+    # a stream with no output for 4 x its worker's p99 gap between outputs (at least stall_floor_s)
+    # pings the worker; no answer within 4 x the p99 of pings (at least ping_floor_s): hung
+    stall_floor_s: float = 0.5
+    ping_floor_s: float = 1.0
     ready_timeout_s: float = 5.0
     keepalive_s: float = 1.0  # this replica renews its lease on every attention worker this often
     pool_refresh_s: float = 1.0  # how often the attention pool's members are read from the balancer
@@ -57,6 +62,10 @@ class _WorkerDied(Exception):
 
 class _StreamCut(Exception):
     """A worker's output stream ended before its request finished."""
+
+
+class _WorkerHung(_StreamCut):
+    """A worker's stream stalled and the worker did not answer a ping in time (frozen, stuck)."""
 
 
 class _QueueFull(Exception):
@@ -91,6 +100,10 @@ class RouterCore:
         self.draining = False  # shutting down: new requests are refused
         self.affinity = PrefixAffinity(max_imbalance_tokens=cfg.affinity_max_imbalance_tokens)
         self.down: dict[str, float] = {}  # attention workers that died: name -> since (monotonic)
+        # liveness measured, not assumed: gaps between a stream's outputs per worker, ping times
+        self.gaps: dict[str, Deadlines] = {}
+        self.pings = Deadlines(ceiling_s=max(3.0, cfg.ping_floor_s), floor_s=cfg.ping_floor_s)
+        self._pinging: dict[str, asyncio.Task] = {}
         self._probes: set[asyncio.Task] = set()
         self._rr = itertools.count()
         self.metrics = RouterMetrics()
@@ -213,7 +226,11 @@ class RouterCore:
             stream = actor.generate.options(num_returns="streaming").remote(
                 prompt, params, request_id, resumed, self.owner
             )
-            async for ref in stream:
+            while True:
+                try:
+                    ref = await self._next_output(name, stream)
+                except StopAsyncIteration:
+                    break
                 out: RequestOutput | Refusal = await ref
                 if isinstance(out, Refusal):
                     finished = True
@@ -235,16 +252,78 @@ class RouterCore:
             raise
         except (ray.exceptions.RayError, _StreamCut) as e:  # the actor, its node or its objects gone
             finished = True
-            self.mark_down(name)
+            self.mark_down(name, hung=str(e) if isinstance(e, _WorkerHung) else None)
             if not isinstance(e, ray.exceptions.ActorDiedError):  # maybe alive: don't compute it twice
                 actor.abort.remote(request_id)
-            raise _WorkerDied(f"attention worker {name} died ({type(e).__name__}: {e})") from e
+            what = "is hung" if isinstance(e, _WorkerHung) else "died"
+            raise _WorkerDied(f"attention worker {name} {what} ({type(e).__name__}: {e})") from e
         finally:
             self.outstanding[name] -= cost
             if not finished:
                 actor.abort.remote(request_id)
 
     # ---- attention worker health --------------------------------------------------------
+    async def _next_output(self, name: str, stream):
+        """The next item of `name`'s output stream. While none comes for the stall deadline (4 x
+        the p99 of this worker's gaps between outputs, at least `stall_floor_s`) the worker is
+        pinged; a worker that does not answer within the ping deadline is hung (_WorkerHung): its
+        streams move as a dead worker's do. A slow but live worker (a long prefill, a full batch)
+        answers and is waited for."""
+        gaps = self.gaps.get(name)
+        if gaps is None:
+            gaps = self.gaps[name] = Deadlines(ceiling_s=5.0, floor_s=self.cfg.stall_floor_s)
+        t0 = time.monotonic()
+        pending = asyncio.ensure_future(stream.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=gaps.timeout_s(1))
+                if done:
+                    item = pending.result()  # (StopAsyncIteration at the stream's end)
+                    gaps.observe(1, time.monotonic() - t0)
+                    return item
+                if not await self._answers(name):
+                    raise _WorkerHung(
+                        f"no output for {time.monotonic() - t0:.1f}s and no answer to a ping within "
+                        f"{self.pings.timeout_s(1):.2f}s"
+                    )
+        finally:
+            if not pending.done():
+                pending.cancel()
+
+    async def _answers(self, name: str) -> bool:
+        """Does attention worker `name` answer a ping within the measured deadline? One ping per
+        worker at a time, shared by every stream waiting on it."""
+        task = self._pinging.get(name)
+        if task is None or task.done():
+            task = self._pinging[name] = asyncio.ensure_future(self._ping(name))
+        return await asyncio.shield(task)
+
+    async def _ping(self, name: str) -> bool:
+        deadline, t0 = self.pings.timeout_s(1), time.monotonic()
+        try:
+            await asyncio.wait_for(self.workers[name].ready.remote(), deadline)
+        except Exception as e:  # noqa: BLE001 (no answer in time, or dead: either way not serving)
+            if isinstance(e, TimeoutError) and Deadlines.caller_stalled(time.monotonic() - t0, deadline):
+                return True  # (this replica itself was stalled: the worker is given another chance)
+            log.warning(
+                "attention worker %s: no answer to a ping in %.2fs (%s)", name, deadline, type(e).__name__
+            )
+            return False
+        self.pings.observe(1, time.monotonic() - t0)
+        return True
+
+    def _fence(self, name: str, reason: str) -> None:
+        """Ask the balancer to fence hung worker `name` (it checks for itself, then kills it and
+        Ray restarts it); fire and forget."""
+        if not self.cfg.balancer:
+            log.warning("attention worker %s is hung (%s); no balancer to fence it", name, reason)
+            return
+        try:
+            balancer = ray.get_actor(self.cfg.balancer, namespace=self.cfg.namespace)
+            balancer.fence_attention.remote(name, reason)
+        except Exception as e:  # noqa: BLE001 (the balancer restarting: the worker stays out until it answers)
+            log.warning("could not ask the balancer to fence %s: %s", name, e)
+
     def _keep_leases(self) -> None:
         if self._keepalive is None:
             self._keepalive = threading.Thread(target=self._renew_leases, name="leases", daemon=True)
@@ -280,7 +359,14 @@ class RouterCore:
             except Exception as e:  # noqa: BLE001 (the balancer restarting: keep the last members)
                 log.debug("reading the attention pool: %s", e)
                 balancer = None
+            await asyncio.gather(*[self._check_live(n) for n in self.serving if n not in self.down])
             await asyncio.sleep(self.cfg.pool_refresh_s)
+
+    async def _check_live(self, name: str) -> None:
+        """Ping a serving worker (the pings' times are the ping deadline's measure; a worker
+        frozen with no stream on it is found here before a request is sent to it)."""
+        if not await self._answers(name):
+            self.mark_down(name, hung="no answer to a liveness ping")
 
     def set_pool(self, serving: list[str], draining: list[str]) -> None:
         """The attention pool's members: `serving` take new requests, `draining` finish theirs.
@@ -323,11 +409,14 @@ class RouterCore:
                 raise APIError(503, "no attention worker is available", retry_after=self.cfg.retry_after_s)
             await asyncio.sleep(0.1)
 
-    def mark_down(self, name: str) -> None:
-        """Skip `name` until it answers `ready` again (Ray restarts it)."""
+    def mark_down(self, name: str, hung: str | None = None) -> None:
+        """Skip `name` until it answers `ready` again (Ray restarts it); `hung`: why it is
+        thought hung (the balancer is asked to fence it)."""
         if name in self.down:
             return
         self.down[name] = time.monotonic()
+        if hung:
+            self._fence(name, hung)
         self._probes.add(asyncio.get_running_loop().create_task(self._probe(name)))
 
     async def _probe(self, name: str) -> None:

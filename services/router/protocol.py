@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -44,8 +44,33 @@ class APIError(Exception):
         )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code or self.status}}  # fmt: skip
+        return {"error": {"message": unicode_text(self.message), "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": None if self.param is None else unicode_text(self.param), "code": self.code or self.status}}  # fmt: skip
+
+
+def unicode_text(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (lone surrogates, echoed from a request) as U+FFFD."""
+    try:
+        text.encode()
+        return text
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
+
+
+# Token ids the router passes on: [0, 2**31) (every vocabulary fits; the engine checks its own).
+# An id beyond int64 would overflow the prefix hashes and the engine's tensors: refused here, 400.
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+def check_token_ids(ids: Sequence[int], param: str) -> None:
+    """A 400 naming `param` unless every id is in [0, MAX_TOKEN_ID]."""
+    bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        shown = (
+            str(bad) if abs(bad) < 10**30 else f"{'-' if bad < 0 else ''}{abs(bad).bit_length()}-bit integer"
+        )
+        raise APIError(400, f"token id {shown} is not in [0, {MAX_TOKEN_ID}]", param=param)
 
 
 class _Request(BaseModel):
@@ -55,12 +80,12 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)] = -1
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     seed: int | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
@@ -85,9 +110,11 @@ class _Request(BaseModel):
 
     def bias(self) -> dict[int, float]:
         try:
-            return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
+            bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        except ValueError:  # (also a key of more digits than Python converts)
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+        check_token_ids(list(bias), "logit_bias")
+        return bias
 
     def sampling_params(
         self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
@@ -161,10 +188,14 @@ class CompletionRequest(_Request):
         if not p:
             raise APIError(400, "prompt is empty", param="prompt")
         if all(isinstance(x, int) for x in p):
+            check_token_ids(p, "prompt")
             return [list(p)]
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
             if any(not x for x in p):
                 raise APIError(400, "prompt contains an empty prompt", param="prompt")
+            for x in p:
+                if isinstance(x, list):
+                    check_token_ids(x, "prompt")
             return list(p)
         raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
 

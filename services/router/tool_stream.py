@@ -144,6 +144,226 @@ def required_progress(text: str) -> list[CallProgress]:
             i += 1
 
 
+_STRING_SPECIAL = re.compile(r'["\\]')  # what ends a run of ordinary characters in a JSON string
+_CONTAINER_SPECIAL = re.compile(r'["{}\[\]]')  # ... in a container, outside its strings
+_LITERAL_END = re.compile(r"[,}\] \t\n\r]")  # what ends a number or a literal
+
+
+class RequiredScanner:
+    """`required_progress`, incrementally: `feed` reads only the new text, each character once
+    (runs of ordinary characters a regex search at a time), so parsing a stream costs time linear
+    in its length, not quadratic. After each feed, `calls()` equals `required_progress` of all the
+    text fed so far (where that does not raise); arguments are kept as fragments, and
+    `take_changes` hands over what changed since it was last called. `scanned` counts the
+    characters read (each delta's work is bounded by the delta)."""
+
+    def __init__(self):
+        self._calls: list[_ScannedCall] = []
+        self._state = "start"
+        self._key: list[str] = []  # the member key being read (raw JSON text)
+        self._current_key: str | None = None
+        self._kind = ""  # the value being read: "string", "container", "literal"
+        self._escape = False  # (in a string: the last character was a backslash)
+        self._in_string = False  # (in a container: inside one of its strings)
+        self._depth = 0
+        self._name: list[str] = []  # a "name" value's raw text so far
+        self._changed: dict[int, list[str]] = {}  # call -> argument fragments since take_changes
+        self._reset: set[int] = set()  # calls whose arguments restarted (a repeated "parameters")
+        self.scanned = 0
+
+    def calls(self) -> list[CallProgress]:
+        return [CallProgress(c.name, "".join(c.fragments), c.done) for c in self._calls]
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def name(self, i: int) -> str | None:
+        return self._calls[i].name
+
+    def arguments(self, i: int) -> str:
+        """Call i's arguments so far (joined once, kept joined)."""
+        fragments = self._calls[i].fragments
+        if len(fragments) > 1:
+            fragments[:] = ["".join(fragments)]
+        return fragments[0] if fragments else ""
+
+    def take_changes(self) -> tuple[dict[int, list[str]], set[int]]:
+        """(call -> argument fragments added, calls whose arguments restarted) since the last call."""
+        changed, reset = self._changed, self._reset
+        self._changed, self._reset = {}, set()
+        return changed, reset
+
+    def feed(self, text: str) -> None:
+        self.scanned += len(text)
+        i, n = 0, len(text)
+        while i < n and self._state != "stuck":
+            i = self._step(text, i, n)
+
+    def _args(self, fragment: str) -> None:
+        if fragment:
+            index = len(self._calls) - 1
+            self._calls[index].fragments.append(fragment)
+            self._changed.setdefault(index, []).append(fragment)
+
+    def _value_part(self, fragment: str) -> None:
+        if self._current_key == "parameters":
+            self._args(fragment)
+        elif self._current_key == "name":
+            self._name.append(fragment)
+
+    def _value_done(self) -> None:
+        if self._current_key == "name":
+            try:
+                self._calls[-1].name = json.loads("".join(self._name))
+            except ValueError:  # (required_progress would raise: this reading stops here)
+                self._state = "stuck"
+                return
+        self._state = "member"
+
+    def _step(self, text: str, i: int, n: int) -> int:  # noqa: C901 (one state machine)
+        state, c = self._state, text[i]
+        if state in ("start", "item", "member", "colon", "value_start", "after_object") and c in _WS:
+            return i + 1
+        if state == "start":
+            self._state = "item" if c == "[" else "stuck"
+            return i + 1
+        if state == "after_object":
+            if c == ",":
+                self._state = "item"
+                return i + 1
+            state = self._state = "item"
+        if state == "item":
+            if c != "{":
+                self._state = "stuck"
+                return i
+            self._calls.append(_ScannedCall())
+            self._state = "member"
+            return i + 1
+        if state == "member":
+            if c == "}":
+                call = self._calls[-1]
+                call.done = call.name is not None and call.seen_args
+                self._state = "after_object"
+            elif c == '"':
+                self._key, self._escape, self._state = ['"'], False, "key"
+            elif c != ",":
+                self._state = "stuck"
+            return i + 1
+        if state == "key":
+            j = self._string_run(text, i, n, self._key.append)
+            if j < 0:
+                return n
+            try:
+                self._current_key = json.loads("".join(self._key))
+            except ValueError:
+                self._state = "stuck"
+                return j
+            self._state = "colon"
+            return j
+        if state == "colon":
+            self._state = "value_start" if c == ":" else "stuck"
+            if c == ":" and self._current_key == "parameters":  # (an empty prefix already counts)
+                call = self._calls[-1]
+                call.seen_args = True
+                if call.fragments:  # a repeated "parameters": its arguments start again
+                    call.fragments.clear()
+                    self._reset.add(len(self._calls) - 1)
+                    self._changed.pop(len(self._calls) - 1, None)
+            return i + 1
+        if state == "value_start":
+            self._name = []
+            self._escape = self._in_string = False
+            self._kind = "string" if c == '"' else "container" if c in "{[" else "literal"
+            self._depth = 0
+            self._state = "value"
+            if self._kind == "string":
+                self._value_part(c)
+                return i + 1
+            return i  # (a container's opening bracket is counted by the container scan)
+        if state == "value":
+            if self._kind == "string":
+                j = self._string_run(text, i, n, self._value_part)
+                if j < 0:
+                    return n
+                self._value_done()
+                return j
+            if self._kind == "container":
+                return self._container_run(text, i, n)
+            m = _LITERAL_END.search(text, i)
+            end = n if m is None else m.start()
+            self._value_part(text[i:end])
+            if m is not None:
+                self._value_done()  # (the delimiter is read again, as a member's)
+            return end
+        raise AssertionError(state)
+
+    def _string_run(self, text: str, i: int, n: int, sink) -> int:
+        """Read a JSON string's characters from text[i] into `sink` (its closing quote too): the
+        index after it, or -1 if the text ends first."""
+        while i < n:
+            if self._escape:
+                sink(text[i])
+                self._escape = False
+                i += 1
+                continue
+            m = _STRING_SPECIAL.search(text, i)
+            if m is None:
+                sink(text[i:])
+                return -1
+            j = m.start()
+            sink(text[i : j + 1])
+            if text[j] == '"':
+                return j + 1
+            self._escape = True
+            i = j + 1
+        return -1
+
+    def _container_run(self, text: str, i: int, n: int) -> int:
+        start = i
+        while i < n:
+            if self._in_string:
+                if self._escape:
+                    self._escape, i = False, i + 1
+                    continue
+                m = _STRING_SPECIAL.search(text, i)
+                if m is None:
+                    i = n
+                    break
+                j = m.start()
+                if text[j] == "\\":
+                    self._escape = True
+                else:
+                    self._in_string = False
+                i = j + 1
+                continue
+            m = _CONTAINER_SPECIAL.search(text, i)
+            if m is None:
+                i = n
+                break
+            j, c = m.start(), text[m.start()]
+            i = j + 1
+            if c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            else:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._value_part(text[start:i])
+                    self._value_done()
+                    return i
+        self._value_part(text[start:i])
+        return i
+
+
+@dataclass
+class _ScannedCall:
+    name: str | None = None
+    fragments: list[str] = field(default_factory=list)
+    seen_args: bool = False
+    done: bool = False
+
+
 # ---- auto: DeepSeek's markup ---------------------------------------------------------------------
 def _safe(raw: str, end_marker: str) -> str:
     """Arguments so far that the final (stripped, cut at the end marker) arguments start with."""
@@ -216,26 +436,73 @@ class CallStream:
     """What has been sent of each call: turns readings into deltas."""
 
     ids: list[str] = field(default_factory=list)  # per call announced, its id
-    sent: list[str] = field(default_factory=list)  # per call announced, the arguments sent
+    _sent: list[list[str]] = field(default_factory=list)  # per call announced, the argument fragments sent
+    _diverged: set[int] = field(default_factory=set)  # calls whose arguments restarted (not streamed on)
+
+    def sent(self, i: int) -> str:
+        """The arguments sent of call i (joined once, kept joined)."""
+        fragments = self._sent[i]
+        if len(fragments) > 1:
+            fragments[:] = ["".join(fragments)]
+        return fragments[0] if fragments else ""
+
+    def _announce(self, out: list[dict], name: str) -> int:
+        i = len(self.ids)
+        self.ids.append(new_call_id())
+        self._sent.append([])
+        out.append({"index": i, "id": self.ids[i], "type": "function",
+                    "function": {"name": name, "arguments": ""}})  # fmt: skip
+        return i
+
+    def _send(self, out: list[dict], i: int, more: str) -> None:
+        self._sent[i].append(more)
+        if out and out[-1]["index"] == i and "id" in out[-1]:
+            out[-1]["function"]["arguments"] += more
+        else:
+            out.append({"index": i, "function": {"arguments": more}})
 
     def deltas(self, calls: list[CallProgress]) -> list[dict]:
         """Deltas that bring the client up to `calls` (names first, then argument fragments)."""
-        out = []
+        out: list[dict] = []
         for i, call in enumerate(calls):
             if i == len(self.ids):
                 if call.name is None:
                     break
-                self.ids.append(new_call_id())
-                self.sent.append("")
-                out.append({"index": i, "id": self.ids[i], "type": "function",
-                            "function": {"name": call.name, "arguments": ""}})  # fmt: skip
-            more = call.arguments[len(self.sent[i]) :] if call.arguments.startswith(self.sent[i]) else ""
+                self._announce(out, call.name)
+            sent = self.sent(i)
+            more = call.arguments[len(sent) :] if call.arguments.startswith(sent) else ""
             if more:
-                self.sent[i] += more
-                if out and out[-1]["index"] == i and "id" in out[-1]:
-                    out[-1]["function"]["arguments"] += more
-                else:
-                    out.append({"index": i, "function": {"arguments": more}})
+                self._send(out, i, more)
+        return out
+
+    def scanned_deltas(self, scanner: RequiredScanner, limit: int) -> list[dict]:
+        """The deltas for what `scanner` read since the last call (of its first `limit` calls), in
+        the order `deltas` would give them; the work is bounded by what changed, not by the text
+        so far. (A call whose "parameters" came again, which no schema-constrained output does,
+        streams no more arguments: `finish` sends what the whole text gives.)"""
+        changed, reset = scanner.take_changes()
+        self._diverged |= {i for i in reset if i < len(self.ids)}
+        out: list[dict] = []
+        for i in sorted(changed):
+            if i < len(self.ids) and i < limit and i not in self._diverged:
+                self._send(out, i, "".join(changed[i]))
+        while len(self.ids) < min(len(scanner), limit):
+            name = scanner.name(len(self.ids))
+            if name is None:
+                break
+            i = self._announce(out, name)
+            arguments = scanner.arguments(i)
+            if arguments:
+                self._send(out, i, arguments)
+        return out
+
+    def named_deltas(self, name: str, text: str) -> list[dict]:
+        """A named call's deltas for its next `text` (the arguments, as they come)."""
+        out: list[dict] = []
+        if not self.ids:
+            self._announce(out, name)
+        if text:
+            self._send(out, 0, text)
         return out
 
     @property

@@ -1,6 +1,6 @@
 """One fault scenario on a running cluster: N concurrent greedy streaming completions (the
-official `openai` client), a fault (a process killed with SIGKILL) once every stream has produced
-tokens, then every stream read to its end. Used by tests/faults/ and benchmarks/bench_faults.py."""
+official `openai` client), a fault (a process killed with SIGKILL, or frozen with SIGSTOP and
+thawed with SIGCONT later) once every stream has produced tokens, then every stream read to its end. Used by tests/faults/ and benchmarks/bench_faults.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,14 +38,13 @@ class Outcome:
         return sum(e is not None for e in self.errors)
 
     def stall_s(self) -> float:
-        """The longest a stream that was running at the kill waited for its next token after it:
-        how long until tokens flowed again, as a client sees it."""
+        """The longest a stream that was running at the fault waited for a token after it (between
+        two tokens, the later one after the fault): how long serving paused, as a client sees it."""
         waits = []
         for times in self.arrivals:
-            before = [t for t in times if t <= self.killed_at]
-            after = [t for t in times if t > self.killed_at]
-            if before and after:
-                waits.append(after[0] - before[-1])
+            if not times or times[0] > self.killed_at:
+                continue
+            waits += [b - a for a, b in zip(times, times[1:], strict=False) if b > self.killed_at]
         return max(waits, default=0.0)
 
 
@@ -75,6 +75,24 @@ def kill(pid_of: Callable[[], int]) -> Callable[[], int]:
         return pid
 
     return fault
+
+
+def freeze(pid_of: Callable[[], int], seconds: float) -> Callable[[], int]:
+    """A fault: SIGSTOP the process `pid_of()` names and SIGCONT it `seconds` later (from a timer
+    thread, whatever the run is doing; nothing if it is gone by then); returns its pid."""
+
+    def fault() -> int:
+        pid = pid_of()
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(seconds, thaw, (pid,)).start()
+        return pid
+
+    return fault
+
+
+def thaw(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # killed while frozen
+        os.kill(pid, signal.SIGCONT)
 
 
 def actor_pid(name: str, namespace: str) -> int:

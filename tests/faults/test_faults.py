@@ -5,6 +5,7 @@ without the fault (LocalEngine), and the cluster must heal afterwards."""
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -86,6 +87,59 @@ def test_attention_worker_killed(cluster, expected):
     _complete_and_identical(_run(cluster, "after attention restart", None), expected)
 
 
+def _only_once(cluster):
+    if cluster.cfg.expert_transport != "auto":
+        pytest.skip(
+            "a freeze is found by the balancer's and the router's checks, not the data plane: run once"
+        )
+
+
+def _gone(pid: int, deadline_s: float = 60.0) -> bool:
+    """Wait (bounded) until process `pid` is gone or a zombie."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_expert_worker_frozen(cluster, expected):
+    """SIGSTOP, thawed 10 s later: the balancer's health checks (deadlines from their observed
+    latency) find it hung in about 1.5 s, re-place its experts and kill it (fenced: when the
+    thaw comes there is nothing to serve); the streams pause briefly, no token changes."""
+    _only_once(cluster)
+    ns = cluster.cfg.namespace
+    outcome = _run(
+        cluster, "expert worker frozen", scenario.freeze(lambda: scenario.expert_worker_pid(ns, 1), 10)
+    )
+    _complete_and_identical(outcome, expected)
+    assert outcome.stall_s() < 8, outcome.stall_s()  # (found and moved long before the thaw)
+    assert _gone(outcome.fault_result), "the frozen expert worker was not killed"
+    status = scenario.wait_healed(ns, expert_workers=3)
+    assert status["dead_workers"][-1]["reason"].startswith("hung"), status["dead_workers"][-1]
+
+
+def test_attention_worker_frozen(cluster, expected):
+    """SIGSTOP, thawed 10 s later: its streams stall, the router pings it (deadlines from observed
+    gaps and ping times), gets no answer and moves them (same tokens); the balancer, asked to
+    fence it, finds it unanswering too and kills it; Ray restarts it and it serves again."""
+    _only_once(cluster)
+    ns = cluster.cfg.namespace
+    outcome = _run(cluster, "attention worker frozen",
+                   scenario.freeze(lambda: scenario.actor_pid("moe-attn-0", ns), 10))  # fmt: skip
+    _complete_and_identical(outcome, expected)
+    assert outcome.stall_s() < 8, outcome.stall_s()
+    assert _gone(outcome.fault_result), "the frozen attention worker was not killed"
+    status = scenario.wait_healed(ns, expert_workers=3)
+    assert [f["worker"] for f in status["attention_fenced"]][-1:] == ["moe-attn-0"]
+    _complete_and_identical(_run(cluster, "after the fence", None), expected)
+
+
 def test_balancer_killed(cluster, expected):
     _not_about_the_data_plane(cluster)
     ns = cluster.cfg.namespace
@@ -121,7 +175,9 @@ def test_redis_killed(cluster, expected):
     port = int(cluster.redis_url.rsplit(":", 1)[1].split("/")[0])
     outcome = _run(cluster, "redis", scenario.kill(lambda: cluster.redis.process.pid))
     _complete_and_identical(outcome, expected)
-    cluster.redis = EmbeddedRedis.start(port=port)  # back on the same port: counts flush again
+    cluster.redis = EmbeddedRedis.start(
+        port=port, password=cluster.redis.password
+    )  # back on the same port: counts flush again
     deadline = time.monotonic() + 30
     while not connect(cluster.redis_url).keys("*:load:*"):
         assert time.monotonic() < deadline, "load counts did not reach the restarted Redis"

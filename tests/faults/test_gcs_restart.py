@@ -37,7 +37,7 @@ def expected(tiny_model):
 def nodes():
     """A head whose GCS keeps its tables in a Redis of its own (the environment is the test
     process's while the head starts, then restored: other tests' Ray must not use it)."""
-    redis = EmbeddedRedis.start()
+    redis = EmbeddedRedis.start(password="")  # (Ray is given the address alone)
     saved = {k: os.environ.get(k) for k in ("RAY_REDIS_ADDRESS", "RAY_external_storage_namespace")}
     os.environ["RAY_REDIS_ADDRESS"] = redis.url.removeprefix("redis://").removesuffix("/0")
     os.environ["RAY_external_storage_namespace"] = f"gcs-ft-{uuid.uuid4().hex[:8]}"  # noqa: SIM112 (Ray reads this spelling)

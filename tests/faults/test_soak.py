@@ -58,7 +58,9 @@ def test_soak_with_a_kill_of_every_kind(tiny_model):
             scenario.sigkill(pid)
             served_on(6, "Redis")  # serving goes on without it ...
             port = int(cluster.redis_url.rsplit(":", 1)[1].split("/")[0])
-            cluster.redis = EmbeddedRedis.start(port=port)  # ... and it comes back on its port
+            cluster.redis = EmbeddedRedis.start(
+                port=port, password=cluster.redis.password
+            )  # ... and it comes back on its port
             return pid
 
         kills = [

@@ -36,6 +36,7 @@ from services.model.fp8 import Fp8Weight
 from services.model.kv_cache import FP8_GROUP, fp8_row_bytes, quantize_latent_rows
 
 from . import cpu_kernels, flashmla, torch_ops
+from . import deterministic as deterministic_kernels
 from .gpu import TL_DTYPES, FlashMLAKernels, TritonKernels, flashmla_unavailable, triton_unavailable
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class Target:
     """What kernels are chosen for: the tensors' device and dtype, the model (an expert store's
     too: its experts' dims), how the weights are held (weight_dtype: the linears' and experts'
     storage when narrower than dtype; FP8 kept as shipped), the cache's rows (FP8 or in dtype)
-    and the scope ("model": an engine's; "experts": an expert worker's store)."""
+    and the scope ("model": an engine's; "experts": an expert worker's store); deterministic: the
+    batch-invariant implementations (kernels/deterministic.py)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -79,6 +81,7 @@ class Target:
     fp8_experts: bool = False
     fp8_cache: bool = False
     scope: str = "model"
+    deterministic: bool = False  # batch-invariant kernels (kernels/deterministic.py)
 
 
 def families_of(t: Target) -> tuple[str, ...]:
@@ -117,6 +120,9 @@ class Kernels:
     def __init__(self, target: Target, allow: tuple[str, ...] | None):
         self.target, self.allow = target, allow
         self.device, self.dtype = target.device, target.dtype
+        # batch-invariant kernels (kernels/deterministic.py): the model then also sends one row
+        # per (token, choice) to its experts and sums them itself, in top-k order
+        self.deterministic = target.deterministic
         self._chosen: dict[str, str] = {}
         self._passed: dict[str, dict[str, str]] = {}
         self._next: dict[str, list[tuple[str, tuple]]] = {}  # family -> the viable ones after the chosen
@@ -142,6 +148,7 @@ class Kernels:
     def summary(self) -> str:
         """One line naming each family's kernel (the engine logs it at startup)."""
         where = f"{self.device} {str(self.dtype).removeprefix('torch.')}"
+        where += " (deterministic)" if self.deterministic else ""
         return f"kernels on {where}: " + ", ".join(f"{f}={n}" for f, n in self._chosen.items())
 
     def matches(self, target: Target, allow: str | Iterable[str]) -> bool:
@@ -202,6 +209,7 @@ def select_kernels(
     allow: str | Iterable[str] = "auto",
     scope: str = "model",
     strict: bool = False,
+    deterministic: bool = False,
 ) -> Kernels:
     """The kernels of a model of `cfg` computing in `dtype` on `device` (module docstring).
     weight_dtype: the linears' and routed experts' storage when narrower than dtype (bf16 under
@@ -211,10 +219,11 @@ def select_kernels(
     implementations that may run, named ("triton,torch": the Triton kernels, also on CPU tensors
     under TRITON_INTERPRET=1, torch elsewhere; torch is always allowed). scope: "model" (an
     engine's forward pass and in-process experts) or "experts" (an expert worker's store).
-    strict: ValueError where an implementation named in `allow` runs no family (with why)."""
-    target = Target(
-        torch.device(device), dtype, cfg, weight_dtype, fp8_linears, fp8_experts, fp8_cache, scope
-    )
+    strict: ValueError where an implementation named in `allow` runs no family (with why).
+    deterministic: batch-invariant kernels (kernels/deterministic.py; ValueError where this target
+    has none yet: not the CPU, DeepSeek-V4 or V3.2 models)."""
+    target = Target(torch.device(device), dtype, cfg, weight_dtype, fp8_linears, fp8_experts, fp8_cache, scope,
+                    deterministic)  # fmt: skip
     k = _select(target, _parse_allow(allow))
     unused = [n for n in (k.allow or ()) if n != "torch" and n not in k.names().values()]
     if strict and unused:
@@ -229,6 +238,9 @@ def target_of(device, dtype, cfg, **options) -> Target:
 
 
 def _select(t: Target, allow: tuple[str, ...] | None) -> Kernels:
+    why = t.deterministic and deterministic_kernels.unsupported(t.device, t.cfg, t.scope)
+    if why:
+        raise ValueError(f"deterministic: {why}")
     k = Kernels(t, allow)
     unavailable = _libraries(t, allow)
     impls = {
@@ -251,6 +263,8 @@ def _select(t: Target, allow: tuple[str, ...] | None) -> Kernels:
                 passed[name] = why
         k._passed[family], k._next[family] = passed, viable[1:]
         k._bind(family, *viable[0])
+    if t.deterministic:  # (the batch-variant families rebound over the same choices)
+        deterministic_kernels.bind(k, t.cfg, impls["cpp"])
     plain, fp8_type = k.linear_plain, Fp8Weight
 
     def linear(x, w, bias=None):

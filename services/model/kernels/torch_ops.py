@@ -89,7 +89,12 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 
 def route(
-    x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, cfg, linear: Linear = linear
+    x: torch.Tensor,
+    gate_w: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg,
+    linear: Linear = linear,
+    sigmoid: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE gate. x [T, H], gate_w [E, H], bias [E] (fp32) or None; cfg a ModelConfig.
 
@@ -98,11 +103,13 @@ def route(
     sum of its top-2) and the top-K experts inside them; the weights are the *unbiased* scores,
     normalised (+1e-20) when norm_topk_prob, times routed_scaling_factor.
     V2 (softmax, greedy / group_limited_greedy): group score = max, masked with 0.
+    `linear` and `sigmoid`: the chosen linears and the sigmoid (deterministic kernels: one whose
+    bits do not depend on the tensor's size).
     """
     T, E, G = x.shape[0], cfg.n_routed_experts, cfg.n_group
     logits = linear(x.float(), gate_w.float())
     if cfg.scoring_func == "sigmoid":
-        scores = logits.sigmoid()
+        scores = sigmoid(logits)
         choice = scores + bias if bias is not None else scores
     else:
         scores = logits.softmax(dim=-1)

@@ -1,5 +1,8 @@
-"""Deadlines drawn from observed latency: a hung expert worker is found in about a second, a busy
-one is not mistaken for a hung one.
+"""Deadlines drawn from observed latency: a hung peer is found in about a second, a busy one is not
+mistaken for a hung one. Every hop that waits on another process uses one: the attention worker's
+dispatch per MoE layer (dataplane/remote_experts.py, by rows sent), the router's pings of an
+attention worker whose streams stall (router/core.py), the balancer's health checks of expert
+workers and pings of attention workers (balancer/pool.py, balancer/service.py; one size class).
 
 A fixed deadline must be long enough for the slowest legitimate call (a long prefill chunk on a
 loaded worker, the first call that compiles a kernel), so a frozen worker stalls every stream
@@ -8,11 +11,14 @@ for that long. Instead, each call's deadline comes from what calls of its size t
     deadline(rows) = clamp(factor x p99(recent latencies of rows' size class), floor_s, ceiling_s)
 
 Size classes are powers of two of the rows sent to one worker (a decode step's 8 rows and a
-prefill chunk's 2,048 are different things); a class with fewer than `min_samples` answered
-calls gets the ceiling (the configured dispatch timeout), so warm-up and rare shapes are never cut
-short. Latency is measured from a call's start to its answer being read, an upper bound of the
+prefill chunk's 2,048 are different things). A class with fewer than `min_samples` answered calls
+borrows from its learned neighbours: the deadline of the nearest larger learned class (more rows
+take no less time), else one from the nearest smaller class's p99 doubled per class between them
+(rows double per class); with no class learned yet, the ceiling (the configured timeout). So warm-up is
+never cut short, and a rare size (a resend's share, a short last chunk) is not waited for at the
+ceiling on a worker that froze. Latency is measured from a call's start to its answer being read, an upper bound of the
 worker's time (the client reads answers in turn), which only errs towards patience.
-Pure Python, one per dispatch client (driver thread only).
+Pure Python, not thread-safe (one per caller; callers with one kind of call use rows=1).
 """
 
 from __future__ import annotations
@@ -44,15 +50,24 @@ class Deadlines:
         c = self.size_class(rows)
         deadline = self._cached.get(c)
         if deadline is None:
-            seen = self._seen.get(c)
-            if seen is None or len(seen) < self.min_samples:
-                deadline = self.ceiling_s
+            learned = [k for k, seen in self._seen.items() if len(seen) >= self.min_samples]
+            larger, smaller = [k for k in learned if k >= c], [k for k in learned if k < c]
+            if larger:
+                deadline = self._learned(min(larger))
+            elif smaller:
+                k = max(smaller)
+                deadline = self._learned(k, scale=2.0 ** (c - k))
             else:
-                ordered = sorted(seen)
-                p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-                deadline = min(self.ceiling_s, max(self.floor_s, self.factor * p99))
-            self._cached[c] = deadline
+                deadline = self.ceiling_s
+            if c in learned:
+                self._cached[c] = deadline  # (a borrowed deadline is recomputed: its class may learn)
         return deadline
+
+    def _learned(self, c: int, scale: float = 1.0) -> float:
+        """factor x p99 of class c (x `scale`: a larger class's time estimated from c's), clamped."""
+        ordered = sorted(self._seen[c])
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return min(self.ceiling_s, max(self.floor_s, self.factor * p99 * scale))
 
     def observe(self, rows: int, seconds: float) -> None:
         """An answered call of `rows` rows took `seconds`."""
@@ -64,6 +79,14 @@ class Deadlines:
         n = self._count[c] = self._count.get(c, 0) + 1
         if n == self.min_samples or n % self.REFRESH == 0 or seconds * self.factor > self._cached.get(c, 0.0):
             self._cached.pop(c, None)  # (a slower call than the deadline assumed: at once)
+
+    @staticmethod
+    def caller_stalled(elapsed_s: float, timeout_s: float) -> bool:
+        """Did a call that timed out after `elapsed_s` (deadline `timeout_s`) time out because
+        the caller itself was stalled (frozen, starved of CPU), not the peer? A deadline fires on
+        time in a running process; one noticed much later (by more than the deadline, and more
+        than half a second) proves nothing about the peer, so the call is not held against it."""
+        return elapsed_s - timeout_s > max(0.5, timeout_s)
 
     def snapshot(self) -> dict[str, float]:
         """{"rows<=N": deadline s} of the size classes seen (status)."""

@@ -1,0 +1,184 @@
+"""Deterministic mode (#53, `EngineConfig.deterministic`) on LocalEngine: what it costs and what it buys.
+
+- cost: decode tokens/s with and without the flag at batch 1 / 8 / 32 (greedy, 64 new tokens; the
+  batch over the seconds of each decode-only step, so prefill is excluded), the same threads for
+  both, the two modes interleaved run by run; the median over all steps of `--repeats` runs, and
+  the best run's median.
+- what it buys: `--prompts` prompts x 64 greedy tokens run one at a time (sequential), then the
+  same prompts concurrently in `--rounds` rounds (all at once; then arriving one every 1, 3, ...
+  steps, so each lands in other batches, beside other prefills), with and without the flag; the
+  count of concurrent answers that differ from the sequential ones (and the count of logits rows
+  not bit-identical to the sequential run's, over the rows both runs computed).
+
+Cluster runs (1 vs 3 expert workers, re-placement, failover) are not here yet.
+
+    python -m benchmarks.bench_determinism [--model DIR] [--threads 2] [--repeats 3]
+                                           [--out benchmarks/results/determinism.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.presets import default_model_dir
+
+NEW_TOKENS = 64
+
+
+def make_prompts(n: int, vocab: int, seed: int, lo: int = 8, hi: int = 64) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [[0] + torch.randint(4, vocab, (n_ - 1,), generator=g).tolist() for n_ in lens]
+
+
+def decode_step_seconds(engine: LocalEngine, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """The wall time of each decode-only step of a greedy run of `prompts` (all at once)."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        result = engine.step()
+        if result.num_tokens == result.num_seqs == len(prompts):  # (a decode step of the whole batch)
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def decode_tok_s(engines: dict[bool, LocalEngine], batch: int, vocab: int, repeats: int) -> dict:
+    """{mode: {median, best}} decode tokens/s at `batch` (batch / a decode step's seconds), the modes
+    interleaved run by run: the median over every decode step of `repeats` runs, and the best run's
+    median (this box is shared: steps that waited for a core are what the median is for)."""
+    prompts = make_prompts(batch, vocab, seed=batch, lo=16, hi=16)
+    for engine in engines.values():  # (warm-up)
+        decode_step_seconds(engine, prompts, 4)
+    steps: dict[bool, list[list[float]]] = {mode: [] for mode in engines}
+    for _ in range(repeats):
+        for mode, engine in engines.items():
+            steps[mode].append(decode_step_seconds(engine, prompts, NEW_TOKENS))
+    out = {}
+    for mode, runs in steps.items():
+        out["deterministic" if mode else "default"] = {
+            "median_tok_s": batch / statistics.median([t for run in runs for t in run]),
+            "best_tok_s": max(batch / statistics.median(run) for run in runs),
+            "runs_median_tok_s": [batch / statistics.median(run) for run in runs],
+        }
+    return out
+
+
+def answers(
+    engine: LocalEngine, prompts: list[list[int]], stagger: int | None
+) -> list[tuple[list[int], list]]:
+    """Each prompt's (greedy tokens, logits rows): run one at a time (stagger None), or all
+    concurrently, added at once (0) or one every `stagger` steps."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    if stagger is None:
+        return [answers(engine, [p], 0)[0] for p in prompts]
+    ids, tokens, logits = [], {}, {}
+    pending = list(prompts)
+    while pending or engine.has_unfinished():
+        if pending:
+            ids.append(engine.add_request(pending.pop(0), params))
+            if stagger == 0 and pending:
+                continue
+        for _ in range(max(stagger, 1)):
+            result = engine.step()
+            for rid, row in zip(
+                result.logits_ids, result.logits if result.logits is not None else (), strict=True
+            ):
+                logits.setdefault(rid, []).append(row.clone())
+            for out in result.outputs:
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return [(tokens[r], logits[r]) for r in ids]
+
+
+def identity(engine: LocalEngine, prompts: list[list[int]], rounds: int) -> dict:
+    """Sequential vs concurrent: differing answers and logits rows over `rounds` concurrent rounds."""
+    sequential = answers(engine, prompts, None)
+    staggers = [0, 1, 3, 5, 7][:rounds]
+    out = {"answers": 0, "differing_answers": 0, "logits_rows": 0, "differing_logits_rows": 0, "rounds": []}
+    for stagger in staggers:
+        concurrent = answers(engine, prompts, stagger)
+        differing = sum(a[0] != b[0] for a, b in zip(sequential, concurrent, strict=True))
+        rows = diff_rows = 0
+        for (ta, la), (tb, lb) in zip(sequential, concurrent, strict=True):
+            same = next(
+                (i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), len(ta)
+            )  # rows of one prefix
+            for x, y in zip(la[: same + 1], lb[: same + 1], strict=False):
+                rows += 1
+                diff_rows += not torch.equal(x, y)
+        out["rounds"].append({"stagger_steps": stagger, "differing_answers": differing, "logits_rows": rows,
+                              "differing_logits_rows": diff_rows})  # fmt: skip
+        out["answers"] += len(prompts)
+        out["differing_answers"] += differing
+        out["logits_rows"] += rows
+        out["differing_logits_rows"] += diff_rows
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated small preset)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/determinism.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = args.model or str(default_model_dir("small"))
+
+    def engine(deterministic: bool) -> LocalEngine:
+        return LocalEngine(EngineConfig(model=model, deterministic=deterministic, max_num_seqs=64))
+
+    engines = {False: engine(False), True: engine(True)}
+    vocab = engines[False].cfg.vocab_size
+    cost = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        row = {"batch": batch, **decode_tok_s(engines, batch, vocab, args.repeats)}
+        row["ratio_median"] = row["deterministic"]["median_tok_s"] / row["default"]["median_tok_s"]
+        row["ratio_best"] = row["deterministic"]["best_tok_s"] / row["default"]["best_tok_s"]
+        print(json.dumps(row))
+        cost.append(row)
+    prompts = make_prompts(args.prompts, vocab, seed=7)
+    same = {}
+    for mode, e in engines.items():
+        same["deterministic" if mode else "default"] = identity(e, prompts, args.rounds)
+        print(mode, {k: v for k, v in same["deterministic" if mode else "default"].items() if k != "rounds"})
+    result = {
+        "benchmark": "determinism",
+        "issue": 53,
+        "engine": "LocalEngine",
+        "model": "small preset (random weights)" if args.model is None else args.model,
+        "dtype": "float32",
+        "threads": args.threads,
+        "new_tokens": NEW_TOKENS,
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "torch": torch.__version__,
+        "kernels": {
+            "default": engines[False].kernels.summary(),
+            "deterministic": engines[True].kernels.summary(),
+        },
+        "decode_cost": cost,
+        "sequential_vs_concurrent": {"prompts": args.prompts, **same},
+        "not_measured_here": "cluster runs (1 vs 3 expert workers, re-placement, failover): expert workers do not "
+        "take the flag yet (ExpertWorkerConfig -> SlotStore(deterministic=...))",
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Batch-invariant kernels: `EngineConfig.deterministic` (issue #53).
+
+With them every row of a step (a token) gets the same bits whatever else is in the step: the
+batch's size and other requests, how a prompt was chunked, decode or prefill, and (with the
+model's per-choice combine, `expand_dispatch` / `sum_choices`) how many expert workers computed
+its experts and where. A greedy request's tokens then depend on nothing but its own tokens.
+
+Why the default kernels are not: a GEMM's reduction order depends on its shape. MKL (torch's
+F.linear / matmul on this CPU) already gives row 0 of a 2-row product other bits than the same row
+alone; the C++ linear (cpu_kernels) sums each row in one fixed order up to MAX_ROWS rows (8-lane
+chains) and in another from 9 to 64 rows (16-lane register tiles), and hands larger calls to MKL;
+the MLA absorbed products switch from per-head dots to torch.bmm past 8 tokens; the routed experts
+from the C++ kernel to grouped matmuls; prefill attends in the expanded form with an online
+softmax over key tiles, decode in the absorbed form; and a cluster sums each token's experts per
+worker, then over workers. What is used instead (CPU only; chosen once, by `bind`):
+
+- linears: the C++ linear on row chunks of at most MAX_ROWS (each row summed in its one <= 8-row
+  order, so M = 1 is the default path's own call); where it cannot run (not fp32, a width not a
+  multiple of 8), F.linear on fixed MAX_ROWS-row tiles (zero-padded, in a fresh buffer: a fixed
+  GEMM shape gives each row the same sums here whatever the other rows hold).
+- the dense MLPs / shared experts and the routed experts: the C++ expert kernel at every size
+  (each (token, expert) pair's dot products in one order, however many rows share the slot);
+  without it, the per-slot loop over the deterministic linears.
+- MLA: the absorbed products per head and token (C++, any size; else torch.bmm on fixed token
+  tiles); decode as chosen (the C++ kernel: each (row, head) over its own context in order; the
+  torch path here row by row, over exactly its context); prefill on the decode kernel, each query
+  a decode row of its own causal length, so a token attends with the same arithmetic in a prompt
+  chunk as in a decode step. The fused decode layer (C++) runs on chunks of MAX_ROWS rows: its
+  arithmetic is then that of these single kernels, bit for bit.
+- norms, rope, the router: row-local already (chosen as usual), but for torch's sigmoid and SiLU
+  (the router's and the MLPs' on the torch path), which compute a tensor's last elements on a
+  scalar path of other bits: `sigmoid` / `silu` here instead.
+- the MoE combine: each token's expert outputs added in ascending expert order, in fp32, from
+  zero; then routed + shared, in that order. The in-process experts' kernels add them so already
+  (moe.LocalExperts: slot == expert); for others (expert workers) the model sends one row per
+  (token, choice) (`expand_dispatch`), so whichever worker computes a pair returns that pair alone,
+  and adds the K rows itself in that order (`sum_choices`).
+
+DeepSeek-V3 layers on the CPU only (V3.2's indexer, V4 and the GPU kernels: not yet).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from services.model.fp8 import Fp8Weight
+from services.model.kv_cache import BLOCK_SIZE, dequantize_latent_rows
+from services.model.messages import ExpertDispatch
+
+from . import torch_ops
+from .cpu_kernels import MAX_ROWS
+
+ROWS = MAX_ROWS  # the row chunk / tile every row-wise product runs in
+
+
+def unsupported(device: torch.device, cfg, scope: str) -> str | None:
+    """Why deterministic kernels cannot be chosen for this target (None: they can)."""
+    if device.type != "cpu":
+        return f"CPU only for now ({device.type}: the GPU kernels are not batch-invariant yet)"
+    if scope == "model" and cfg.is_v4:
+        return "DeepSeek-V3 / V2 layers only (DeepSeek-V4: not yet)"
+    if scope == "model" and cfg.has_indexer:
+        return "DeepSeek-V3 / V2 layers only (V3.2's indexer: not yet)"
+    return None
+
+
+class _Rows(NamedTuple):
+    """What the decode kernels read of batch.DecodeRows: a block table and lengths per row."""
+
+    table: torch.Tensor
+    lens: torch.Tensor
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), elementwise. torch.sigmoid and F.silu compute a tensor's last elements
+    (here, with AVX-512: the last numel % 32) on a scalar path whose bits differ from their vector
+    path's, so a token's value depended on where its row fell in the tensor; exp's, the adds'
+    and the division's do not."""
+    return 1 / (1 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) with the `sigmoid` above."""
+    return x * sigmoid(x)
+
+
+def _tiles(fn, x: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
+    """fn over x's rows in tiles of exactly `rows` rows (the last zero-padded), each in a fresh
+    buffer (same shape, same alignment every call) -> fn's rows, concatenated."""
+    M = x.shape[0]
+    if M == 0:
+        return fn(x)
+    out = []
+    for i in range(0, M, rows):
+        n = min(rows, M - i)
+        buf = x.new_zeros((rows, *x.shape[1:]))
+        buf[:n] = x[i : i + n]
+        out.append(fn(buf)[:n])
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _chunks(fn, x: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
+    """fn over x's rows in chunks of at most `rows` (for kernels whose rows are summed alike
+    for any count up to `rows`)."""
+    if x.shape[0] <= rows:
+        return fn(x)
+    return torch.cat([fn(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
+
+
+class DeterministicImpls:
+    """The batch-invariant implementations (module docstring). `k`: the select.Kernels they are
+    bound into; `cpp`: the C++ kernels (cpu_kernels.CppKernels) where chosen, else None."""
+
+    def __init__(self, k, cfg, cpp):
+        self.k, self.cfg, self.cpp = k, cfg, cpp
+        self._m = None if cpp is None else cpp._m
+
+    # ---- linears -----------------------------------------------------------------------------
+    def linear_cpp(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, w, bias): the C++ linear on <= ROWS-row chunks (fp32 x, K % 8 == 0), else
+        `linear_torch`."""
+        if x.dim() != 2:
+            return self.linear_cpp(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], w.shape[0])
+        if x.dtype is not torch.float32 or x.shape[1] % 8:
+            return self.linear_torch(x, w, bias)
+        small, w = self._m.small_linear, w.contiguous()
+        b = None if bias is None else bias.contiguous()
+        return _chunks(lambda c: small(c.contiguous(), w, b), x)
+
+    def linear_torch(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """F.linear(x, w, bias) on fixed ROWS-row tiles."""
+        if x.dim() != 2:
+            return self.linear_torch(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], w.shape[0])
+        w = w if w.dtype is x.dtype else w.to(x.dtype)  # (widened once, not per tile)
+        return _tiles(lambda t: torch_ops.linear(t, w, bias), x)
+
+    def fp8_linear_cpp(self, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A linear kept FP8: the C++ kernel on <= ROWS-row chunks (fp32 x, K % 16 == 0), else
+        `fp8_linear_torch`."""
+        if x.dim() != 2 or x.dtype is not torch.float32 or x.shape[1] % 16:
+            return self.fp8_linear_torch(x, w, bias)
+        bn, bk = w.block
+        b = None if bias is None else bias.contiguous()
+        weight, scale, fp8 = w.weight.contiguous(), w.scale.contiguous(), self._m.small_linear_fp8
+        return _chunks(lambda c: fp8(c.contiguous(), weight, scale, bn, bk, b), x)
+
+    def fp8_linear_torch(
+        self, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A linear kept FP8: dequantised whole, then `linear_torch`."""
+        return self.linear_torch(x, w.dequantize().to(x.dtype), bias)
+
+    # ---- MLPs and experts ----------------------------------------------------------------------
+    def dense_ffn_cpp(self, x: torch.Tensor, w13, w2) -> torch.Tensor:
+        """The dense MLP / shared experts on the C++ expert kernel at every size (one slot)."""
+        if x.shape[0] == 0:
+            return x.new_zeros(0, x.shape[1])
+        if type(w13) is Fp8Weight:
+            T = x.shape[0]
+            slot, weight = torch.zeros(T, 1, dtype=torch.long), torch.ones(T, 1)
+            return self.cpp._experts(x, slot, weight, w13.weight[None], w2.weight[None], None, w13.scale[None],
+                                     w2.scale[None], w13.block)  # fmt: skip
+        return self._m.dense_ffn(x.contiguous(), w13.contiguous(), w2.contiguous())
+
+    def expert_ffn_cpp(self, x, slot, weight, w13, w2, out=None, swiglu_limit=None, w13_scale=None, w2_scale=None,
+                       fp8_block=None) -> torch.Tensor:  # fmt: skip
+        """The routed experts on the C++ expert kernel at every size."""
+        y = self.cpp._experts(x, slot, weight, w13, w2, swiglu_limit, w13_scale, w2_scale, fp8_block)
+        return y if out is None else out.copy_(y)
+
+    def dense_ffn_torch(self, x: torch.Tensor, w13, w2) -> torch.Tensor:
+        """torch_ops.dense_ffn on the deterministic linears and `silu`."""
+        gate, up = self.k.linear(x, w13).chunk(2, dim=-1)
+        return self.k.linear(silu(gate) * up, w2)
+
+    def expert_ffn_torch(self, x, slot, weight, w13, w2, out=None, swiglu_limit=None, w13_scale=None,
+                         w2_scale=None, fp8_block=None) -> torch.Tensor:  # fmt: skip
+        """torch_ops.expert_ffn as a loop over the busy slots in slot order (never the grouped
+        matmuls) on the deterministic linears and `silu`; a token's choices added in slot order,
+        in fp32."""
+        if w13_scale is not None:  # (FP8 experts: their busy slots dequantised, then this)
+            return torch_ops.fp8_expert_ffn(x, slot, weight, w13, w2, out, swiglu_limit, w13_scale, w2_scale,
+                                            fp8_block, self.expert_ffn_torch)  # fmt: skip
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        linear = self.k.linear
+        for s in torch.unique(slot[slot >= 0]).tolist():  # (sorted)
+            token, choice = (slot == s).nonzero(as_tuple=True)  # (a token picks a slot once)
+            g, u = linear(x[token], w13[s]).chunk(2, dim=-1)
+            if swiglu_limit is not None:
+                g, u = g.clamp(max=swiglu_limit), u.clamp(min=-swiglu_limit, max=swiglu_limit)
+            y = linear(silu(g) * u, w2[s])
+            acc.index_add_(0, token, y.float() * weight[token, choice, None])
+        return acc.to(x.dtype) if out is None else out.copy_(acc)
+
+    def route_torch(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None):
+        """torch_ops.route on the deterministic linears and `sigmoid`."""
+        return torch_ops.route(x, gate_w, bias, self.cfg, self.k.linear, sigmoid=sigmoid)
+
+    # ---- MLA -----------------------------------------------------------------------------------
+    def absorb_q_cpp(self, q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+        """torch_ops.absorb_q as per-head, per-token dot products (C++) at every size."""
+        if q_nope.dtype is not torch.float32 or not kv_b.is_contiguous():
+            return self.absorb_q_torch(q_nope, kv_b)
+        q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+        return self._m.absorb_q(q_nope, kv_b, q_nope.shape[-1])
+
+    def absorb_o_cpp(self, o_lat: torch.Tensor, kv_b: torch.Tensor, D: int) -> torch.Tensor:
+        """torch_ops.absorb_o as per-head, per-token dot products (C++) at every size."""
+        if o_lat.dtype is not torch.float32 or not kv_b.is_contiguous():
+            return self.absorb_o_torch(o_lat, kv_b, D)
+        return self._m.absorb_o(o_lat.contiguous(), kv_b, D)
+
+    def absorb_q_torch(self, q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+        """torch_ops.absorb_q on fixed ROWS-token tiles."""
+        return _tiles(lambda t: torch_ops.absorb_q(t, kv_b), q_nope)
+
+    def absorb_o_torch(self, o_lat: torch.Tensor, kv_b: torch.Tensor, D: int) -> torch.Tensor:
+        """torch_ops.absorb_o on fixed ROWS-token tiles."""
+        return _tiles(lambda t: torch_ops.absorb_o(t, kv_b, D), o_lat)
+
+    @staticmethod
+    def mla_decode_torch(q: torch.Tensor, cache: torch.Tensor, dec, C: int, scale: float) -> torch.Tensor:
+        """torch_ops.mla_decode row by row over exactly each row's context (the padded gather's
+        products are shaped by the longest context in the batch)."""
+        W, QD = cache.shape[-1], q.shape[-1]
+        flat = cache.view(-1, W)
+        out = []
+        for b, L in enumerate(dec.lens.tolist()):
+            blocks = dec.table[b, : -(-L // BLOCK_SIZE)].long()
+            rows = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=q.device)).view(-1)[:L]
+            ctx = flat[rows]  # [L, W]
+            if ctx.dtype == torch.uint8:
+                ctx = dequantize_latent_rows(ctx, C, QD - C, q.dtype)
+            # (q's row copied: MKL's sums can depend on an operand's alignment)
+            scores = torch.mm(q[b].clone(), ctx[:, :QD].t()).float() * scale  # [N, L]
+            out.append(torch.mm(scores.softmax(dim=-1).to(q.dtype), ctx[:, :C]))
+        return torch.stack(out) if out else q.new_zeros(0, q.shape[1], C)
+
+    def mla_prefill(self, q_nope, q_pe, cache, blocks, L: int, kv_b, C: int, scale: float) -> torch.Tensor:
+        """Causal MLA of one sequence's prefill chunk on the decode path: q_nope [n, N, D], q_pe
+        [n, N, R] (positions L-n .. L-1) -> [n, N, V]. Each query is a decode row of its own causal
+        length over the same blocks, through the same absorbed products and decode kernel as a
+        decode step (so a token gets the same attention in a chunk as decoded)."""
+        n, k = q_nope.shape[0], self.k
+        q_full = torch.cat((k.absorb_q(q_nope, kv_b), q_pe), dim=-1)  # [n, N, C+R]
+        lens = torch.arange(L - n + 1, L + 1, device=q_nope.device, dtype=torch.long)
+        rows = _Rows(blocks.long()[None].expand(n, -1).contiguous(), lens)
+        return k.absorb_o(k.mla_decode(q_full, cache, rows, C, scale), kv_b, q_nope.shape[-1])
+
+    def fused_decode_layer(self, fused):
+        """The C++ decode layer on <= ROWS-row chunks (its sums are those of the single kernels
+        here there; each decode row is a sequence of its own, so chunks share no cache row)."""
+
+        def run(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps):
+            T = x.shape[0]
+            if T <= ROWS:
+                return fused(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps)
+            cos, sin = cos_sin
+            parts = []
+            for i in range(0, T, ROWS):
+                s = slice(i, i + ROWS)
+                parts.append(fused(x[s].contiguous(), w, (cos[s].contiguous(), sin[s].contiguous()), cache,
+                                   slot_mapping[s].contiguous(), table[s].contiguous(), lens[s].contiguous(), cfg,
+                                   eps))  # fmt: skip
+            return torch.cat(parts)
+
+        return run
+
+
+def bind(k, cfg, cpp) -> None:
+    """Rebind `k`'s (a select.Kernels, families already chosen) batch-variant families to the
+    deterministic implementations over the same choices (the C++ kernels where chosen, else
+    torch). `cpp`: the C++ kernels' implementations (None where not built)."""
+    names = k.names()
+    on_cpp = lambda family: cpp is not None and names.get(family) == "cpp"  # noqa: E731
+    d = DeterministicImpls(k, cfg, cpp)
+    k._det = d
+    rebind = {
+        "linear": ((d.linear_cpp,) if on_cpp("linear") else (d.linear_torch,)),
+        "fp8_linear": ((d.fp8_linear_cpp,) if on_cpp("fp8_linear") else (d.fp8_linear_torch,)),
+        "dense_ffn": ((d.dense_ffn_cpp,) if on_cpp("dense_ffn") else (d.dense_ffn_torch,)),
+        "route": (None if on_cpp("route") else (d.route_torch,)),  # (C++: row by row as it is)
+        "expert_ffn": ((d.expert_ffn_cpp,) if on_cpp("expert_ffn") else (d.expert_ffn_torch,)),
+        "absorb": ((d.absorb_q_cpp, d.absorb_o_cpp) if on_cpp("absorb") else (d.absorb_q_torch, d.absorb_o_torch)),
+        "mla_decode": (None if on_cpp("mla_decode") else (d.mla_decode_torch,)),  # (C++: row-local as it is)
+        "mla_prefill": (d.mla_prefill,),
+    }  # fmt: skip
+    for family, fns in rebind.items():
+        if family in names and fns is not None:
+            # (the prefill runs on the decode kernel: named after it)
+            k._bind(family, names["mla_decode"] if family == "mla_prefill" else names[family], fns)
+            k._next[family] = []  # (no fallback to a batch-variant implementation)
+    if names.get("mla_decode_layer") == "cpp":
+        H, N, V = cfg.hidden_size, cfg.num_attention_heads, cfg.v_head_dim
+        widths = (H, cfg.q_lora_rank or 0, N * V, cfg.kv_lora_rank)
+        if all(w % 8 == 0 for w in widths) and names.get("linear") == "cpp" and on_cpp("absorb"):
+            k._bind("mla_decode_layer", "cpp", (d.fused_decode_layer(cpp.mla_decode_layer),))
+        else:  # (its linears would not be this module's)
+            k._bind("mla_decode_layer", "unfused", (None,))
+
+
+# ---------------------------------------------------------------------------------------------
+# The MoE combine in a fixed order
+# ---------------------------------------------------------------------------------------------
+def expand_dispatch(
+    decoder_layer: int, moe_layer: int, x, topk_idx, topk_weight, num_experts: int
+) -> ExpertDispatch:
+    """The routed tokens as one row per (token, choice): x [T, H] repeated K times, each row with
+    its one expert and weight. Whichever worker computes a pair returns that pair's weighted
+    output alone (nothing of the token's other experts added to it), so `sum_choices` can add a
+    token's experts in one order whatever the placement. The per-expert counts are the same."""
+    K = topk_idx.shape[1]
+    return ExpertDispatch.routed(decoder_layer, moe_layer, x.repeat_interleave(K, dim=0), topk_idx.reshape(-1, 1),
+                                 topk_weight.reshape(-1, 1), num_experts)  # fmt: skip
+
+
+def sum_choices(routed: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """[T * K, H] per-(token, choice) outputs (`expand_dispatch`'s rows, answered) of the experts
+    topk_idx [T, K] -> [T, H]: each token's K outputs added in ascending expert order, in fp32, from
+    zero: the order in which the in-process expert kernels add them (moe.LocalExperts: slot ==
+    expert; the C++ kernel and `expert_ffn_torch` go slot by slot), so that with fp32 activations
+    a cluster's sums are bit for bit LocalEngine's."""
+    T, K = topk_idx.shape
+    rows = torch.arange(T, device=routed.device)[:, None] * K + topk_idx.argsort(dim=1)
+    y = routed[rows.reshape(-1)].view(T, K, routed.shape[-1]).float()
+    acc = torch.zeros(T, routed.shape[-1], dtype=torch.float32, device=routed.device)
+    for j in range(K):
+        acc.add_(y[:, j])
+    return acc.to(routed.dtype)
