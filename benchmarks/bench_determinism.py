@@ -10,9 +10,14 @@
   count of concurrent answers that differ from the sequential ones (and the count of logits rows
   not bit-identical to the sequential run's, over the rows both runs computed).
 
-Cluster runs (1 vs 3 expert workers, re-placement, failover) are not here yet.
+`--cluster` adds the same over the API of a real local cluster (2 attention workers), once with
+and once without the flag: the prompts one at a time, then concurrently on 1 expert worker, on 3,
+after a live re-placement (3 -> 2 workers), and with an attention worker SIGKILLed mid-stream;
+each answer compared with LocalEngine's answer to that prompt alone (deterministic), by tokens
+and by the float bits of its logprobs; and the cluster's decode rate at batch 1 and 32 (batch x
+new tokens over the wall time of the batch's requests, prefill included) with and without.
 
-    python -m benchmarks.bench_determinism [--model DIR] [--threads 2] [--repeats 3]
+    python -m benchmarks.bench_determinism [--model DIR] [--threads 2] [--repeats 3] [--cluster]
                                            [--out benchmarks/results/determinism.json]
 """
 
@@ -126,6 +131,74 @@ def identity(engine: LocalEngine, prompts: list[list[int]], rounds: int) -> dict
     return out
 
 
+def answer(engine: LocalEngine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """A prompt's greedy tokens and their logprobs, run alone."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    (out,) = engine.generate([prompt], params)
+    return out.token_ids, [lp.token_logprob for lp in out.logprobs]
+
+
+def cluster_runs(model: str, prompts: list[list[int]], reference: list, deterministic: bool) -> dict:
+    """The cluster runs (module docstring) in one mode: per run, answers whose tokens / logprob
+    bits differ from `reference`; the decode rate at batch 1 and 32."""
+    import asyncio
+
+    import openai
+    import ray
+
+    from services.settings import BALANCER_NAME
+    from tests.clusters import tiny_cluster
+    from tests.faults import scenario
+
+    async def ask(url: str, batch: list[list[int]], concurrent: bool, fault=None) -> list:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+
+        async def one(prompt):
+            r = await client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0,
+                stream=False, extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            return r.choices[0].model_extra["token_ids"], r.choices[0].logprobs.token_logprobs
+
+        if not concurrent:
+            out = [await one(p) for p in batch]
+        else:
+            tasks = [asyncio.create_task(one(p)) for p in batch]
+            if fault is not None:
+                await asyncio.sleep(1.0)
+                await asyncio.to_thread(fault)
+            out = await asyncio.gather(*tasks)
+        await client.close()
+        return out
+
+    def differing(got: list) -> dict:
+        return {"answers": len(got), "tokens_differ": sum(list(t) != r[0] for (t, _), r in zip(got, reference, strict=True)),
+                "logprobs_differ": sum(list(lp) != r[1] for (_, lp), r in zip(got, reference, strict=True))}  # fmt: skip
+
+    runs, rates = {}, {}
+    with tiny_cluster(model, attention_workers=2, expert_workers=1, balancer_period_s=0, max_num_seqs=64,
+                      deterministic=deterministic) as cluster:  # fmt: skip
+        url, ns = cluster.url, cluster.cfg.namespace
+        balancer = ray.get_actor(BALANCER_NAME, namespace=ns)
+        runs["sequential, 1 expert worker"] = differing(asyncio.run(ask(url, prompts, False)))
+        runs["concurrent, 1 expert worker"] = differing(asyncio.run(ask(url, prompts, True)))
+        ray.get(balancer.scale_experts.remote(3), timeout=600)
+        runs["concurrent, 3 expert workers"] = differing(asyncio.run(ask(url, prompts, True)))
+        ray.get(balancer.scale_experts.remote(2), timeout=600)
+        runs["concurrent, after a re-placement (3 -> 2)"] = differing(asyncio.run(ask(url, prompts, True)))
+        kill = scenario.kill(lambda: scenario.actor_pid("moe-attn-0", ns))
+        runs["concurrent, an attention worker killed"] = differing(asyncio.run(ask(url, prompts, True, kill)))
+        scenario.wait_healed(ns, expert_workers=2)
+        for batch in (1, 32):
+            picked = [prompts[i % len(prompts)] for i in range(batch)]
+            t0 = time.perf_counter()
+            asyncio.run(ask(url, picked, True))
+            rates[str(batch)] = round(batch * NEW_TOKENS / (time.perf_counter() - t0), 1)
+    total = {k: sum(r[k] for r in runs.values()) for k in ("answers", "tokens_differ", "logprobs_differ")}
+    print("cluster", "deterministic" if deterministic else "default", total, rates, flush=True)
+    return {"runs": runs, "total": total, "decode_tok_s": rates}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated small preset)")
@@ -134,6 +207,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cluster", action="store_true", help="also over the API of a local cluster")
     ap.add_argument("--out", default="benchmarks/results/determinism.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -172,9 +246,16 @@ def main() -> None:
         },
         "decode_cost": cost,
         "sequential_vs_concurrent": {"prompts": args.prompts, **same},
-        "not_measured_here": "cluster runs (1 vs 3 expert workers, re-placement, failover): expert workers do not "
-        "take the flag yet (ExpertWorkerConfig -> SlotStore(deterministic=...))",
     }
+    if args.cluster:
+        reference = [answer(engines[True], p) for p in prompts]
+        result["cluster"] = {mode: cluster_runs(model, prompts, reference, mode == "deterministic")
+                             for mode in ("default", "deterministic")}  # fmt: skip
+        for batch in (1, 32):
+            ratio = result["cluster"]["deterministic"]["decode_tok_s"][str(batch)] / max(
+                1e-9, result["cluster"]["default"]["decode_tok_s"][str(batch)]
+            )
+            result["cluster"][f"ratio_batch_{batch}"] = round(ratio, 3)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("wrote", args.out)

@@ -271,6 +271,7 @@ def node_loss(model: Path, expected: list[list[int]], args) -> None:
     nodes = {role: [rn.add_node(num_cpus=1, resources=r) for _ in range(2)] for role, r in room.items()}
     rn.wait_for_nodes()
     cfg = ClusterConfig(model=str(model), served_model_name="tiny", port=free_port(), address=rn.address,
+                        allow_unauthenticated_ray=True,
                         attention_workers=2, expert_workers=4, redundant_experts=0, balancer_period_s=0,
                         max_num_seqs=32, attention_resources={"attention_node": 1},
                         expert_resources={"expert_node": 1}, control_resources={"head_node": 1})  # fmt: skip

@@ -7,8 +7,9 @@
 # cluster left running (Ray, the app, Redis). Needs root on a Debian-like machine with no Ray
 # running (`ray up` runs `ray stop` here). What it changes, and puts back on exit: sshd on
 # 127.0.0.1:22 (openssh-server and rsync installed with apt-get if missing), a throwaway key in
-# ~/.ssh/authorized_keys, a PATH line in ~/.bashrc, ~/moe-cluster (the synced repository) and
-# ~/.moe-cluster (start-head.sh's secrets) unless they were there before.
+# ~/.ssh/authorized_keys, a PATH line in ~/.bashrc, ~/moe-cluster (the synced repository),
+# ~/.moe-cluster (start-head.sh's secrets), ~/.ray/moe-cluster-token (the cluster's Ray token) and
+# the yaml's RAY_AUTH_MODE line in ~/.bashrc, unless they were there before.
 #
 # The yaml it runs is deploy/ray-up-onprem.yaml with what differs on one machine: head_ip
 # 127.0.0.1 and no workers, this user and key, a node-roles line giving the head both roles, a tiny
@@ -36,6 +37,7 @@ cleanup() {
     [ -f "$work/up-started" ] && ! grep -q "^ray down done" "$log" && run "$venv/bin/ray" down -y "$work/ray-up.yaml"
     [ -f "$work/id.pub" ] && sed -i "\#$(cut -d' ' -f2 "$work/id.pub")#d" ~/.ssh/authorized_keys
     sed -i "\#export PATH=$venv/bin#d" ~/.bashrc 2>/dev/null
+    [ -e "$work/had-ray-auth-line" ] || sed -i '/export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/d' ~/.bashrc 2>/dev/null
     [ -f "$work/sshd.pid" ] && kill "$(cat "$work/sshd.pid")"
     for _ in $(seq 40); do  # (the watchdog reads its pid files there until Redis and the app are gone)
         pgrep -f "redis-server .*:6380|moe-cluster up --config $HOME/.moe-cluster" >/dev/null || break
@@ -45,11 +47,14 @@ cleanup() {
     [ -e "$work/had-state" ] || pkill -f "head-watchdog.py $HOME/.moe-cluster"
     [ -e "$work/had-moe-cluster" ] || rm -rf ~/moe-cluster
     [ -e "$work/had-state" ] || rm -rf ~/.moe-cluster
+    [ -e "$work/had-ray-token" ] || rm -f ~/.ray/moe-cluster-token
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM HUP  # (dash runs the EXIT trap only on exit: make a signal one)
 [ -e ~/moe-cluster ] && touch "$work/had-moe-cluster"
 [ -e ~/.moe-cluster ] && touch "$work/had-state"
+[ -e ~/.ray/moe-cluster-token ] && touch "$work/had-ray-token"
+grep -q RAY_AUTH_MODE ~/.bashrc 2>/dev/null && touch "$work/had-ray-auth-line"
 
 say "sshd on 127.0.0.1:22 with a throwaway key"
 need=""

@@ -16,6 +16,10 @@
 # 5. Starts deploy/head-watchdog.py, which stops the app and Redis when this machine's Ray stops.
 #
 # Read the API key with: ray exec <ray-up yaml> 'cat ~/.moe-cluster/api-key'
+#
+# Ray's token (RAY_AUTH_MODE=token): the ray-up files make ~/.ray/moe-cluster-token on the head and
+# start Ray with it; this script's Ray clients and `moe-cluster up` (which refuses a Ray cluster
+# without token authentication) use it too. It is never printed.
 set -eu
 config=$1
 port=${MOE_REDIS_PORT:-6380}
@@ -24,6 +28,9 @@ python=$(command -v python3 || command -v python)
 mkdir -p "$state"
 chmod 700 "$state"
 umask 077
+if [ -z "${RAY_AUTH_TOKEN:-}${RAY_AUTH_TOKEN_PATH:-}" ] && [ -s "$HOME/.ray/moe-cluster-token" ]; then
+    export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$HOME/.ray/moe-cluster-token"
+fi
 
 secret() {
     [ -s "$state/$1" ] || "$python" -c 'import secrets; print(secrets.token_urlsafe(24))' > "$state/$1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -11,6 +12,24 @@ import time
 from pathlib import Path
 
 from services.settings import NAMESPACE
+from services.vllm_flags import (
+    REASONING_PARSERS,
+    REVISION_HELP,
+    TOOL_CALL_PARSERS,
+    VLLM_DTYPES,
+    VLLM_KV_CACHE_DTYPES,
+    FlagMapping,
+    add_vllm_flags,
+    generation_config,
+    refuse,
+    speculative,
+)
+
+log = logging.getLogger("moe_cluster.cli")
+MODEL_HELP = (
+    "checkpoint directory, or a Hugging Face id (org/name, see --revision) resolved through the Hugging "
+    "Face cache (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN) and downloaded if missing (default: the tiny preset)"
+)
 
 
 def _token_ids(text: str) -> list[int]:
@@ -28,9 +47,8 @@ def _token_ids(text: str) -> list[int]:
 def cmd_init_model(args) -> int:
     from services.presets import init_model
 
-    path = init_model(
-        args.dir, args.preset, seed=args.seed, fp8=args.fp8, dtype=args.dtype, device=args.device
-    )
+    path = init_model(args.dir, args.preset, seed=args.seed, fp8=args.fp8, dtype=args.dtype, device=args.device,
+                      mtp=args.mtp)  # fmt: skip
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0
 
@@ -39,9 +57,15 @@ def cmd_generate(args) -> int:
     from services.engine.engine import EngineConfig, LocalEngine
     from services.engine.sampling import SamplingParams
     from services.engine.scheduler import RequestError
+    from services.engine.speculative import speculative_tokens
+    from services.hf_models import ModelNotFound, resolve_model
     from services.presets import default_model_dir
 
-    model = args.model or default_model_dir()
+    try:
+        model = resolve_model(args.model, args.revision).path if args.model else default_model_dir()
+    except ModelNotFound as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     engine = LocalEngine(
         EngineConfig(
             model=str(model),
@@ -51,6 +75,7 @@ def cmd_generate(args) -> int:
             keep_fp8_linears=args.keep_fp8_linears,
             num_threads=args.threads,
             deterministic=args.deterministic,
+            speculative_tokens=speculative_tokens(args.speculative_tokens, args.speculative_config),
         )
     )
     prompts: list[list[int]] = list(args.prompt_token_ids or [])
@@ -86,24 +111,55 @@ def cmd_generate(args) -> int:
 
 
 def cmd_up(args) -> int:
+    try:
+        cfg = up_config(args)
+    except (ValueError, OSError) as e:  # (hf_models.ModelNotFound is a ValueError)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_cluster(cfg)
+
+
+def up_config(args, overrides: dict | None = None):
+    """The ClusterConfig of `moe-cluster up`'s (or `serve`'s) arguments: the YAML file's settings
+    with the flags (`overrides`: flat keys; default: every setting flag given) over them, the
+    model resolved to a local directory (a Hugging Face id through its cache), the secrets the
+    environment holds."""
+    from services.cluster import ClusterConfig
+
+    if overrides is None:
+        overrides = {k: getattr(args, k) for k in up_flags() if getattr(args, k, None) is not None}
+    if args.config:
+        cfg = ClusterConfig.from_yaml(args.config, **overrides)
+    else:
+        cfg = ClusterConfig.from_dict(overrides)
+    cfg = with_local_model(cfg, args.revision, getattr(args, "download_dir", None))
+    return secrets_from_env(cfg)
+
+
+def with_local_model(cfg, revision: str | None = None, cache_dir: str | None = None):
+    """`cfg` with its model resolved once, here, to a local directory (services/hf_models.py), so
+    that every service is handed a path; a Hugging Face id is also the model's default name in the
+    API (vLLM's), not the snapshot directory's commit hash."""
+    from services.hf_models import resolve_model
+
+    if not cfg.model:
+        return cfg
+    resolved = resolve_model(cfg.model, revision, cache_dir=cache_dir)
+    changes = {"model": resolved.path}
+    if resolved.repo_id and not cfg.router.served_model_name:
+        changes["served_model_name"] = resolved.repo_id
+    return dataclasses.replace(cfg, **changes)
+
+
+def run_cluster(cfg) -> int:
+    """Start the cluster of `cfg` and serve until Ctrl-C (or SIGTERM)."""
     import signal
     import time
 
     from tqdm import tqdm
 
-    from services.cluster import Cluster, ClusterConfig
+    from services.cluster import Cluster
 
-    overrides = {k: getattr(args, k) for k in up_flags() if getattr(args, k) is not None}
-    try:
-        cfg = (
-            ClusterConfig.from_yaml(args.config, **overrides)
-            if args.config
-            else ClusterConfig.from_dict(overrides)
-        )
-        cfg = secrets_from_env(cfg)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     bar = tqdm(total=5, desc="moe-cluster up", unit="step", file=sys.stderr)
 
     def progress(msg: str) -> None:
@@ -260,6 +316,133 @@ def secrets_from_env(cfg, environ=os.environ):
     return cfg
 
 
+# ---- `moe-cluster serve MODEL [vLLM flags]`: the flags themselves in vllm_flags.py --------------
+
+
+def vllm_flags(parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """The vLLM flags `moe-cluster serve` takes (their long spellings)."""
+    parser = parser or build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    (group,) = [g for g in serve._action_groups if g.title.startswith("vLLM")]
+    return [next(o for o in a.option_strings if o.startswith("--")) for a in group._group_actions]
+
+
+def serve_config(args, environ=os.environ):
+    """`moe-cluster serve`'s ClusterConfig and the notes on the vLLM flags accepted without
+    effect: vLLM's flags mapped to our settings (alongside any of our own flags, and over a
+    --config file), the model resolved. ValueError names a flag that cannot be honoured."""
+    from services.cluster import ClusterConfig
+
+    ours = {k: getattr(args, k) for k in up_flags() if getattr(args, k, None) is not None}
+    m, v = FlagMapping(ours), args
+    if v.model_tag and v.vllm_model and v.model_tag != v.vllm_model:
+        raise ValueError(f"two models: {v.model_tag} and --model {v.vllm_model}")
+    model = v.model_tag or v.vllm_model
+    if model:
+        m.put("model", model, "MODEL")
+    if v.vllm_tensor_parallel_size is not None:
+        m.put("attention_tp", v.vllm_tensor_parallel_size, "--tensor-parallel-size")
+    if v.vllm_data_parallel_size is not None:
+        m.put("attention_workers", v.vllm_data_parallel_size, "--data-parallel-size")
+    if v.vllm_enable_expert_parallel:
+        m.note("--enable-expert-parallel", "always: the routed experts are served by the expert workers "
+               "(--expert-workers), apart from attention's TP and DP")  # fmt: skip
+    if v.vllm_max_model_len is not None:
+        m.put("max_model_len", v.vllm_max_model_len, "--max-model-len")
+    if v.vllm_kv_cache_dtype is not None:
+        if v.vllm_kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
+            refuse("--kv-cache-dtype", f"{v.vllm_kv_cache_dtype!r}: the latent cache holds auto (the model dtype) "
+                    f"or fp8 rows (FlashMLA's e4m3 layout): {', '.join(VLLM_KV_CACHE_DTYPES)}")  # fmt: skip
+        m.put("kv_cache_dtype", VLLM_KV_CACHE_DTYPES[v.vllm_kv_cache_dtype], "--kv-cache-dtype")
+    if v.vllm_gpu_memory_utilization is not None:
+        if not 0 < v.vllm_gpu_memory_utilization <= 1:
+            refuse("--gpu-memory-utilization", f"{v.vllm_gpu_memory_utilization} not in (0, 1]")
+        m.note("--gpu-memory-utilization", "not used: the KV cache takes --kv-cache-gib per attention worker, and a "
+               "worker on part of a GPU is held to its share (--attention-gpus, --expert-gpus)")  # fmt: skip
+    if v.vllm_served_model_name:
+        first, *others = v.vllm_served_model_name
+        m.put("served_model_name", first, "--served-model-name")
+        if others:
+            m.note(
+                "--served-model-name", f"the router answers to one name: {first!r} (not {', '.join(others)})"
+            )
+    if v.vllm_api_key is not None:
+        m.put("api_key", v.vllm_api_key, "--api-key")
+    if v.vllm_enable_auto_tool_choice:
+        m.note("--enable-auto-tool-choice", "always on: requests with tools may use tool_choice auto")
+    if v.vllm_tool_call_parser is not None:
+        if v.vllm_tool_call_parser not in TOOL_CALL_PARSERS:
+            refuse("--tool-call-parser", f"{v.vllm_tool_call_parser!r}: DeepSeek's tool-call markup is parsed "
+                    f"({', '.join(TOOL_CALL_PARSERS)})")  # fmt: skip
+        m.note(
+            "--tool-call-parser", "always on: DeepSeek-V3 and V3.1 tool-call markup is parsed into tool_calls"
+        )
+    if v.vllm_reasoning_parser is not None:
+        if v.vllm_reasoning_parser not in REASONING_PARSERS:
+            refuse("--reasoning-parser", f"{v.vllm_reasoning_parser!r}: DeepSeek's <think> reasoning is parsed "
+                    f"({', '.join(REASONING_PARSERS)})")  # fmt: skip
+        m.note("--reasoning-parser", "always on: <think> reasoning is returned as reasoning_content")
+    if v.vllm_speculative_config is not None:
+        speculative(v.vllm_speculative_config, model, m, ClusterConfig.settings())
+    if v.vllm_enable_eplb:
+        m.note("--enable-eplb", "always on: the balancer re-places experts by their measured load every "
+               "--balancer-period-s (default 30 s)")  # fmt: skip
+    if v.vllm_num_redundant_experts is not None:
+        m.put("redundant_experts", v.vllm_num_redundant_experts, "--num-redundant-experts")
+    if v.vllm_trust_remote_code:
+        m.note("--trust-remote-code", "no remote code runs here: the DeepSeek architectures are built in")
+    if v.vllm_port is not None:
+        m.put("port", v.vllm_port, "--port")
+    if v.vllm_host is not None:
+        m.put("host", v.vllm_host, "--host")
+    if v.vllm_chat_template is not None:
+        refuse("--chat-template", "the chat template is the checkpoint's (tokenizer_config.json's chat_template, "
+                "else DeepSeek-V3's); one from the command line is not supported")  # fmt: skip
+    if v.vllm_dtype is not None:
+        if v.vllm_dtype == "auto":
+            m.note("--dtype", "auto: the dtype setting stays as it is (default float32)")
+        elif v.vllm_dtype in VLLM_DTYPES:
+            m.put("dtype", VLLM_DTYPES[v.vllm_dtype], "--dtype")
+        else:
+            refuse("--dtype", f"{v.vllm_dtype!r}: auto, {', '.join(VLLM_DTYPES)}")
+    if v.vllm_seed is not None:
+        refuse("--seed", "there is no engine-wide seed here: a request samples from its own `seed` (or a fresh "
+                "one), so give `seed` in the requests that must repeat")  # fmt: skip
+    if v.vllm_max_num_seqs is not None:
+        m.put("max_num_seqs", v.vllm_max_num_seqs, "--max-num-seqs")
+    if v.vllm_enable_prefix_caching is not None:
+        m.put("prefix_caching", v.vllm_enable_prefix_caching, "--enable-prefix-caching")
+
+    try:
+        cfg = up_config(args, {**ours, **m.settings})
+    except ValueError as e:  # (a setting a vLLM flag gave, refused by its section: name the flag)
+        flag = {"speculative_tokens": "--speculative-config"}.get(str(e).split(":")[0])
+        if flag and str(e).split(":")[0] in m.settings:
+            raise ValueError(f"{flag}: {e}") from None
+        raise
+    if v.vllm_enforce_eager:
+        if cfg.attention.gpus > 0:
+            refuse("--enforce-eager", "GPU attention workers replay decode steps from CUDA graphs, which no "
+                    "setting turns off yet")  # fmt: skip
+        m.note("--enforce-eager", "nothing to do: no CUDA graphs on CPU workers")
+    if v.vllm_generation_config is not None:
+        generation_config(v.vllm_generation_config, cfg.model, m)
+    if not cfg.router.api_key and environ.get("VLLM_API_KEY"):
+        cfg = dataclasses.replace(cfg, api_key=environ["VLLM_API_KEY"])
+    return cfg, m.notes
+
+
+def cmd_serve(args) -> int:
+    try:
+        cfg, notes = serve_config(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        log.warning("%s", note)
+    return run_cluster(cfg)
+
+
 def up_flags() -> dict[str, tuple[type, str]]:
     """`moe-cluster up` flags: every scalar setting of ClusterConfig (services/settings.py), as
     (type, help) by flat key (dict settings are YAML-only)."""
@@ -284,6 +467,23 @@ def _up_settings() -> dict[str, tuple[type, str, str | None]]:
     return flags
 
 
+def _add_setting_flags(s: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
+    """A flag per scalar cluster setting (services/settings.py), grouped by service; `skip`: the
+    spellings taken by other flags (`serve`'s vLLM ones)."""
+    groups = {}  # section -> its flags' group: --help lists them by service
+    for name, (kind, help_, section) in _up_settings().items():
+        flag = f"--{name.replace('_', '-')}"
+        if flag in skip:
+            continue
+        if section not in groups:
+            groups[section] = s.add_argument_group(f"{section or 'cluster'} settings")
+        add, help_ = groups[section].add_argument, MODEL_HELP if name == "model" else help_
+        if kind is bool:  # --prefix-caching / --no-prefix-caching
+            add(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            add(flag, type=kind, help=help_)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-cluster", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("MOE_CLUSTER_LOG", "WARNING"))
@@ -303,10 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fp8", action="store_true", help="FP8 e4m3 128x128 block-quantised weights")
     s.add_argument("--dtype", default="float32", help="of the weights written (bfloat16 halves them)")
     s.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: seconds for medium)")
+    s.add_argument("--mtp", action="store_true",
+                   help="with a multi-token-prediction module (num_nextn_predict_layers 1): a drafter")  # fmt: skip
     s.set_defaults(fn=cmd_init_model)
 
     s = sub.add_parser("generate", help="run prompts through the single-process LocalEngine")
-    s.add_argument("--model", help="checkpoint directory (default: the generated tiny preset)")
+    s.add_argument("--model", help=MODEL_HELP)
+    s.add_argument("--revision", help=REVISION_HELP)
     s.add_argument("--prompt-token-ids", type=_token_ids, action="append", metavar="1,2,3")
     s.add_argument("--prompt", action="append", metavar="TEXT")
     s.add_argument("--max-tokens", type=int, default=16)
@@ -324,21 +527,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: each prompt's tokens as if it ran alone (CPU)")  # fmt: skip
+    s.add_argument("--speculative-tokens", type=int, default=None, metavar="N",
+                   help="speculative decoding: N tokens drafted per step by the checkpoint's MTP module (default 0)")  # fmt: skip
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's form of it: '{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 1}'")  # fmt: skip
     s.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     s.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("up", help="start the cluster: Ray, Redis, workers, balancer, OpenAI API")
     s.add_argument("--config", help="YAML file with cluster settings (flags override it)")
-    groups = {}  # section -> its flags' group: --help lists them by service
-    for name, (kind, help_, section) in _up_settings().items():
-        if section not in groups:
-            groups[section] = s.add_argument_group(f"{section or 'cluster'} settings")
-        add, flag = groups[section].add_argument, f"--{name.replace('_', '-')}"
-        if kind is bool:  # --prefix-caching / --no-prefix-caching
-            add(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        else:
-            add(flag, type=kind, help=help_)
+    s.add_argument("--revision", help=REVISION_HELP)
+    _add_setting_flags(s)
     s.set_defaults(fn=cmd_up)
+
+    s = sub.add_parser(
+        "serve",
+        help="`up` with vLLM's command line: moe-cluster serve MODEL [vLLM flags] [our flags] (docs/vllm.md)",
+    )
+    s.add_argument("model_tag", nargs="?", metavar="MODEL", help=MODEL_HELP)
+    s.add_argument("--config", help="YAML file with cluster settings (flags override it)")
+    vllm = add_vllm_flags(s)
+    _add_setting_flags(s, skip={o for a in vllm._group_actions for o in a.option_strings})
+    s.set_defaults(fn=cmd_serve)
 
     for name, fn, help_ in (("status", cmd_status, "placement, expert workers, loads, balancedness"),
                             ("scale-experts", cmd_scale_experts, "grow or shrink the expert pool")):  # fmt: skip

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 import yaml
 
+from services.ray_control import check_ray_auth, join_ray, loopback_ray
 from services.settings import (
     BALANCER_NAME,
     NAMESPACE,
@@ -43,6 +44,10 @@ from services.settings import (
 log = logging.getLogger(__name__)
 
 APP_NAME = "moe-cluster"  # the Serve application
+# a fenced (hung, SIGSTOPped) worker is killed 1 s after Ray's SIGTERM, not 5 s: a stopped process
+# cannot act on SIGTERM, and its dispatch calls hold their steps until it is gone (deploy/ray-up-*:
+# RAY_kill_worker_timeout_milliseconds)
+RAY_SYSTEM_CONFIG = {"kill_worker_timeout_milliseconds": 1000}
 
 
 def _section(cls: type) -> Any:
@@ -65,6 +70,7 @@ class ClusterConfig:
     model: str | None = setting(None, "checkpoint directory (default: generate the tiny preset)")
     address: str | None = setting(None, "Ray cluster address to join (default: start a local one)")
     num_cpus: int | None = setting(None, "logical CPUs of a local Ray cluster (default: max(4, cores))")
+    allow_unauthenticated_ray: bool = setting(False, "join a Ray cluster without Ray's token auth")
     control_resources: dict[str, float] = setting(
         {}, "Ray resources each router replica and the balancer need ({head_node: 1}: on a head offering it)"
     )
@@ -356,11 +362,14 @@ class Cluster:
         step("starting Ray")
         started_ray = not ray.is_initialized()
         if started_ray:
-            if cfg.address:
-                ray.init(address=cfg.address, namespace=cfg.shared.namespace, log_to_driver=False)
+            if cfg.address:  # (its GCS must require Ray's token unless told otherwise)
+                check_ray_auth(cfg.address, cfg.allow_unauthenticated_ray)
+                join_ray(cfg.address, cfg.shared.namespace)
             else:
-                ray.init(address="local", num_cpus=cfg.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.shared.namespace,
-                         include_dashboard=False, log_to_driver=False)  # fmt: skip
+                with loopback_ray(cfg.allow_unauthenticated_ray):  # (Ray's ports on 127.0.0.1, its token)
+                    ray.init(address="local", num_cpus=cfg.num_cpus or max(4, os.cpu_count() or 1),
+                             namespace=cfg.shared.namespace, include_dashboard=False, log_to_driver=False,
+                             _system_config=RAY_SYSTEM_CONFIG)  # fmt: skip
         redis = None
         try:
             check_gpus(cfg, ray.cluster_resources().get("GPU", 0.0), autoscaling=bool(cfg.address))
@@ -495,5 +504,5 @@ def kill_named_actors(namespace: str) -> None:
 def connect(address: str = "auto", namespace: str = NAMESPACE):
     """Attach to a running cluster; returns the balancer handle."""
     if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        join_ray(address, namespace)
     return ray.get_actor(BALANCER_NAME, namespace=namespace)

@@ -216,7 +216,9 @@ def random_weights(
     fp32, then cast: the same seed gives the same weights per device.
 
     Linear weights ~ N(0, 1/fan_in) so activations keep their scale through depth; the LM head
-    is scaled so logits spread over a few units (well separated greedy choices).
+    is scaled so logits spread over a few units (well separated greedy choices). With
+    `num_nextn_predict_layers` the MTP modules follow the main layers (drawn after them: the main
+    model's weights do not change), in the Hugging Face layout (`_mtp_weights`).
     """
     if hf.get("model_type") == "deepseek_v4":
         return random_weights_v4(hf, seed)
@@ -239,8 +241,10 @@ def random_weights(
         "model.norm.weight": norm(H),
         "lm_head.weight": linear(hf["vocab_size"], H, gain=4.0),
     }
-    for i in range(hf["num_hidden_layers"]):
+    for i in range(hf["num_hidden_layers"] + (hf.get("num_nextn_predict_layers") or 0)):
         p = f"model.layers.{i}."
+        if i >= hf["num_hidden_layers"]:  # an MTP module: its own tensors, then a decoder layer
+            _mtp_weights(w, p, H, linear, norm)
         a = p + "self_attn."
         w[p + "input_layernorm.weight"] = norm(H)
         w[p + "post_attention_layernorm.weight"] = norm(H)
@@ -288,6 +292,18 @@ def random_weights(
         keep(w)
     keep(w)
     return w
+
+
+def _mtp_weights(w: dict, p: str, H: int, linear, norm) -> None:
+    """An MTP module's own tensors under prefix `p` (model.layers.{num_hidden_layers + j}.) as
+    DeepSeek-V3 ships them: enorm, hnorm, eh_proj [H, 2H], shared_head.norm, and copies of the
+    main model's embedding and LM head (DeepSeek shares them; other engines read the copies)."""
+    w[p + "enorm.weight"] = norm(H)
+    w[p + "hnorm.weight"] = norm(H)
+    w[p + "eh_proj.weight"] = linear(H, 2 * H)
+    w[p + "shared_head.norm.weight"] = norm(H)
+    w[p + "shared_head.head.weight"] = w["lm_head.weight"].clone()
+    w[p + "embed_tokens.weight"] = w["model.embed_tokens.weight"].clone()
 
 
 def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
@@ -385,7 +401,8 @@ def random_weights_v4(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 # not FP8: embeddings, LM heads (V3 `lm_head`, V4 `head`), norms, routers (V3 `mlp.gate.`, V4 `ffn.gate.`)
-FP8_SKIP = ("embed_tokens", "head.weight", "layernorm", "norm.weight", "mlp.gate.", "ffn.gate.")
+# nor the MTP module's eh_proj (BF16 in DeepSeek-V3's checkpoint)
+FP8_SKIP = ("embed_tokens", "head.weight", "layernorm", "norm.weight", "mlp.gate.", "ffn.gate.", "eh_proj")
 
 
 def quantize_checkpoint_fp8(
@@ -471,17 +488,23 @@ def init_model(
     fp8_block: tuple[int, int] = (128, 128),
     dtype: str = "float32",
     device: str = "cpu",
+    mtp: bool = False,
 ) -> Path:
     """Write config.json, safetensors (per-expert names; `shards` > 1 writes
     model-0000i-of-0000n.safetensors + model.safetensors.index.json) and a tokenizer. fp8: the
     linear weights block-quantised to FP8 e4m3 as DeepSeek ships them, in `fp8_block` blocks.
     `dtype`: of the tensors written ("bfloat16" halves a large preset); `device`: where they are
-    drawn ("cuda" for the medium preset)."""
+    drawn ("cuda" for the medium preset). mtp: with one multi-token-prediction module
+    (`num_nextn_predict_layers: 1`, `model.layers.{num_hidden_layers}.*`; the drafter of
+    speculative decoding), its weights random like the rest."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf = {**PRESETS[preset], **(overrides or {}), "torch_dtype": dtype}
+    hf = {**PRESETS[preset], **({"num_nextn_predict_layers": 1} if mtp else {}), **(overrides or {}),
+          "torch_dtype": dtype}  # fmt: skip
+    if hf.get("model_type") == "deepseek_v4" and mtp:
+        raise ValueError("MTP modules for DeepSeek-V4 presets: not yet")
     if hf.get("model_type") == "deepseek_v4" and (dtype, device) != ("float32", "cpu"):
         raise ValueError("V4 presets are drawn in float32 on the CPU")
     weights = random_weights(hf, seed, getattr(torch, dtype), device)

@@ -6,11 +6,17 @@ Keys (prefix configurable, default "moe"):
   {prefix}:placement          JSON of the current Placement (version, phy2log, workers)
   {prefix}:placement:version  the current placement version (int)
 Attention workers HINCRBY load buckets; the balancer sums the last W buckets.
+
+What is read back is checked, never trusted: anyone who can write to this Redis (a misbehaving
+client, a local user of an unprotected one) could leave garbage there. A malformed load entry is
+skipped (the others count), a malformed placement is refused with its reason; both are logged by
+the balancer, neither stops it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import shutil
 import subprocess
@@ -22,6 +28,12 @@ import redis
 import torch
 
 from services.net import free_port
+
+log = logging.getLogger(__name__)
+
+MAX_LOAD_COUNT = 1 << 53  # a load entry beyond this (or below 0) is not a count of routed tokens
+MAX_PLACEMENT_BYTES = 16 << 20  # DeepSeek-V3's placement is ~70 KB of JSON
+MAX_PLACEMENT_VERSION = 1 << 62  # (versions only grow by one per re-plan; they travel as uint64)
 
 
 @dataclass
@@ -124,17 +136,38 @@ def write_loads(
 def read_load_window(
     client: redis.Redis, prefix: str, last_bucket: int, window: int, num_moe_layers: int, num_experts: int
 ) -> torch.Tensor:
-    """Sum of buckets (last_bucket - window, last_bucket] -> [num_moe_layers, num_experts] int64."""
+    """Sum of buckets (last_bucket - window, last_bucket] -> [num_moe_layers, num_experts] int64.
+    Malformed entries (a field that is not "layer:expert", a count that is not an integer in
+    [0, MAX_LOAD_COUNT], a bucket that is not a hash) are skipped and logged; entries of layers or
+    experts this model does not have are skipped silently."""
     pipe = client.pipeline(transaction=False)
     for b in range(last_bucket - window + 1, last_bucket + 1):
         pipe.hgetall(load_key(prefix, b))
     total = torch.zeros(num_moe_layers, num_experts, dtype=torch.long)
-    for fields in pipe.execute():
+    malformed = 0
+    for fields in pipe.execute(raise_on_error=False):
+        if not isinstance(fields, dict):  # (a key of another type: WRONGTYPE)
+            malformed += 1
+            continue
         for k, v in fields.items():
-            moe_layer, expert = (int(x) for x in k.split(b":"))
-            if 0 <= moe_layer < num_moe_layers and 0 <= expert < num_experts:
-                total[moe_layer, expert] += int(v)
+            entry = _load_entry(k, v)
+            if entry is None:
+                malformed += 1
+            elif 0 <= entry[0] < num_moe_layers and 0 <= entry[1] < num_experts:
+                total[entry[0], entry[1]] += entry[2]
+    if malformed:
+        log.warning("ignored %d malformed load entries under %s:load:* in Redis", malformed, prefix)
     return total
+
+
+def _load_entry(key: bytes, value: bytes) -> tuple[int, int, int] | None:
+    """(moe layer, expert, count) of one load hash field, None when malformed."""
+    try:
+        layer, expert = (int(x) for x in key.split(b":"))
+        count = int(value)
+    except ValueError:  # (also: not two parts, not digits, more digits than Python converts)
+        return None
+    return (layer, expert, count) if 0 <= count <= MAX_LOAD_COUNT else None
 
 
 def persist_placement(client: redis.Redis, prefix: str, placement_dict: dict) -> None:
@@ -145,5 +178,41 @@ def persist_placement(client: redis.Redis, prefix: str, placement_dict: dict) ->
 
 
 def restore_placement(client: redis.Redis, prefix: str) -> dict | None:
-    raw = client.get(f"{prefix}:placement")
-    return None if raw is None else json.loads(raw)
+    """The persisted placement as JSON decoded (None: none persisted); ValueError when it is too
+    large or not JSON (check it with `checked_placement` before use)."""
+    key = f"{prefix}:placement"
+    if client.strlen(key) > MAX_PLACEMENT_BYTES:  # (not read at all)
+        raise ValueError(f"{key} holds more than {MAX_PLACEMENT_BYTES} bytes")
+    raw = client.get(key)
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, too deep)
+        raise ValueError(f"{key} is not JSON ({type(e).__name__})") from None
+
+
+def checked_placement(d: object, num_moe_layers: int, num_experts: int) -> dict:
+    """`d` (restore_placement's) if it is a placement this model can use: {"version": int in
+    [0, MAX_PLACEMENT_VERSION), "phy2log": num_moe_layers rows of the same number of logical
+    experts in [0, num_experts), each expert in every row at least once, "workers": distinct
+    non-empty names dividing the slots}; ValueError naming what is wrong otherwise."""
+    if not isinstance(d, dict) or not {"version", "phy2log", "workers"} <= set(d):
+        raise ValueError("not an object with version, phy2log and workers")
+    version, rows, workers = d["version"], d["phy2log"], d["workers"]
+    if type(version) is not int or not 0 <= version < MAX_PLACEMENT_VERSION:
+        raise ValueError(f"version is not an integer in [0, 2^62): {str(version)[:40]}")
+    if not isinstance(rows, list) or len(rows) != num_moe_layers:
+        raise ValueError(f"phy2log is not a list of {num_moe_layers} rows")
+    width = len(rows[0]) if rows and isinstance(rows[0], list) else 0
+    for row in rows:
+        if not isinstance(row, list) or len(row) != width or not width:
+            raise ValueError("phy2log rows are not lists of one length")
+        if any(type(e) is not int or not 0 <= e < num_experts for e in row):
+            raise ValueError(f"phy2log holds something other than logical experts in [0, {num_experts})")
+        if len(set(row)) != num_experts:
+            raise ValueError("a logical expert has no slot in a layer")
+    if (not isinstance(workers, list) or not workers or len(set(map(str, workers))) != len(workers)
+            or any(not isinstance(w, str) or not w for w in workers) or width % len(workers)):  # fmt: skip
+        raise ValueError("workers are not distinct names dividing the slots")
+    return d

@@ -205,6 +205,9 @@ class AttentionSettings:
     prefix_caching: bool = setting(
         True, "reuse cached prompt-prefix blocks; send requests to the worker holding their prefix"
     )
+    speculative_tokens: int = setting(
+        0, "speculative decoding: tokens the MTP module drafts per step (LocalEngine only for now: 0 here)"
+    )
 
     @property
     def device(self) -> str:
@@ -227,6 +230,9 @@ class AttentionSettings:
             raise ValueError("kv_cache_gib must be > 0")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: auto or fp8")
+        if self.speculative_tokens:  # (issue #54: the MTP layer's experts on the expert workers, next)
+            raise ValueError("speculative_tokens: speculative decoding runs in LocalEngine (moe-cluster generate) "
+                             "only for now, not in the cluster")  # fmt: skip
         if self.keep_fp8_linears and self.tp > 1:
             raise ValueError(
                 "keep_fp8_linears with attention_tp > 1 (attention tensor parallelism): not supported yet"

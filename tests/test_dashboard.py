@@ -10,10 +10,12 @@ counters, not their stats dicts), so a stats key renamed in a service fails here
 would read nothing under the old name and export a zero, or nothing."""
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import json
 import re
+import shutil
 import socket
 import threading
 import time
@@ -377,3 +379,143 @@ def test_per_expert_load_is_bounded(scraped):
     assert exported["moe_expert_load_max_over_mean"] == LAYERS
     assert exported["moe_expert_worker_load"] == EXPERT_WORKERS
     assert sum(exported.values()) < 1000
+
+
+# ---- the dashboard against a real Prometheus scraping a running cluster ----------------------
+
+PROMETHEUS = shutil.which("prometheus") or (
+    "/usr/bin/prometheus" if Path("/usr/bin/prometheus").is_file() else None
+)
+SCRAPE_S = 1  # Prometheus' scrape interval (rate() needs two samples in its window)
+# Grafana's variables, as a panel over a short range would fill them in
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
+# panels whose series exist only after what this test does not cause, and why
+NEEDS_A_FAULT = {
+    "Router failovers / s": "moe_router_failovers_total has a series per kind only once a request moved off an "
+    "attention worker that died (tests/faults/ kill one)",
+}
+
+
+def _prometheus_query(base: str, expr: str) -> list[dict]:
+    import httpx
+
+    r = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
+    return body["data"]["result"]
+
+
+def _panel_series(base: str) -> dict[str, list[int]]:
+    """Panel title -> the series each of its queries returned, counted."""
+    out: dict[str, list[int]] = {}
+    for title, expr in _exprs():
+        for var, value in GRAFANA_VARIABLES.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, f"{title}: a Grafana variable this test does not fill: {expr}"
+        out.setdefault(title, []).append(len(_prometheus_query(base, expr)))
+    return out
+
+
+def _traffic(url: str, stop: threading.Event, counts: dict) -> None:
+    """A little of everything the router counts: completions and streamed chats, sharing a prefix."""
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=60) as client:
+        i = 0
+        while not stop.is_set():
+            if i % 2 == 0:
+                body = {"model": "tiny", "prompt": [0, 5, 6, 7] * 20 + [i % 50], "max_tokens": 6,
+                        "temperature": 0, "ignore_eos": True}  # fmt: skip
+                r = client.post("/v1/completions", json=body)
+            else:
+                body = {"model": "tiny", "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 6,
+                        "stream": True, "ignore_eos": True}  # fmt: skip
+                with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    r.read()
+            counts[r.status_code] = counts.get(r.status_code, 0) + 1
+            i += 1
+
+
+@contextlib.contextmanager
+def _prometheus(target: str, workdir: Path, deadline: float):
+    """A Prometheus of its own (free port, data in `workdir`) scraping `target`'s /metrics every
+    SCRAPE_S seconds: yields its base URL once ready; stopped on exit."""
+    import subprocess
+
+    import httpx
+
+    from services.net import free_port
+
+    (workdir / "prometheus.yml").write_text(
+        f"global:\n  scrape_interval: {SCRAPE_S}s\n  scrape_timeout: {SCRAPE_S}s\n"
+        f"scrape_configs:\n  - job_name: moe-cluster\n    metrics_path: /metrics\n"
+        f"    static_configs:\n      - targets: ['{target}']\n"
+    )
+    port = free_port()
+    base, log = f"http://127.0.0.1:{port}", workdir / "prometheus.log"
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=stderr,
+        )  # fmt: skip
+    try:
+        while True:
+            assert process.poll() is None, f"prometheus exited: {log.read_text()}"
+            try:
+                if httpx.get(f"{base}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:  # (not listening yet)
+                pass
+            assert time.monotonic() < deadline, f"prometheus not ready: {log.read_text()}"
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(
+    PROMETHEUS is None,
+    reason="prometheus is not installed (Debian: apt-get install prometheus; .ci/run installs it where it can)",
+)
+def test_every_panel_returns_series_from_a_real_prometheus(tiny_model, tmp_path):
+    """A local cluster under a little traffic, scraped by a real Prometheus every second: every
+    panel's PromQL, evaluated by Prometheus' HTTP API, returns a series (but NEEDS_A_FAULT's)."""
+    import urllib.parse
+
+    from .clusters import tiny_cluster
+
+    settings = dict(expert_workers=2, router_replicas=1, max_num_seqs=4, balancer_period_s=1.0,
+                    balancer_bucket_seconds=1.0, balancer_min_gain=1.0)  # (loads read every second, no migration)  # fmt: skip
+    with tiny_cluster(tiny_model, **settings) as cluster:
+        deadline = time.monotonic() + 60  # (the panels fill within ~10 s of traffic on an idle 2-core box)
+        stop, counts = threading.Event(), {}
+        traffic = threading.Thread(target=_traffic, args=(cluster.url, stop, counts), daemon=True)
+        traffic.start()
+        try:
+            with _prometheus(urllib.parse.urlsplit(cluster.url).netloc, tmp_path, deadline) as base:
+                while True:  # until every panel has its series, or the deadline
+                    series = _panel_series(base)
+                    empty = {t for t, n in series.items() if 0 in n} - set(NEEDS_A_FAULT)
+                    if not empty or time.monotonic() > deadline:
+                        break
+                    time.sleep(SCRAPE_S)
+                up = _prometheus_query(base, "up")
+        finally:
+            stop.set()
+            traffic.join(60)
+    print(f"\n{'panel':46} series per query  (requests by status: {counts})")
+    for title, n in series.items():
+        why = f"  ({NEEDS_A_FAULT[title]})" if title in NEEDS_A_FAULT else ""
+        print(f"{title:46} {', '.join(map(str, n))}{why}")
+    assert [s["value"][1] for s in up] == ["1"], f"the scrape target is not up: {up}"
+    assert set(counts) == {200}, counts
+    assert set(NEEDS_A_FAULT) <= set(series), "NEEDS_A_FAULT names a panel the dashboard does not have"
+    empty = {t: n for t, n in series.items() if 0 in n and t not in NEEDS_A_FAULT}
+    assert not empty, f"panels with a query that returned no series: {empty}"

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from services.deadlines import Deadlines
 from services.dataplane.placement import Placement
 from services.dataplane.remote_experts import DispatchConfig, RemoteExperts
+from services.deadlines import Deadlines
 from services.experts.client import load_placement
 from services.model.config import ModelConfig
 from services.model.messages import ExpertCombine

@@ -178,7 +178,7 @@ def test_a_silent_stranger_is_cut_at_the_handshake_deadline(monkeypatch):
 
 
 def test_a_stranger_past_tls_that_drips_its_hello_is_cut_at_the_handshake_deadline(monkeypatch):
-    """TLS done (no client certificate is asked for), then the hello one byte at a time, each
+    """TLS done (with the cluster's client certificate: mutual TLS), then the hello one byte at a time, each
     within the per-read timeout: the handshake deadline still cuts it (the TLS socket is shut
     down, not the raw one it detached from), and the handshake slot is free again."""
     monkeypatch.setattr(tcp, "HANDSHAKE_S", 0.5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import queue
@@ -34,6 +35,7 @@ from services.engine.outputs import Refusal, RequestOutput, StepFailed, StepResu
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import QueueFullError
 from services.gpus import limit_gpu_memory
+from services.hf_models import ensure_local
 from services.model.moe import LocalExperts
 from services.settings import BALANCER_NAME, AttentionSettings, SharedSettings, build_config
 
@@ -323,6 +325,10 @@ class AttentionWorker:
             self.remote_experts = RemoteExperts(mcfg, Placement.from_dict(placement), addresses, dispatch)
             return self.remote_experts
 
+        # (a model id's snapshot, resolved by the launcher on its node: the same commit on this one)
+        cfg = dataclasses.replace(
+            cfg, engine=dataclasses.replace(cfg.engine, model=ensure_local(cfg.engine.model))
+        )
         mcfg, model, experts, tokenizer = load_engine(cfg.engine, make_experts)
         self.ranks: RankGroup | None = None
         on_batches = None

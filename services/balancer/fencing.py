@@ -25,24 +25,35 @@ class AttentionFence:
         self.restart_s = restart_s
         self.pings = Deadlines(ceiling_s=10.0, floor_s=1.0)  # `ready` calls, as observed
         self.history: list[dict] = []  # fenced workers, newest last
-        self._until: dict[str, float] = {}  # name -> until when it may still be restarting
+        self._until: dict[str, float] = {}  # name -> until when it may still be restarting (fenced)
+        self._fencing: dict[str, asyncio.Task] = {}  # name -> the fence under way (one per worker)
 
-    async def ping(self, actor, timeout_s: float) -> dict:
+    async def ping(self, name: str, actor, timeout_s: float) -> dict:
         """The worker's `ready` answer within `timeout_s` (TimeoutError without one); the time it
-        took is observed (the deadline of the next pings)."""
+        took is observed (the deadline of the next pings). A fenced worker that answers again is
+        back: it may be fenced again."""
         t0 = time.monotonic()
         state = await asyncio.wait_for(actor.ready.remote(), timeout_s)
         self.pings.observe(1, time.monotonic() - t0)
+        self._until.pop(name, None)
         return state
 
     async def fence(self, name: str, actor, reason: str) -> dict:
-        """Ping `name` within the measured deadline; kill it if it does not answer (`reason`: the
-        router's). {"fenced": bool, "why": str}."""
+        """Ping `name` within the measured deadline; kill it if it does not answer and Ray counts
+        it alive (not restarting: a fresh process loading the model answers nothing yet either).
+        `reason`: the router's. Reports from several routers at once share one fence.
+        {"fenced": bool, "why": str}."""
         if time.monotonic() < self._until.get(name, 0.0):
             return {"fenced": False, "why": "fenced already; restarting"}
+        task = self._fencing.get(name)
+        if task is None or task.done():
+            task = self._fencing[name] = asyncio.ensure_future(self._fence(name, actor, reason))
+        return await asyncio.shield(task)
+
+    async def _fence(self, name: str, actor, reason: str) -> dict:
         deadline, t0 = self.pings.timeout_s(1), time.monotonic()
         try:
-            await self.ping(actor, deadline)
+            await self.ping(name, actor, deadline)
             return {"fenced": False, "why": "it answers"}
         except ray.exceptions.ActorDiedError:
             return {"fenced": False, "why": "dead; Ray restarts it"}
@@ -50,9 +61,22 @@ class AttentionFence:
             if Deadlines.caller_stalled(time.monotonic() - t0, deadline):
                 return {"fenced": False, "why": "the balancer itself was stalled; not proven"}
             why = f"{reason}; no answer to the balancer's ping in {deadline:.2f}s ({type(e).__name__})"
+        state = await asyncio.to_thread(ray_state, actor)
+        if state != "ALIVE":  # (restarting after a death, or being created: not hung)
+            return {"fenced": False, "why": f"Ray reports it {state}"}
         self._until[name] = time.monotonic() + self.restart_s
         log.warning("attention worker %s is hung (%s); killing it (Ray restarts it)", name, why)
         ray.kill(actor, no_restart=False)
         self.history.append({"worker": name, "at": time.time(), "reason": why})
         del self.history[:-100]
         return {"fenced": True, "why": why}
+
+
+def ray_state(actor) -> str:
+    """Ray's state of `actor` from the GCS's actor table (ALIVE, RESTARTING, DEAD, ...)."""
+    from ray._private.state import actors
+
+    try:
+        return actors(actor._actor_id.hex())["State"]
+    except Exception as e:  # noqa: BLE001 (the GCS restarting: not proven alive)
+        return f"unknown ({type(e).__name__})"

@@ -12,11 +12,12 @@ nothing else delays). Each check's deadline is drawn from what checks took latel
 4 x their p99, at least `hung_after_s`, at most `health_timeout_s`), so a hung worker (SIGSTOP, a
 stuck process) is found in about 1.5 s (two checks in a row unanswered within 0.75 s) and a
 loaded one is given the time it has been taking. A worker whose gRPC server is unreachable and
-whose actor Ray reports dead is dead at once, one found unreachable by two checks in a row is dead
-too (a lost node Ray has not declared yet), and one that misses two deadlines in a row is hung,
-and is fenced as the dead are: it leaves the pool (the healed
-placement, a new version, does not name it, so no attention worker sends it a row once switched),
-and its actor is killed (SIGKILL reaches a stopped process), so a thawed worker serves nothing.
+whose actor Ray reports dead is dead at once; two failed checks in a row (unanswered within the
+deadline: hung; unreachable: a lost node Ray has not declared yet) make it dead too, as does one
+failed check on the node of a worker found dead. A hung worker is fenced as the dead are: it
+leaves the pool (the healed placement, a new version, does not name it, so no attention worker
+sends it a row once switched), and its actor is killed (SIGKILL reaches a stopped process), so a
+thawed worker serves nothing.
 
 Machines: the pool asks Ray's autoscaler for room for its target size (`request_capacity`: one
 bundle of the worker's resources per worker, a request that replaces the last, so a smaller pool
@@ -72,8 +73,7 @@ class Member:
     address: str  # host:port of its gRPC server
     node: str  # Ray node id
     client: ExpertClient  # control channel (health, stats)
-    unreachable: int = 0  # health checks in a row that found its server unreachable, its actor alive
-    missed: int = 0  # health checks in a row that it did not answer within their deadline
+    missed: int = 0  # health checks in a row that failed (unanswered within their deadline, or unreachable)
 
 
 @dataclass
@@ -252,7 +252,8 @@ class ExpertPool:
     # ---- health -------------------------------------------------------------------------
     async def check(self) -> dict[str, str]:
         """One health check of every member, concurrently, each within its measured deadline:
-        {worker id: why it is dead or hung} for those that are."""
+        {worker id: why it is dead or hung} for those that are. A worker whose check failed this
+        round on the node of one found dead is dead too (a lost node takes its workers at once)."""
         ids = list(self.members)
         timeout_s = self.health_deadlines.timeout_s(1)
         results = await asyncio.gather(*[asyncio.to_thread(self._check_one, w, timeout_s) for w in ids])
@@ -262,10 +263,17 @@ class ExpertPool:
                 dead[wid] = why
             elif seconds is not None:
                 self.health_deadlines.observe(1, seconds)
+        lost_nodes = {self.members[w].node: w for w in dead if w in self.members}
+        for wid in ids:
+            member = self.members.get(wid)
+            if wid not in dead and member is not None and member.missed and member.node in lost_nodes:
+                dead[wid] = f"its check failed with {lost_nodes[member.node]} on its node dead"
         return dead
 
     def _check_one(self, wid: str, timeout_s: float) -> tuple[str | None, float | None]:
-        """(why `wid` is dead or hung, or None; the seconds its answer took, None without one)."""
+        """(why `wid` is dead or hung, or None; the seconds its answer took, None without one).
+        Checks failed in a row, unanswered within the deadline or unreachable, count together:
+        `max_missed` of them make it hung or dead; Ray's word that its actor is dead, at once."""
         member = self.members.get(wid)
         if member is None:
             return None, None
@@ -276,26 +284,17 @@ class ExpertPool:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 if Deadlines.caller_stalled(time.monotonic() - t0, timeout_s):  # (this balancer was)
                     return None, None
-                member.missed += 1  # (one miss may be a hiccup of a loaded machine; two in a row: hung)
-                if member.missed >= self.max_missed:
-                    return (
-                        f"hung: {member.missed} health checks in a row unanswered in {timeout_s:.2f}s",
-                        None,
-                    )
-                return None, None
-            if self._process_gone(member, timeout_s):
+                why = f"hung: {member.missed + 1} health checks in a row failed, the last unanswered in {timeout_s:.2f}s"
+            elif self._process_gone(member, timeout_s):
                 return f"unreachable ({e.code().name}: {e.details()}) and its actor is dead", None
-            member.unreachable += 1  # (a lost node Ray has not noticed yet, a server that failed, a blip)
-            if member.unreachable >= self.max_missed:
-                return (
-                    f"{member.unreachable} health checks in a row found it unreachable ({e.code().name})",
-                    None,
-                )
-            return None, None
+            else:  # (a lost node Ray has not declared yet, a server that failed, a blip)
+                why = f"{member.missed + 1} health checks in a row failed, the last unreachable ({e.code().name})"
+            member.missed += 1  # (one failure may be a hiccup of a loaded machine)
+            return (why if member.missed >= self.max_missed else None), None
         except ValueError:  # its channel was closed: the worker is being stopped
             return None, None
         seconds = time.monotonic() - t0
-        member.unreachable = member.missed = 0
+        member.missed = 0
         return (None if status == "SERVING" else f"health status {status}"), seconds
 
     @staticmethod

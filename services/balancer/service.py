@@ -45,6 +45,7 @@ from services.experts.client import ExpertClient, load_placement, release_versio
 from services.experts.server import ExpertWorkerConfig, read_model_config
 from services.model.config import ModelConfig
 from services.redis_store import (
+    checked_placement,
     connect,
     current_bucket,
     persist_placement,
@@ -232,16 +233,24 @@ class BalancerCore:
         return None if best is None else Placement.from_dict(best)
 
     def _persisted(self) -> Placement | None:
+        """The placement persisted in Redis, if one this model can use: Redis down, nothing there
+        or a malformed one (logged) is None, never an error (anyone who can write to Redis could
+        leave garbage there)."""
         if self.redis is None:
             return None
         try:
             d = restore_placement(self.redis, self.shared.key_prefix)
-        except Exception as e:  # Redis down
+        except Exception as e:  # Redis down, or not JSON
             log.warning("cannot read the persisted placement: %s", e)
             return None
-        if d is None or len(d["phy2log"]) != self.model_cfg.num_moe_layers:
+        if d is None:
             return None
-        return Placement.from_dict(d)
+        try:
+            return Placement.from_dict(checked_placement(d, self.model_cfg.num_moe_layers,
+                                                         self.model_cfg.n_routed_experts))  # fmt: skip
+        except ValueError as e:
+            log.warning("ignoring the malformed placement persisted in Redis: %s", e)
+            return None
 
     def _persist(self, placement: Placement) -> None:
         if self.redis is None:
@@ -358,8 +367,8 @@ class BalancerCore:
         nobody uses any more (every `gc_s`) and stop workers that left the pool."""
         version, everyone_current = self.placement.version, True
         attention = list(self.attention.items())
-        answers = await asyncio.gather(*[self.fence.ping(actor, max(2.0, self.fence.pings.timeout_s(1)))
-                                         for _, actor in attention], return_exceptions=True)  # fmt: skip
+        answers = await asyncio.gather(*[self.fence.ping(name, actor, max(2.0, self.fence.pings.timeout_s(1)))
+                                         for name, actor in attention], return_exceptions=True)  # fmt: skip
         for (name, actor), state in zip(attention, answers, strict=True):
             if isinstance(state, ray.exceptions.ActorDiedError):  # gone for good (killed, or out of restarts)
                 log.warning("attention worker %s is gone; forgetting it", name)

@@ -3,13 +3,18 @@
 Every service of a cluster gets the same secret (`SharedSettings.secret`: made at `moe-cluster up`
 unless given). Clients send it as gRPC metadata on every call (`with_secret` wraps a channel);
 an expert worker's server refuses a call without it, before any work, with UNAUTHENTICATED, and
-counts the refusals (`SecretCheck.refused`). The grpc.health.v1 service stays open: it tells
+counts the refusals by reason (`SecretCheck.refusals`, a `Refusals` that the TCP and shared-memory
+servers count into as well: the worker's Stats carries them, the router's /metrics shows them as
+moe_data_plane_refused_total{transport,reason}). The grpc.health.v1 service stays open: it tells
 whether a worker serves and nothing else. The shared-memory transport carries the same secret in
-its handshake (services/dataplane/shm.py). The comparison is constant-time.
+its handshake (services/dataplane/shm.py). The comparison is constant-time. With the secret the
+gRPC port and the TCP data plane are mutual TLS as well (tls.py): a stranger is cut in the
+handshake, before any call of its is read; this check is the second lock.
 """
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import threading
@@ -30,15 +35,47 @@ def matches(secret: str, given: str | bytes | None) -> bool:
     return hmac.compare_digest(secret.encode(), given)
 
 
-class SecretCheck(grpc.ServerInterceptor):
-    """Refuses every call (but health checks) that does not carry the cluster's secret."""
+class Refusals:
+    """Refused calls and connections of one expert worker, by (transport, reason): what strangers
+    (or a misconfigured cluster) tried. Thread-safe.
 
-    def __init__(self, secret: str):
+    transport: "grpc", "tcp", "shm"; reason: "no_secret", "wrong_secret" (the secret check),
+    "tls" (the TCP data plane's TLS handshake failed: no or another cluster's certificate; gRPC's
+    own handshake failures happen inside grpc and are not counted), "handshake_timeout", "busy"
+    (too many connections or handshakes at once), "bad_hello", "other_user" (shm: a process of
+    another user), "unsealed" (shm: a buffer whose size was not sealed)."""
+
+    def __init__(self):
+        self._counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, transport: str, reason: str) -> None:
+        with self._lock:
+            self._counts[transport, reason] += 1
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def total(self, transport: str | None = None) -> int:
+        with self._lock:
+            return sum(n for (t, _), n in self._counts.items() if transport in (None, t))
+
+
+class SecretCheck(grpc.ServerInterceptor):
+    """Refuses every call (but health checks) that does not carry the cluster's secret, counted
+    into `refusals` (transport "grpc")."""
+
+    def __init__(self, secret: str, refusals: Refusals | None = None):
         if not secret:
             raise ValueError("the data-plane secret must not be empty")
         self.secret = secret
-        self.refused = 0
-        self._lock = threading.Lock()
+        self.refusals = refusals if refusals is not None else Refusals()
+
+    @property
+    def refused(self) -> int:
+        """Calls refused so far."""
+        return self.refusals.total("grpc")
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -49,8 +86,7 @@ class SecretCheck(grpc.ServerInterceptor):
         )
         if matches(self.secret, given):
             return continuation(handler_call_details)
-        with self._lock:
-            self.refused += 1
+        self.refusals.add("grpc", "no_secret" if given is None else "wrong_secret")
         log.warning(
             "refused %s: %s", method, "no cluster secret" if given is None else "wrong cluster secret"
         )

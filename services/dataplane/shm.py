@@ -292,10 +292,11 @@ class ShmServer(FrameServer):
 
     def __init__(self, grpc_address: str, compute: Compute, status_of: StatusOf,
                  max_capacity: int = MAX_CAPACITY, secret: str | None = None, spin_s: float = 0.0,
-                 device: torch.device | str = "cpu"):  # fmt: skip
+                 device: torch.device | str = "cpu", refusals: auth.Refusals | None = None):  # fmt: skip
         if not SUPPORTED:
             raise OSError("shared-memory channels need Linux (memfd, abstract Unix sockets, SO_PEERCRED)")
         self.max_capacity, self.secret, self.spin_s = max_capacity, secret, spin_s
+        self.refusals = refusals if refusals is not None else auth.Refusals()  # (by reason; `refused`: all)
         self.device = torch.device(device)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -312,10 +313,18 @@ class ShmServer(FrameServer):
 
     def _admit(self, conn: socket.socket) -> bool:
         # another user's process, or too many channels: refused before any thread or read
+        # (FrameServer counts it in `refused`)
         try:
-            return peer_uid(conn) == os.getuid() and super()._admit(conn)
+            if peer_uid(conn) != os.getuid():
+                self.refusals.add("shm", "other_user")
+                return False
         except OSError:
+            self.refusals.add("shm", "other_user")
             return False
+        if not super()._admit(conn):
+            self.refusals.add("shm", "busy")
+            return False
+        return True
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(10.0)
@@ -355,8 +364,10 @@ class ShmServer(FrameServer):
             if len(fds) != 1:
                 raise ValueError("bad handshake: a host channel needs its memfd")
             handle, secret = None, hello[_HELLO.size :]
-        if not self._admits(secret, None if handle is not None else fds[0]):
+        refusal = self._admits(secret, None if handle is not None else fds[0])
+        if refusal is not None:
             self.refused += 1
+            self.refusals.add("shm", refusal)
             raise ValueError("refused: no / a wrong cluster secret, or an unsealed buffer")
         if handle is None:
             if os.fstat(fds[0]).st_size < 2 * capacity:
@@ -373,14 +384,17 @@ class ShmServer(FrameServer):
             return None, 0
         return region, capacity
 
-    def _admits(self, secret: bytes, fd: int | None) -> bool:
-        """The peer (already checked to run as this process's user at accept) knows the cluster's
-        secret, if any, and sealed its host buffer's size (so it cannot shrink it under us)."""
+    def _admits(self, secret: bytes, fd: int | None) -> str | None:
+        """None when the peer (already checked to run as this process's user at accept) knows the
+        cluster's secret, if any, and sealed its host buffer's size (so it cannot shrink it under
+        us); else why not."""
         if fd is not None:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             if not (seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW):
-                return False
-        return self.secret is None or auth.matches(self.secret, secret)
+                return "unsealed"
+        if self.secret is None or auth.matches(self.secret, secret):
+            return None
+        return "no_secret" if not secret else "wrong_secret"
 
     def _answer(self, frame: bytes, views: _Views, capacity: int) -> bytes:
         """Run one request frame; the answer frame."""

@@ -14,8 +14,9 @@ connection; the client keeps a few per worker (micro-batches and parts in flight
     worker -> client: ANSWER frame (seq, status, compute seconds, n), then n bytes: the output
                       [T, H] (status 0) or the error text
 
-Handshake: with a cluster secret the connection is TLS with the cluster's identity (tls.py: only
-a holder of the secret can serve it) and the client's first bytes inside it carry the secret
+Handshake: with a cluster secret the connection is mutual TLS with the cluster's identity (tls.py:
+only a holder of the secret can serve it or connect to it: a stranger is cut in the TLS handshake,
+before the worker reads a byte from it) and the client's first bytes inside it carry the secret
 (auth.py), checked before anything else; without one (hand-started workers, tests) plaintext.
 The worker's listener port is in its Stats (`socket_port`). A failure is a TransportError with
 the gRPC status code that means it, so the dispatch client resends or refuses as for gRPC. A
@@ -26,11 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import ssl
 import struct
-import tempfile
 import threading
 
 import grpc
@@ -102,24 +101,8 @@ def _region(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:
 
 
 def _server_context(secret: str) -> ssl.SSLContext:
-    """TLS with the cluster's identity. load_cert_chain reads a file: an anonymous memfd (never
-    on disk), else a private temporary file removed at once."""
-    key, cert = tls.identity(secret)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("moe-tls", os.MFD_CLOEXEC)
-        try:
-            os.write(fd, key + cert)
-            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
-        finally:
-            os.close(fd)
-        return ctx
-    with tempfile.NamedTemporaryFile("wb", suffix=".pem") as f:  # (0600)
-        f.write(key + cert)
-        f.flush()
-        ctx.load_cert_chain(f.name)
-    return ctx
+    """Mutual TLS with the cluster's identity: a client without its certificate fails the handshake."""
+    return tls.ssl_context(secret, server_side=True)
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -133,10 +116,7 @@ def _keepalive(sock: socket.socket) -> None:
 
 
 def _client_context(secret: str) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.load_verify_locations(cadata=tls.identity(secret).cert_pem.decode())
-    return ctx  # (check_hostname: the certificate's name, tls.EXPERT_NAME)
+    return tls.ssl_context(secret, server_side=False)  # (check_hostname: tls.EXPERT_NAME)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,10 +245,12 @@ class TcpServer(FrameServer):
     what = "socket"
 
     def __init__(self, host: str, compute: Compute, status_of: StatusOf, secret: str | None = None,
-                 max_request_bytes: int = MAX_REQUEST_BYTES):  # fmt: skip
+                 max_request_bytes: int = MAX_REQUEST_BYTES, refusals: auth.Refusals | None = None):  # fmt: skip
         self.secret, self.max_request_bytes = secret, max_request_bytes
+        self.refusals = refusals if refusals is not None else auth.Refusals()  # (by reason; `refused`: all)
         self._tls = _server_context(secret) if secret is not None else None
         self._handshaking: set[int] = set()  # connections not yet past the secret check
+        self._cut_off: set[int] = set()  # connections the handshake deadline cut
         listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                         backlog=128)  # fmt: skip
         self.port = listener.getsockname()[1]
@@ -277,6 +259,7 @@ class TcpServer(FrameServer):
     def _admit(self, conn: socket.socket) -> bool:
         with self._lock:
             if len(self._handshaking) >= MAX_HANDSHAKES or len(self._connections) >= self.max_connections:
+                self.refusals.add("tcp", "busy")  # (FrameServer counts it in `refused`)
                 return False
             self._connections[id(conn)] = conn
             self._handshaking.add(id(conn))
@@ -286,18 +269,31 @@ class TcpServer(FrameServer):
         super()._forget(conn)
         with self._lock:
             self._handshaking.discard(id(conn))
+            self._cut_off.discard(id(conn))
+
+    def _refuse(self, reason: str) -> None:
+        self.refused += 1
+        self.refusals.add("tcp", reason)
 
     def _cut(self, raw: socket.socket) -> None:
         """(timer) Shut down the socket now carrying `raw` (its TLS wrapper once wrapped: the raw
         socket is detached then, and shutting it down would do nothing)."""
         with self._lock:
             conn = self._connections.get(id(raw))
+            if conn is not None:
+                self._cut_off.add(id(raw))
         if conn is not None:
             with contextlib.suppress(OSError, ValueError):
                 conn.shutdown(socket.SHUT_RDWR)
 
+    def _failed(self, raw: socket.socket, reason: str) -> None:
+        """A handshake that raised: cut by the deadline, else `reason`."""
+        with self._lock:
+            cut = id(raw) in self._cut_off
+        self._refuse("handshake_timeout" if cut else reason)
+
     def _handshake(self, raw: socket.socket) -> socket.socket | None:
-        """TLS (with a secret), then the hello and its secret: the socket to serve, or None
+        """Mutual TLS (with a secret), then the hello and its secret: the socket to serve, or None
         (refused, told so)."""
         _keepalive(raw)
         raw.settimeout(HANDSHAKE_S)
@@ -305,12 +301,17 @@ class TcpServer(FrameServer):
         if self._tls is not None:
             try:
                 conn = self._tls.wrap_socket(raw, server_side=True)
-            except (OSError, ssl.SSLError):  # (no TLS, or not the cluster's certificate)
-                self.refused += 1
+            except (OSError, ssl.SSLError):  # (no TLS, no or not the cluster's certificate)
+                self._failed(raw, "tls")
                 raise
             self._track(raw, conn)
-        if not self._admits(conn):
-            self.refused += 1
+        try:
+            refusal = self._admits(conn)
+        except OSError:  # (a hello cut short)
+            self._failed(raw, "bad_hello")
+            raise
+        if refusal is not None:
+            self._refuse(refusal)
             conn.sendall(_ACK.pack(MAGIC, 0))
             return None
         conn.sendall(_ACK.pack(MAGIC, 1))
@@ -351,15 +352,18 @@ class TcpServer(FrameServer):
             if output.numel() > KEEP_BYTES:
                 output = None
 
-    def _admits(self, conn: socket.socket) -> bool:
+    def _admits(self, conn: socket.socket) -> str | None:
+        """Read the hello: None (admitted) or why not."""
         hello = bytearray(_HELLO.size)
         _recv_exact(conn, memoryview(hello))
         magic, length = _HELLO.unpack(hello)
         if magic != MAGIC or length > 1024:
-            return False
+            return "bad_hello"
         token = bytearray(length)
         _recv_exact(conn, memoryview(token))
-        return self.secret is None or auth.matches(self.secret, bytes(token))
+        if self.secret is None or auth.matches(self.secret, bytes(token)):
+            return None
+        return "no_secret" if not length else "wrong_secret"
 
     def _answer(self, conn, frame: bytearray, request, output):
         """Read and run one request; ((answer frame[, payload]), request buffer, output buffer).

@@ -1,15 +1,19 @@
-"""TLS on the expert workers' gRPC port, keyed by the cluster's data-plane secret.
+"""Mutual TLS on the expert workers' gRPC port and TCP data plane, keyed by the cluster's data-plane
+secret.
 
 Every process of a cluster already holds its secret (services/dataplane/auth.py). From it each one
 derives the same TLS identity: a P-256 key (the scalar from scrypt of the secret: the certificate
 is public, so a guessable secret must not be cheap to test against it) and a
 self-signed certificate for the name EXPERT_NAME, signed with deterministic ECDSA (RFC 6979) over
 fixed fields, so every process builds the same bytes without sending any of them anywhere.
-Expert workers serve with that key; clients trust only that certificate and check the name. So
-on the wire between nodes the traffic and the secret itself are encrypted, only a holder of the
-secret can serve as an expert worker, and a client that checks certificates (every gRPC client
-does by default) cannot finish a handshake without it; there are no client certificates, so one
-that skips the check gets a connection and is then refused by the secret check (auth.py).
+Both ends present that certificate and trust only it: expert workers serve with it and require
+it of every client (a client certificate signed by the cluster's key), clients check it and its
+name. So a stranger (no secret, hence no key) is refused in the TLS handshake, before a byte of
+any request is read (gRPC reads and parses a message of up to 256 MiB before its metadata's
+secret can be checked: without mutual TLS a stranger could make a worker buffer that much per
+call); on the wire between nodes the traffic and the secret itself are encrypted; only a holder of
+the secret can serve as an expert worker. The secret in each call's metadata (auth.py) stays as a
+second lock.
 
 A secret of None (a worker started by hand or by a test without one) means plaintext, as before.
 Shared memory between processes of one node does not use TLS (it never leaves the machine).
@@ -20,6 +24,9 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import os
+import ssl
+import tempfile
 from typing import NamedTuple
 
 import grpc
@@ -66,21 +73,51 @@ def identity(secret: str) -> TlsIdentity:
 
 
 def add_port(server: grpc.Server, address: str, secret: str | None) -> int:
-    """Bind `address` on `server`: TLS with the cluster's identity when there is a secret."""
+    """Bind `address` on `server`: mutual TLS with the cluster's identity when there is a secret
+    (a client without the cluster's certificate fails the handshake)."""
     if secret is None:
         return server.add_insecure_port(address)
     key, cert = identity(secret)
-    return server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=cert, require_client_auth=True)
+    return server.add_secure_port(address, credentials)
 
 
 def channel(
     address: str, secret: str | None, options: list[tuple[str, object]] | None = None
 ) -> grpc.Channel:
-    """A channel to an expert worker: TLS trusting only the cluster's certificate (name checked)
-    when there is a secret, else plaintext."""
+    """A channel to an expert worker: mutual TLS (it presents the cluster's certificate, trusts only
+    that one and checks its name) when there is a secret, else plaintext."""
     if secret is None:
         return grpc.insecure_channel(address, options=options)
-    credentials = grpc.ssl_channel_credentials(root_certificates=identity(secret).cert_pem)
+    key, cert = identity(secret)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=cert, private_key=key, certificate_chain=cert
+    )
     return grpc.secure_channel(
         address, credentials, options=[*(options or []), ("grpc.ssl_target_name_override", EXPERT_NAME)]
     )
+
+
+def ssl_context(secret: str, server_side: bool) -> ssl.SSLContext:
+    """TLS 1.3 both ways for the TCP data plane: the cluster's certificate presented, the peer's
+    required and trusted only if it is the cluster's (a client also checks the name, EXPERT_NAME).
+    load_cert_chain reads a file: an anonymous memfd (never on disk), else a private temporary
+    file removed at once."""
+    key, cert = identity(secret)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(cadata=cert.decode())
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("moe-tls", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, key + cert)
+            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        return ctx
+    with tempfile.NamedTemporaryFile("wb", suffix=".pem") as f:  # (0600)
+        f.write(key + cert)
+        f.flush()
+        ctx.load_cert_chain(f.name)
+    return ctx

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,181 +18,23 @@ from services.model.batch import StepBatch
 from services.model.checkpoint import CheckpointReader, check_keep_fp8_experts, check_keep_fp8_linears
 from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
 from services.model.deepseek_v4 import DeepseekV4
-from services.model.kernels.select import Kernels, select_kernels, target_of
-from services.model.kv_cache import (
-    BLOCK_SIZE,
-    FP8_GROUP,
-    PagedLatentCache,
-    V4Cache,
-    blocks_needed,
-    fp8_row_bytes,
-    v4_fp8_fields,
-)
+from services.model.kv_cache import BLOCK_SIZE, blocks_needed
 from services.model.messages import ExpertBackend, ExpertTally, run_interleaved
 from services.model.model import DeepseekV3
 from services.model.moe import LocalExperts
 
 from .decode_graphs import DecodeGraphs, SegmentedDecodeGraphs
+from .engine_config import EngineConfig
 from .grammar import GrammarCompiler, GrammarError, Matcher
 from .outputs import Completion, RequestOutput, StepFailed, StepResult
 from .sampling import SamplingParams, prompt_logprobs, sample
-from .scheduler import Chunk, RequestError, Scheduler, SchedulerConfig, SeqStatus, Sequence
+from .scheduler import Chunk, RequestError, Scheduler, SeqStatus, Sequence
+from .speculative import Speculator
 from .tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class EngineConfig:
-    model: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    # storage of the linear and routed-expert weights when narrower than `dtype`: "bfloat16"
-    # under a float32 CPU engine (half the memory; the fp32 math on bf16-rounded weights)
-    weight_dtype: str | None = None
-    # FP8 checkpoints: hold the routed experts in FP8 as shipped, with their block scales (half of
-    # bf16's memory; weight_dtype then applies to the linears only), computed by the Triton fused
-    # MoE on CUDA and the expert kernel on CPU, both reading them as held
-    keep_fp8_experts: bool = False
-    # FP8 checkpoints: hold the linears (q_a, q_b / q_proj, kv_a, o, dense MLPs, shared experts) in
-    # FP8 as shipped (fp8.Fp8Weight), computed by the Triton FP8 linear on CUDA and the C++
-    # kernel on CPU, both reading them as held (kv_b, the router, norms, embeddings, LM head: not)
-    keep_fp8_linears: bool = False
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
-    num_kv_blocks: int | None = None  # default: enough for max_num_seqs full-length sequences
-    num_state_blocks: int | None = None  # DeepSeek-V4's window-state blocks (default: state_blocks)
-    kv_cache_gib: float = 2.0  # upper bound for the default num_kv_blocks
-    # "auto": latent rows in `dtype`; "fp8": FlashMLA's FP8 rows (kv_cache.fp8_row_bytes: V3 656 B/token/layer)
-    kv_cache_dtype: str = "auto"
-    max_waiting: int = 1024
-    num_threads: int | None = None  # torch intra-op threads (None: leave torch's default)
-    micro_batches: int = 1  # 2 = ping-pong: one micro-batch's expert calls overlap the other's attention
-    prefix_caching: bool = True  # reuse the cache blocks of prompt prefixes seen before
-    cuda_graphs: bool = True  # on CUDA, replay decode steps from captured graphs (decode_graphs.py)
-    # the kernels chosen from, once at startup (kernels/select.py): "auto" (FlashMLA and Triton on
-    # CUDA, the C++ kernels on the CPU, torch elsewhere), or a comma list of "flashmla", "triton",
-    # "cpp", "torch" (each named must run some family; "triton" under TRITON_INTERPRET=1 on CPU too)
-    kernels: str = "auto"
-    deterministic: bool = False  # batch-invariant kernels (kernels/deterministic.py): tokens as if run alone
-
-    def select_kernels(self, cfg: ModelConfig, device=None, reuse: Kernels | None = None) -> Kernels:
-        """The kernels of a model of `cfg` on `device` (default: this config's), chosen once
-        (kernels/select.py; `reuse` where they were chosen for the same); ValueError where an
-        implementation named in `kernels` runs no family (with why)."""
-        device, dtype = device or self.device, parse_dtype(self.dtype)
-        options = dict(weight_dtype=check_weight_dtype(self.weight_dtype, dtype, self.device, cfg),
-                       fp8_linears=self.keep_fp8_linears and not cfg.is_v4, fp8_experts=self.keep_fp8_experts,
-                       fp8_cache=self.fp8_cache(cfg) and not cfg.is_v4, deterministic=self.deterministic)  # fmt: skip
-        if reuse is not None and reuse.matches(target_of(device, dtype, cfg, **options), self.kernels):
-            return reuse
-        return select_kernels(device, dtype, cfg, allow=self.kernels, strict=True, **options)
-
-    def scheduler_config(self, cfg: ModelConfig) -> SchedulerConfig:
-        max_model_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} is beyond the model's own "
-                             f"({cfg.max_position_embeddings} positions)")  # fmt: skip
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            max_waiting=self.max_waiting,
-        )
-
-    def kv_blocks(self, cfg: ModelConfig, max_model_len: int) -> int:
-        """Cache blocks: num_kv_blocks, else what max_num_seqs full-length sequences want, within
-        kv_cache_gib; ValueError where that cannot hold one max_model_len sequence (as vLLM
-        refuses to start: a long prompt must get a 400, never run out of cache)."""
-        if cfg.is_v4:
-            return self._v4_sizes(cfg, max_model_len)[0]
-        if self.num_kv_blocks:
-            return self.num_kv_blocks
-        per_block = self.latent_bytes_per_token(cfg) * BLOCK_SIZE
-        wanted = self.max_num_seqs * blocks_needed(max_model_len)
-        blocks = max(1, min(wanted, int(self.kv_cache_gib * 2**30) // per_block))
-        if blocks < blocks_needed(max_model_len):
-            raise ValueError(
-                f"max_model_len {max_model_len} needs {blocks_needed(max_model_len) * per_block / 2**30:.2f} GiB of "
-                f"latent cache ({per_block // BLOCK_SIZE} B per token); kv_cache_gib {self.kv_cache_gib} holds "
-                f"{blocks * BLOCK_SIZE} tokens: raise kv_cache_gib, use kv_cache_dtype fp8, or lower max_model_len"
-            )
-        return blocks
-
-    def fp8_cache(self, cfg: ModelConfig) -> bool:
-        """Whether the cache holds FP8 rows (kv_cache_dtype "fp8"); ValueError for another value,
-        or where DeepSeek-V4's rows cannot be FP8 (kv_cache.v4_fp8_fields; V3's: `fp8_dims`)."""
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: 'auto' or 'fp8'")
-        if self.kv_cache_dtype == "fp8" and cfg.is_v4:
-            for kind in set(cfg.layer_types):
-                v4_fp8_fields(cfg, kind, torch.float32)
-        return self.kv_cache_dtype == "fp8"
-
-    def fp8_dims(self, cfg: ModelConfig) -> tuple[int, int, int] | None:
-        """(C, R, Di) of DeepSeek-V3 / V3.2's FP8 rows when kv_cache_dtype is "fp8" (Di: V3.2's
-        indexer key, else 0; ValueError where the model's rows cannot be); None otherwise and for
-        DeepSeek-V4 (its FP8 rows: kv_cache.v4_fp8_fields)."""
-        if not self.fp8_cache(cfg) or cfg.is_v4:
-            return None
-        if cfg.kv_lora_rank % FP8_GROUP:
-            raise ValueError(
-                f"kv_cache_dtype fp8 needs kv_lora_rank % {FP8_GROUP} == 0, got {cfg.kv_lora_rank}"
-            )
-        Di = cfg.cache_dim - cfg.kv_lora_rank - cfg.qk_rope_head_dim  # (V3.2's indexer key; 0 for V3)
-        if Di > FP8_GROUP and Di % FP8_GROUP:
-            raise ValueError(
-                f"kv_cache_dtype fp8 needs index_head_dim <= {FP8_GROUP} or a multiple of it, got {Di}"
-            )
-        return cfg.kv_lora_rank, cfg.qk_rope_head_dim, Di
-
-    def latent_bytes_per_token(self, cfg: ModelConfig) -> int:
-        """Cache bytes one token takes over all layers."""
-        fp8 = self.fp8_dims(cfg)
-        row = fp8_row_bytes(*fp8) if fp8 else cfg.cache_dim * parse_dtype(self.dtype).itemsize
-        return cfg.num_hidden_layers * row
-
-    def state_blocks(self, cfg: ModelConfig, max_model_len: int) -> int:
-        """DeepSeek-V4's window-state blocks (see `_v4_sizes`)."""
-        return self._v4_sizes(cfg, max_model_len)[1]
-
-    def _v4_sizes(self, cfg: ModelConfig, max_model_len: int) -> tuple[int, int]:
-        """DeepSeek-V4's (entry blocks, state blocks): `num_kv_blocks` / `num_state_blocks` where
-        set; otherwise what max_num_seqs full-length sequences want (their entries; their
-        lookback's state blocks plus a max_num_batched_tokens prefill, twice over for prefix
-        hits), scaled down together to fit kv_cache_gib. Too little for one sequence: an error."""
-        per_block, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype), self.fp8_cache(cfg))
-        per_seq = V4Cache.state_blocks_per_seq(cfg, max_model_len)
-        want = (
-            self.num_kv_blocks or self.max_num_seqs * blocks_needed(max_model_len),
-            self.num_state_blocks
-            or 2 * (self.max_num_seqs * per_seq + blocks_needed(self.max_num_batched_tokens)),
-        )
-        fixed = (self.num_kv_blocks or 0) * per_block + (self.num_state_blocks or 0) * per_state
-        flexible = want[0] * per_block + want[1] * per_state - fixed
-        scale = min(1.0, max(0.0, self.kv_cache_gib * 2**30 - fixed) / flexible) if flexible else 1.0
-        blocks = self.num_kv_blocks or int(want[0] * scale)
-        states = self.num_state_blocks or int(want[1] * scale)
-        if states < per_seq or blocks < blocks_needed(max_model_len):
-            raise ValueError(
-                f"DeepSeek-V4 cache: {blocks} entry blocks and {states} state blocks; one {max_model_len}-token "
-                f"sequence needs {blocks_needed(max_model_len)} and {per_seq} ({per_state / 2**20:.1f} MiB each): "
-                "raise kv_cache_gib (or num_state_blocks / num_kv_blocks) or lower max_model_len"
-            )
-        return blocks, states
-
-    def latent_cache(self, cfg: ModelConfig, model: DeepseekV3) -> PagedLatentCache | V4Cache:
-        """The paged latent cache this config gives `model` (every tensor-parallel rank gets the
-        same one, a replica). Rows are `cfg.cache_dim` wide: [c_kv | k_pe], plus the indexer key
-        for DeepSeek-V3.2; DeepSeek-V4 has its entry blocks and state blocks (V4Cache)."""
-        max_model_len = self.scheduler_config(cfg).max_model_len
-        if cfg.is_v4:
-            sizes = self._v4_sizes(cfg, max_model_len)
-            return V4Cache(cfg, *sizes, model.dtype, model.device, self.fp8_cache(cfg))
-        blocks = self.kv_blocks(cfg, max_model_len)
-        return PagedLatentCache(cfg.num_hidden_layers, blocks, cfg.cache_dim, model.dtype, model.device,
-                                self.fp8_dims(cfg))  # fmt: skip
+__all__ = ["Engine", "EngineConfig", "LocalEngine", "load_engine", "split_micro_batches"]
 
 
 def split_micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
@@ -244,6 +85,12 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._matchers: dict[str, Matcher] = {}  # requests with structured output: their grammar state
         self._grammar: GrammarCompiler | None = None
+        self.spec: Speculator | None = None  # speculative decoding with the MTP module (speculative.py)
+        if engine_cfg.speculative_tokens:
+            if not isinstance(experts, LocalExperts):
+                raise ValueError("speculative decoding with remote expert workers (the cluster): not yet")
+            self.spec = Speculator(model, experts, self.cache.kv, engine_cfg.speculative_tokens,
+                                   self.max_model_len, self._matchers)  # fmt: skip
         self.graphs: DecodeGraphs | None = None  # in-process experts: whole decode steps
         self.segment_graphs: list[SegmentedDecodeGraphs] = []  # remote experts: one per micro-batch
         if engine_cfg.cuda_graphs and model.device.type == "cuda" and on_batches is None:
@@ -256,8 +103,9 @@ class Engine:
         does not capture leaves the engine eager (logged). Whether graphs are on."""
         if self.graphs is not None or self.segment_graphs:
             return True
-        if self.cfg.is_v4 or self.cfg.has_indexer:
-            return False  # (V3.2's top-k attention runs the torch path over the whole static table)
+        if self.cfg.is_v4 or self.cfg.has_indexer or self.spec is not None:
+            return False  # (V3.2's top-k attention runs the torch path over the whole static table;
+            # speculative steps verify 1 + k rows per sequence and keep hidden states: not graphed yet)
         scratch = self.scheduler.allocator.reserve()  # the padding rows' block
         args = (self.cache.kv, self.cfg.num_moe_layers, self.cfg.n_routed_experts, scratch,
                 self.engine_cfg.max_num_seqs, blocks_needed(self.max_model_len), capture)  # fmt: skip
@@ -388,6 +236,8 @@ class Engine:
                 "evictions": sched.allocator.evictions,
             },
             **self.kernels.stats(),  # family -> the kernel running it; -> {better ones not taken: why}
+            # speculative decoding's counters (vLLM's spec_decode_* quantities); None when off
+            "spec_decode": None if self.spec is None else self.spec.stats.as_dict(),
         }
 
     # ---- one step -----------------------------------------------------------------------
@@ -424,7 +274,9 @@ class Engine:
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)
         logits = self._score_prompts([c for part in parts for c in part], logits)
         want = [c.seq for c in chunks if c.wants_logits]
-        outputs = self._advance(chunks, want, logits)
+        outputs, logits, ids = self._advance(chunks, want, logits)
+        if self.spec is not None:
+            self._draft(parts, batches, tally)
         return StepResult(
             outputs,
             num_seqs=len(chunks),
@@ -433,19 +285,28 @@ class Engine:
             expert_wait_s=tally.wait_s,
             seconds=time.perf_counter() - t0,
             logits=logits,
-            logits_ids=[s.request_id for s in want],
+            logits_ids=ids,
         )
+
+    def _draft(self, parts: list[list[Chunk]], batches: list[StepBatch], tally: ExpertTally) -> None:
+        """The MTP module's pass after a step (speculative.py); a failure there costs the drafts
+        only (the step's tokens are out)."""
+        eos = set(self.cfg.eos_token_ids)
+        try:
+            self.spec.draft(parts, batches, tally, self._history, lambda s: self._held_back(s, eos))
+        except Exception:
+            log.exception("speculative decoding: the MTP pass failed; this step drafts nothing")
+            for c in (c for part in parts for c in part):
+                c.seq.draft, c.seq.draft_probs = [], None
 
     def _batch(self, chunks: list[Chunk]) -> StepBatch:
         block_states = self.scheduler.allocator.block_states if self.cfg.is_v4 else None
         return StepBatch.build(
-            [
-                (c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.seq.block_ids, c.wants_logits,
-                 c.prompt_rows)
-                for c in chunks
-            ],
+            [(c.tokens, c.start, c.seq.block_ids, c.wants_logits, c.extra_rows) for c in chunks],
             self.model.device,
             block_states,
+            decode_upto=1 + self.spec.k if self.spec else 1,  # (verify chunks: decode rows)
+            keep_hidden=self.spec is not None,  # (the MTP module's input)
         )  # fmt: skip
 
     def _score_prompts(self, chunks: list[Chunk], logits: torch.Tensor) -> torch.Tensor:
@@ -465,9 +326,9 @@ class Engine:
                 seq.prompt_logprobs += prompt_logprobs(logits[at : at + len(rows)], targets,
                                                        seq.params.prompt_logprobs)  # fmt: skip
                 at += len(rows)
-            if c.wants_logits:
-                sampled.append(at)
-                at += 1
+            if c.wants_logits:  # (a verify chunk: a row per draft, then its last)
+                sampled += range(at, at + 1 + len(c.draft))
+                at += 1 + len(c.draft)
         return logits[sampled]
 
     def _held_back(self, seq: Sequence, eos: set[int]) -> set[int]:
@@ -487,53 +348,72 @@ class Engine:
 
     def _advance(
         self, chunks: list[Chunk], want: list[Sequence], logits: torch.Tensor
-    ) -> list[RequestOutput]:
-        """Sample from `logits` (one row per sequence in `want`) and advance the requests."""
+    ) -> tuple[list[RequestOutput], torch.Tensor, list[str]]:
+        """Sample from `logits` (a row per sequence in `want`; speculating: a row per token of its
+        verify chunk) and advance the requests; (outputs, the rows the emitted tokens came from,
+        their request ids)."""
         eos = set(self.cfg.eos_token_ids)
-        tokens, logprobs = sample(
-            logits,
-            [s.params for s in want],
-            [s.generator for s in want],
+        context = (
             [self._history(s) for s in want],
             [self._held_back(s, eos) for s in want],
             self._allowed(want),
         )
+        if self.spec is not None:
+            tokens, logprobs, used = self.spec.sample(chunks, logits, *context)
+            logits, ids = logits[used], [s.request_id for s, t in zip(want, tokens, strict=True) for _ in t]
+        else:
+            tokens, logprobs = sample(logits, [s.params for s in want], [s.generator for s in want], *context)
+            ids = [s.request_id for s in want]
+        before = {s.request_id: len(s.output_ids) for s in want}
         outputs = []
         for seq in self.scheduler.update(chunks, tokens, logprobs):
+            b = before[seq.request_id]
             matcher = self._matchers.get(seq.request_id)
             error = None
             if matcher is not None and seq.status is not SeqStatus.FINISHED:
-                if not matcher.consume(seq.output_ids[-1]):
+                if not all(matcher.consume(t) for t in seq.output_ids[b:]):
                     error = f"structured output: {matcher.error or 'the grammar refused the sampled token'}"
                     self.scheduler.finish(seq, "error")
                 elif matcher.done:  # the grammar is complete: nothing but EOS could follow
                     self.scheduler.finish(seq, "stop")
+            text = self._detokenize(seq, b)
             out = RequestOutput(
                 seq.request_id,
-                token_ids=[seq.output_ids[-1]],
-                logprobs=[seq.output_logprobs[-1]],
+                token_ids=seq.output_ids[b:],
+                logprobs=seq.output_logprobs[b:],
+                text=text,
                 num_prompt_tokens=len(seq.prompt_ids),
                 num_cached_tokens=seq.num_cached_tokens or 0,
                 error=error,
             )
             if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:  # (with the first token)
                 out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
-            detok = self._detok.get(seq.request_id)
-            if detok is not None:
-                out.text, stopped = detok.step(seq.output_ids, final=seq.status is SeqStatus.FINISHED)
-                if (
-                    stopped and len(seq.output_ids) >= seq.params.min_tokens
-                ):  # min_tokens holds stop strings too
-                    self.scheduler.finish(seq, "stop")
             if seq.status is SeqStatus.FINISHED:
                 out.finished, out.finish_reason = True, seq.finish_reason
-                if detok is not None and not out.text:
-                    out.text = detok.step(seq.output_ids, final=True)[0]
                 self._detok.pop(seq.request_id, None)
                 self._matchers.pop(seq.request_id, None)
             out.num_output_tokens = len(seq.output_ids)
             outputs.append(out)
-        return outputs
+        return outputs, logits, ids
+
+    def _detokenize(self, seq: Sequence, b: int) -> str:
+        """The text of seq's tokens from output index b on, token by token: at a stop string (once
+        min_tokens are out, which holds stop strings too) the request stops there, and tokens
+        after it (a speculative step's) are dropped."""
+        detok = self._detok.get(seq.request_id)
+        if detok is None:
+            return ""
+        text, n = "", len(seq.output_ids)
+        for j in range(b + 1, n + 1):
+            piece, stopped = detok.step(seq.output_ids[:j], final=seq.status is SeqStatus.FINISHED and j == n)
+            text += piece
+            if stopped and j >= seq.params.min_tokens:
+                del seq.output_ids[j:], seq.output_logprobs[j:]
+                self.scheduler.finish(seq, "stop")
+                break
+        if seq.status is SeqStatus.FINISHED and not text:
+            text = detok.step(seq.output_ids, final=True)[0]
+        return text
 
     def _allowed(self, want: list[Sequence]) -> tuple[list[int], torch.Tensor] | None:
         """(rows, mask [rows, vocab]): the tokens the grammars of the constrained rows allow."""
@@ -575,14 +455,15 @@ def load_engine(
     # the kernels, chosen once (building the C++ CPU kernels now, once per machine, not mid-request)
     kernels = engine_cfg.select_kernels(cfg)
     reader = CheckpointReader.for_config(model_dir, cfg)
+    mtp = engine_cfg.speculative_tokens > 0 and not cfg.is_v4  # (the drafter: its layer and experts)
     if cfg.is_v4:  # (the same forward(batch, cache) contract)
         model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device, kernels=kernels)
     else:
         model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device, weight_dtype=weight_dtype,
-                                keep_fp8=engine_cfg.keep_fp8_linears, kernels=kernels)  # fmt: skip
+                                keep_fp8=engine_cfg.keep_fp8_linears, kernels=kernels, mtp=mtp)  # fmt: skip
     if make_experts is None:
         experts = LocalExperts.load_all(reader, cfg, weight_dtype or dtype, keep_fp8=engine_cfg.keep_fp8_experts,
-                                        kernels=kernels)  # fmt: skip
+                                        kernels=kernels, mtp=mtp)  # fmt: skip
         experts = experts.to(engine_cfg.device)
     else:
         experts = make_experts(cfg, reader, weight_dtype or dtype)  # (their dtype, when held in process)

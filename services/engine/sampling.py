@@ -220,6 +220,64 @@ def _top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
     return logits
 
 
+def processed_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    history: list[tuple[list[int], list[int]]] | None = None,
+    held_back: list[set[int]] | None = None,
+    allowed: tuple[list[int], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw, processed): logits [B, V] as fp32 on the CPU, and after penalties, bias, min_tokens
+    (`process_logits`) and the grammar masks of `allowed` (see `sample`); the same tensor where
+    nothing changes them. A greedy row's token is the processed row's argmax."""
+    raw = logits.float().cpu()  # per-request generators live on the CPU
+    if history is None:
+        history = [([], [])] * len(params)
+    logits = process_logits(raw, params, history, held_back or [set()] * len(params))
+    if allowed is not None and allowed[0]:
+        rows, mask = allowed
+        blocked = (
+            mask.float().sub_(1.0).mul_(-GRAMMAR_BLOCKED)
+        )  # 0 where allowed (an add beats masked_fill on CPU)
+        if len(rows) == logits.shape[0]:
+            logits = logits + blocked
+        else:
+            logits = logits.clone() if logits is raw else logits
+            logits[rows] += blocked
+    return raw, logits
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of processed logits [R, V] samples from (temperature, top-k,
+    top-p, min-p), batched: [R, V], not renormalised after min-p (`draw` scales by the total)."""
+    sub = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    sub = _top_k(sub, [p.top_k for p in params])
+    sub = _top_p(sub, [p.top_p for p in params])
+    probs = sub.softmax(-1)
+    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    return probs
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [R, V] (any positive scale), by inverse CDF; row r's uniform
+    from generators[r] (one draw each): [R] int64."""
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]).unsqueeze(1)
+    cdf = probs.cumsum(-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
+
+
+def token_logprobs(raw: torch.Tensor, token: int, n: int) -> TokenLogprobs:
+    """A token's logprob under raw logits [V] (the model's distribution) and the n most likely."""
+    lp = torch.log_softmax(raw, dim=-1)
+    top = torch.topk(lp, n) if n else None
+    return TokenLogprobs(
+        token_logprob=float(lp[token]),
+        top=list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else [],
+    )
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -235,35 +293,13 @@ def sample(
     those rows; every other token of theirs is masked out, in one batched op. Logprobs are those of the model's distribution (log_softmax of the raw
     logits), as vLLM reports by default; the sampled token comes from the processed one.
     """
-    raw = logits.float().cpu()  # per-request generators live on the CPU
-    if history is None:
-        history = [([], [])] * len(params)
-    logits = process_logits(raw, params, history, held_back or [set()] * len(params))
-    if allowed is not None and allowed[0]:
-        rows, mask = allowed
-        blocked = (
-            mask.float().sub_(1.0).mul_(-GRAMMAR_BLOCKED)
-        )  # 0 where allowed (an add beats masked_fill on CPU)
-        if len(rows) == logits.shape[0]:
-            logits = logits + blocked
-        else:
-            logits = logits.clone() if logits is raw else logits
-            logits[rows] += blocked
+    raw, logits = processed_logits(logits, params, history, held_back, allowed)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:  # temperature, top-k, top-p and min-p batched over the sampled rows
-        sub = logits[rows] / torch.tensor([params[i].temperature for i in rows]).unsqueeze(1)
-        sub = _top_k(sub, [params[i].top_k for i in rows])
-        sub = _top_p(sub, [params[i].top_p for i in rows])
-        probs = sub.softmax(-1)
-        min_p = torch.tensor([params[i].min_p for i in rows]).unsqueeze(1)
-        if bool((min_p > 0).any()):
-            probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = sampling_probs(logits[rows], [params[i] for i in rows])
         # inverse-CDF draw, batched; each request's uniform comes from its own generator
-        u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).unsqueeze(1)
-        cdf = probs.cumsum(-1)
-        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
-        tokens[rows] = picked.squeeze(1)
+        tokens[rows] = draw(probs, [generators[i] for i in rows])
 
     out_tokens = tokens.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(params)

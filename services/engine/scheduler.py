@@ -82,6 +82,10 @@ class Sequence:
     # params.prompt_logprobs: entry p for prompt token p (None for the first), filled as prefill goes
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
+    # speculative decoding: tokens drafted after output_ids (checked by the next step's verify
+    # chunk) and, for a sampled request, the draft distribution [len(draft), vocab] they came from
+    draft: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.generator is None:
@@ -136,16 +140,30 @@ class SchedulerConfig:
 class Chunk:
     seq: Sequence
     start: int  # first position of this step's tokens
-    num_tokens: int
+    num_tokens: int  # (a verify chunk's drafts included)
+    draft: list[int] = field(default_factory=list)  # speculative decoding: drafts after the last token
+    # whether the chunk reaches its sequence's last token (so its last row is sampled): as scheduled
+    wants_logits: bool = field(init=False)
+
+    def __post_init__(self):
+        self.wants_logits = self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
     @property
-    def wants_logits(self) -> bool:
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def tokens(self) -> list[int]:
+        """This step's tokens (a verify chunk: its last token, then the drafts)."""
+        n = self.num_tokens - len(self.draft)
+        return self.seq.token_slice(self.start, self.start + n) + self.draft
 
     @property
     def prompt_rows(self) -> range:
         """Rows of this chunk whose logits give prompt logprobs (before the sampled row, if any)."""
         return self.seq.prompt_rows(self.start, self.num_tokens)
+
+    @property
+    def extra_rows(self) -> range:
+        """Rows before the last whose logits the step computes: prompt-logprob rows, or a verify
+        chunk's rows before its drafts (the target's distribution at each)."""
+        return range(len(self.draft)) if self.draft else self.prompt_rows
 
 
 class Scheduler:
@@ -234,14 +252,19 @@ class Scheduler:
         self._prompt_rows_left = PROMPT_LOGPROBS_CHUNK  # (this step's rows of prompt-logprob logits)
         chunks: list[Chunk] = []
 
-        # 1. decodes (one token each), allocating a block every 64 tokens; preempt if needed
-        for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or seq.num_tokens - seq.num_computed != 1:
+        # 1. decodes (one token each, with its drafts where speculating), allocating a block every
+        # 64 tokens; preempt if needed. Drafts take only budget that leaves every decode its token.
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        spare = budget - len(decoding)
+        for seq in decoding:
+            if seq.status is not SeqStatus.RUNNING:
                 continue
-            if not self._ensure_blocks(seq, seq.num_tokens):
+            draft = seq.draft if len(seq.draft) <= spare else []
+            if not self._ensure_blocks(seq, seq.num_tokens + len(draft)):
                 continue  # seq itself was preempted
-            chunks.append(Chunk(seq, seq.num_computed, 1))
-            budget -= 1
+            chunks.append(Chunk(seq, seq.num_computed, 1 + len(draft), draft))
+            budget -= 1 + len(draft)
+            spare -= len(draft)
 
         # 2. prefills already running (chunked)
         for seq in list(self.running):
@@ -376,6 +399,7 @@ class Scheduler:
         return self.state_start(num_blocks * BLOCK_SIZE) // BLOCK_SIZE
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft, seq.draft_probs = [], None  # (drafted again after its recompute)
         self.running.remove(seq)
         self._free(seq)
         seq.status = SeqStatus.WAITING
@@ -383,11 +407,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- after the model ran ------------------------------------------------------------
-    def update(
-        self, chunks: list[Chunk], tokens: list[int], logprobs: list[TokenLogprobs | None]
-    ) -> list[Sequence]:
+    def update(self, chunks: list[Chunk], tokens: list, logprobs: list) -> list[Sequence]:
         """Advance the scheduled sequences; `tokens`/`logprobs` hold one entry per chunk that
-        wanted logits, in chunk order. Returns the sequences that got a new token."""
+        wanted logits, in chunk order: a token and its logprobs, or (speculative decoding) lists of
+        the tokens a step emits for it, its accepted drafts first. Tokens after a stop are dropped.
+        Returns the sequences that got new tokens."""
         sampled = iter(zip(tokens, logprobs, strict=True))
         out = []
         for c in chunks:
@@ -397,23 +421,38 @@ class Scheduler:
                 if wanted:
                     next(sampled)
                 continue
-            seq.num_computed += c.num_tokens
+            seq.draft, seq.draft_probs = [], None  # (checked by this step, or dropped)
+            new, lps = next(sampled) if wanted else ([], [])
+            new, lps = (new, lps) if isinstance(new, list) else ([new], [lps])
+            reason, kept = None, 0
+            for token, lp in zip(new, lps, strict=True):
+                seq.output_ids.append(token)
+                seq.output_logprobs.append(lp)
+                kept += 1
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    break
+            # the rows computed: the chunk's own tokens, and a verify chunk's accepted drafts (the
+            # tokens it emits before its last one) as far as they were kept
+            accepted = min(len(new) - 1, kept) if c.draft else 0
+            seq.num_computed += c.num_tokens - len(c.draft) + accepted
             if self.allocator.caching:
                 self._register_full_blocks(seq)
             if self.state_start is not None:
                 self._release_state(seq)
-            if not wanted:
-                continue
-            token, lp = next(sampled)
-            seq.output_ids.append(token)
-            seq.output_logprobs.append(lp)
-            out.append(seq)
-            p = seq.params
-            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-                self.finish(seq, "stop")
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
-                self.finish(seq, "length")
+            if new:
+                out.append(seq)
+            if reason:
+                self.finish(seq, reason)
         return out
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None
 
     @property
     def num_free_blocks(self) -> int:

@@ -10,6 +10,8 @@ while experts compute."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -23,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from services.dataplane import auth, shm, tcp, tls
+from services.hf_models import ModelNotFound, ensure_local
 from services.model.config import ModelConfig, check_weight_dtype, parse_dtype
 from services.rpc import wire
 
@@ -96,6 +99,8 @@ class ExpertServer:
     ):
         """`known_peers`: the addresses LoadSlots may name as peers (asked at each LoadSlots that
         names any; the Ray actor passes the cluster's live expert workers); None: any peer."""
+        with contextlib.suppress(ModelNotFound):  # (none here: its experts come from peers)
+            cfg = dataclasses.replace(cfg, model=ensure_local(cfg.model))  # (a model id's snapshot)
         self.cfg = cfg
         self.host = cfg.host or host
         hf = cfg.model_config if cfg.model_config is not None else read_model_config(cfg.model)
@@ -113,7 +118,10 @@ class ExpertServer:
             dispatch_streams=cfg.dispatch_streams,
             compute_concurrency=cfg.compute_concurrency,
         )
-        self.secret_check = auth.SecretCheck(cfg.secret) if cfg.secret is not None else None
+        # refused calls and connections, every transport's, by reason (Stats carries them)
+        self.refusals = auth.Refusals()
+        self.servicer.refusals = self.refusals.counts
+        self.secret_check = auth.SecretCheck(cfg.secret, self.refusals) if cfg.secret is not None else None
         self.health = HealthServicer()
         self.server: grpc.Server | None = None
         self.address: str | None = None
@@ -151,12 +159,14 @@ class ExpertServer:
                     secret=self.cfg.secret,
                     spin_s=self.cfg.spin_us * 1e-6,
                     device=self.store.device,
+                    refusals=self.refusals,
                 )
             except OSError as e:  # (another process holds the name: clients use gRPC)
                 log.warning("no shared-memory data plane on %s: %s", self.address, e)
         if self.cfg.socket:
             try:
-                self.socket = tcp.TcpServer(self.host, self.servicer.compute_into, status_of, self.cfg.secret)
+                self.socket = tcp.TcpServer(self.host, self.servicer.compute_into, status_of, self.cfg.secret,
+                                            refusals=self.refusals)  # fmt: skip
                 self.servicer.socket_port = self.socket.port
             except OSError as e:  # (clients use gRPC)
                 log.warning("no TCP data plane on %s: %s", self.host, e)

@@ -85,6 +85,8 @@ class ExpertServicer:
         )
         self.address: str | None = None  # set by the server once bound; skipped among LoadSlots peers
         self.socket_port = 0  # the TCP data plane's port (rpc/tcp.py), set by the server; 0: none
+        # () -> refused calls / connections by (transport, reason), set by the server (auth.Refusals)
+        self.refusals: Callable[[], dict[tuple[str, str], int]] = dict
         self.peer_timeout_s, self.max_message_bytes = peer_timeout_s, max_message_bytes
         # `compute_concurrency` expert computes at a time (1: in turn, so concurrent calls from
         # micro-batches and attention workers finish one by one instead of all late together on
@@ -194,6 +196,8 @@ class ExpertServicer:
         reply = stats_to_proto(self.store.stats())
         reply.compute_seconds, reply.queue_seconds = self.compute_seconds, self.queue_seconds
         reply.socket_port, reply.compute_slots = self.socket_port, self.compute_concurrency
+        reply.refused.extend(expert_pb2.Refusal(transport=t, reason=r, count=n)
+                             for (t, r), n in sorted(self.refusals().items()))  # fmt: skip
         return reply
 
 

@@ -37,7 +37,10 @@ class StepBatch:
     each sequence in this step), seq_lens [B] int32 (context length after this step),
     block_table [B, max_blocks] int32, logits_index [B'] int64 (rows of T to compute logits for).
     DeepSeek-V4: state_table [B, max_blocks] int32, the state block attached to each block (-1:
-    none; kv_cache.V4Cache).
+    none; kv_cache.V4Cache). Speculative decoding: the rows of sequences with at most
+    `decode_upto` tokens in the step (a verify chunk: its token and drafts) are decode rows, each
+    attending causally in the absorbed form; `keep_hidden` asks the model for every row's
+    final-normed state, left in `hidden` [T, H] (the MTP module's input).
     """
 
     input_ids: torch.Tensor
@@ -48,6 +51,9 @@ class StepBatch:
     block_table: torch.Tensor
     logits_index: torch.Tensor
     state_table: torch.Tensor | None = None
+    decode_upto: int = 1
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = field(default=None, repr=False)
 
     @cached_property
     def state_slot_mapping(self) -> torch.Tensor:
@@ -68,7 +74,11 @@ class StepBatch:
 
     @cached_property
     def decode(self) -> DecodeRows | None:
-        """The decode sequences (one new token each), gathered once per step for every layer."""
+        """The decode sequences (one new token each), gathered once per step for every layer; with
+        `decode_upto` > 1 every row of a sequence with at most that many tokens, each row its own
+        decode row over its causal context."""
+        if self.decode_upto > 1:
+            return self._short_chunks()
         seqs = [b for b, n in enumerate(self.query_lens) if n == 1]
         if not seqs:
             return None
@@ -77,11 +87,27 @@ class StepBatch:
         rows = torch.tensor([self.query_starts[b] for b in seqs], device=device)
         return DecodeRows(rows, sel, self.block_table[sel].long(), self.seq_lens[sel].long())
 
+    def _short_chunks(self) -> DecodeRows | None:
+        rows, seqs, lens = [], [], []
+        for b, n in enumerate(self.query_lens):
+            if n <= self.decode_upto:
+                s0, L = self.query_starts[b], self.context_lens[b]
+                rows += range(s0, s0 + n)
+                seqs += [b] * n
+                lens += range(L - n + 1, L + 1)
+        if not rows:
+            return None
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=self.input_ids.device)  # noqa: E731
+        sel = as_long(seqs)
+        return DecodeRows(as_long(rows), sel, self.block_table[sel].long(), as_long(lens))
+
     @staticmethod
     def build(
         chunks: list[tuple[list[int], int, list[int], bool] | tuple[list[int], int, list[int], bool, range]],
         device: torch.device | str = "cpu",
         block_states: torch.Tensor | None = None,
+        decode_upto: int = 1,
+        keep_hidden: bool = False,
     ) -> StepBatch:
         """chunks: per sequence (token_ids of this step, start position, cache block ids,
         wants_logits[, rows]): logits for its last token when wants_logits, and first for its
@@ -116,4 +142,6 @@ class StepBatch:
             block_table=table.to(device),
             logits_index=as_long(logits_index),
             state_table=None if block_states is None else block_states[table.long()].to(device),
+            decode_upto=decode_upto,
+            keep_hidden=keep_hidden,
         )

@@ -282,6 +282,19 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
 
+    @property
+    def mtp_layers(self) -> list[int]:
+        """Decoder-layer indices of the multi-token-prediction modules (checkpoint names
+        `model.layers.{i}.*`, after the main layers; services/model/mtp.py)."""
+        return list(range(self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers))
+
+    def moe_index(self, layer: int) -> int:
+        """Decoder layer `layer`'s index among the MoE layers (a MoE layer of an MTP module comes
+        after the main model's: num_moe_layers + its MTP index); ValueError for a dense layer."""
+        if layer >= self.num_hidden_layers and self.is_moe_layer(layer):
+            return self.num_moe_layers + self.mtp_layers.index(layer)
+        return self.moe_layers.index(layer)
+
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

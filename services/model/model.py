@@ -34,6 +34,7 @@ from .kernels.select import Kernels, select_kernels
 from .kv_cache import BLOCK_SIZE, dequantize_index_keys, fp8_latent_bytes
 from .layers import Rope
 from .messages import ExpertCombine, ExpertDispatch, StepGen
+from .mtp import MTPWeights, load_mtp
 from .weights import LayerWeights, MLAWeights, load_layer, load_layers, shard_heads
 
 NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, DeepSeek)
@@ -133,7 +134,7 @@ def mla_forward(
 
     starts = batch.query_starts
     for b, n in enumerate(batch.query_lens):
-        if n == 1:
+        if n <= batch.decode_upto:  # (its rows are decode rows: done above)
             continue
         L, s0 = batch.context_lens[b], starts[b]
         blocks = batch.block_table[b, : (L + BLOCK_SIZE - 1) // BLOCK_SIZE].long()
@@ -205,6 +206,7 @@ class DeepseekV3:
         # fp32, from zero (moe.LocalExperts); else, with deterministic kernels, the model asks for one
         # row per (token, choice) and adds them itself in that order (kernels/deterministic.py)
         self.experts_sum_in_order = False
+        self.mtp: list[MTPWeights] = []  # the MTP modules, where loaded (load(mtp=True)): mtp.py
 
     def shard_attention(self, rank: int, tp: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Keep only rank `rank` of `tp`'s slice of every layer's heads (the latent projections
@@ -225,12 +227,14 @@ class DeepseekV3:
         weight_dtype: torch.dtype | None = None,
         keep_fp8: bool = False,
         kernels: Kernels | None = None,
+        mtp: bool = False,
     ) -> DeepseekV3:
         """Read the attention-side weights; no routed-expert tensor is touched. weight_dtype: the
         linears' and the LM head's storage (see `weights.load_layer`); None: `dtype`. keep_fp8: the
         linears of an FP8 checkpoint kept FP8 with their block scales (the LM head is not FP8).
         kernels: what the model computes with (None: select_kernels' default for `device`, these
-        weights and a cache in `dtype`)."""
+        weights and a cache in `dtype`). mtp: also the checkpoint's multi-token-prediction modules
+        (cfg.num_nextn_predict_layers of them: mtp.py), for speculative decoding."""
         if kernels is None:
             kernels = select_kernels(device, dtype, cfg, weight_dtype=weight_dtype, fp8_linears=keep_fp8)
         load = functools.partial(load_layer, weight_dtype=weight_dtype, keep_fp8=keep_fp8)
@@ -239,6 +243,8 @@ class DeepseekV3:
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         head = reader.get(head_name, weight_dtype or dtype)
         model = cls(cfg, embed, layers, reader.get("model.norm.weight", dtype), head, dtype, kernels=kernels)
+        if mtp:
+            model.mtp = load_mtp(reader, cfg, dtype, load, head, weight_dtype, keep_fp8)
         return model.to(device)
 
     def nbytes(self) -> int:
@@ -254,6 +260,8 @@ class DeepseekV3:
             parts += [*vars(layer).values(), *vars(layer.attn).values()]
             if layer.attn.indexer is not None:
                 parts += vars(layer.attn.indexer).values()
+        for m in self.mtp:
+            parts += [t for t in m.tensors() if t is not self.lm_head]
         return sum(size(v) for v in parts)
 
     def to(self, device: torch.device | str) -> DeepseekV3:
@@ -272,7 +280,11 @@ class DeepseekV3:
             move_fields(layer.attn)
             if layer.attn.indexer is not None:
                 move_fields(layer.attn.indexer)
+        head = self.lm_head
         self.embed, self.norm, self.lm_head = move(self.embed), move(self.norm), move(self.lm_head)
+        for m in self.mtp:
+            shared, m.head = m.head is head, None if m.head is head else m.head
+            m.to(device).head = self.lm_head if shared else m.head
         self.device = device
         self.rope = Rope(self.cfg, device)
         self.kernels = self.kernels.for_device(device)
@@ -280,13 +292,28 @@ class DeepseekV3:
 
     def forward(self, batch: StepBatch, latent_cache: torch.Tensor) -> StepGen:
         """One step. latent_cache [layers, blocks, 64, 1, cfg.cache_dim]. Yields expert messages at every
-        MoE layer; returns fp32 logits [len(batch.logits_index), vocab]."""
+        MoE layer; returns fp32 logits [len(batch.logits_index), vocab]. With `batch.keep_hidden`
+        (speculative decoding) it also sets `batch.hidden` [T, H]: every row's final-normed hidden
+        state, the LM head's input, which the MTP module reads (mtp.py)."""
+        k, eps = self.kernels, self.cfg.rms_norm_eps
+        h = F.embedding(batch.input_ids, self.embed)  # the residual stream
+        cos_sin = self.rope.cos_sin(batch.positions, self.dtype)
+        h, delta = yield from self.decoder_layers(h, enumerate(self.layers), cos_sin, latent_cache, batch)
+        if batch.keep_hidden:
+            batch.hidden = add_rms_norm(k, h, delta, self.norm, eps)[1]
+        rows = batch.logits_index
+        _, last = add_rms_norm(k, h[rows], None if delta is None else delta[rows], self.norm, eps)
+        return k.linear(last, self.lm_head).float()
+
+    def decoder_layers(self, h: torch.Tensor, layers, cos_sin, latent_cache: torch.Tensor, batch: StepBatch):
+        """The residual stream h [T, H] through `layers` ((decoder-layer index, LayerWeights) pairs:
+        the index picks the layer's cache slot and names it to the expert backend), yielding expert
+        messages at every MoE layer; returns (h, delta): the stream and what the last sublayer adds
+        to it (summed by the next norm: add_rms_norm)."""
         cfg, k = self.cfg, self.kernels
         eps = cfg.rms_norm_eps
-        h = F.embedding(batch.input_ids, self.embed)  # the residual stream
-        delta = None  # what the last sublayer adds to it (added with the next norm: add_rms_norm)
-        cos_sin = self.rope.cos_sin(batch.positions, self.dtype)
-        for i, layer in enumerate(self.layers):
+        delta = None
+        for i, layer in layers:
             h, x = add_rms_norm(k, h, delta, layer.input_norm, eps)
             attn = mla_forward(x, layer.attn, cfg, k, cos_sin, latent_cache[i], batch)
             if self.attn_reduce is not None:  # tensor parallel: sum the ranks' head slices
@@ -304,6 +331,4 @@ class DeepseekV3:
             if per_choice:
                 routed = sum_choices(routed, topk_idx)
             delta = routed + shared
-        rows = batch.logits_index
-        _, last = add_rms_norm(k, h[rows], None if delta is None else delta[rows], self.norm, eps)
-        return k.linear(last, self.lm_head).float()
+        return h, delta

@@ -132,12 +132,15 @@ class LocalExperts:
         progress=None,
         keep_fp8: bool = False,
         kernels: Kernels | None = None,
+        mtp: bool = False,
     ):
         """Every routed expert, held in `dtype` (or FP8 as shipped: keep_fp8). kernels: the ones
-        they compute with (None: selected for `dtype` on the CPU; `to` moves them along)."""
+        they compute with (None: selected for `dtype` on the CPU; `to` moves them along). mtp: the
+        MTP modules' MoE layers' experts too (model/mtp.py), under their decoder-layer index."""
         if kernels is None:
             kernels = select_kernels("cpu", dtype, cfg, fp8_experts=keep_fp8, scope="experts")
-        everything = {layer: list(range(cfg.n_routed_experts)) for layer in cfg.moe_layers}
+        layers = cfg.moe_layers + ([i for i in cfg.mtp_layers if cfg.is_moe_layer(i)] if mtp else [])
+        everything = {layer: list(range(cfg.n_routed_experts)) for layer in layers}
         packed = PackedExperts.load(reader, everything, dtype, progress, keep_fp8)
         packed.swiglu_limit = cfg.swiglu_limit
         return cls(cfg, packed, kernels)

@@ -96,7 +96,7 @@ def load_layer(
         input_norm=get(p + "input_layernorm.weight", dtype),
         post_norm=get(p + "post_attention_layernorm.weight", dtype),
         attn=attn,
-        moe_layer=cfg.moe_layers.index(i) if cfg.is_moe_layer(i) else None,
+        moe_layer=cfg.moe_index(i) if cfg.is_moe_layer(i) else None,
     )
     mlp = p + ("mlp.shared_experts." if layer.is_moe else "mlp.")
     if layer.is_moe:

@@ -24,6 +24,7 @@ from services.engine.outputs import RequestOutput
 
 from . import protocol as proto
 from . import responses
+from .answers import PromptLogprobsOrder, off_loop, prompt_logprobs_once, share_prompt_logprobs
 from .chat_format import THINK_BEGIN, THINK_END, ChatParser
 from .core import RouterConfig, RouterCore, Sub
 from .protocol import (
@@ -92,6 +93,7 @@ class Router:
     def __init__(self, cfg: RouterConfig):
         logging.basicConfig(level=logging.INFO)
         self.core = RouterCore(cfg)
+        self._expert_clients: dict[str, object] = {}  # address -> ExpertClient (/metrics reads their Stats)
 
     async def pid(self) -> int:
         """This replica's process id (fault tests kill it)."""
@@ -133,8 +135,41 @@ class Router:
             *[w.stats.remote() for w in self.core.workers.values()], return_exceptions=True
         )
         balancer = await self._balancer_status()
+        refused = await self._data_plane_refusals(balancer)
+        if refused is not None:
+            self.core.metrics.observe_refused(refused)
         text = self.core.metrics.render([s for s in stats if isinstance(s, dict)], balancer)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def _data_plane_refusals(self, balancer: dict | None) -> dict[tuple[str, str], int] | None:
+        """The data-plane calls and connections the expert workers refused ((transport, reason) ->
+        count), summed over the workers in the balancer's status that answer Stats within 2 s;
+        None without a balancer."""
+        from services.experts.client import ExpertClient
+
+        if balancer is None:
+            return None
+        workers = balancer.get("workers", [])
+        addresses = {w["address"] for w in workers if w.get("state") != "dead"} - {"-", None}
+        for gone in set(self._expert_clients) - addresses:
+            self._expert_clients.pop(gone).close()
+        if addresses - set(self._expert_clients):
+            try:  # (Stats needs the cluster's secret: the balancer hands it to the cluster's services)
+                actor = ray.get_actor(self.core.cfg.balancer, namespace=self.core.cfg.namespace)
+                secret = await asyncio.wait_for(actor.data_plane_secret.remote(), 5)
+            except (TimeoutError, ValueError, ray.exceptions.RayError):
+                return None
+            for address in addresses - set(self._expert_clients):
+                self._expert_clients[address] = ExpertClient(address, secret=secret)
+        clients = [self._expert_clients[a] for a in sorted(addresses)]
+        replies = await asyncio.gather(
+            *[asyncio.to_thread(c.stats, 2.0) for c in clients], return_exceptions=True
+        )
+        total: dict[tuple[str, str], int] = {}
+        for reply in replies:
+            for r in () if isinstance(reply, BaseException) else reply.refused:
+                total[r.transport, r.reason] = total.get((r.transport, r.reason), 0) + r.count
+        return total
 
     async def _balancer_status(self) -> dict | None:
         if not self.core.cfg.balancer:
@@ -194,12 +229,16 @@ class Router:
         req: TokenizeRequest = await self._tokenizer_request(request, TokenizeRequest)
         if req.messages is not None:
             messages = proto.chat_messages(req.messages)
-            self._check_messages(messages)
-            text = core.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
-            ids = core.tokenizer.encode(text, add_bos=False)
+            chars = self._check_messages(messages)
+
+            def template_and_encode():
+                text = core.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+                return core.tokenizer.encode(text, add_bos=False)
+
+            ids = await off_loop(chars, template_and_encode)
         else:
             core.check_prompts([req.prompt])
-            ids = core.tokenizer.encode(req.prompt, add_bos=req.add_special_tokens)
+            ids = await off_loop(len(req.prompt), core.tokenizer.encode, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": core.cfg.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -233,9 +272,9 @@ class Router:
                 raise APIError(400, "the request body holds a number with too many digits") from None
             raise APIError(400, "the request body is not valid JSON") from None
 
-    def _check_messages(self, messages: list[dict]) -> None:
+    def _check_messages(self, messages: list[dict]) -> int:
         """`max_prompt_chars` over a chat's messages (their text and tool calls, all turns
-        together), checked before they are templated and tokenized."""
+        together), checked before they are templated and tokenized; their characters."""
         limit, total = self.core.cfg.max_prompt_chars, 0
         for m in messages:
             total += len(m.get("content") or "") + len(m.get("name") or "")
@@ -243,6 +282,13 @@ class Router:
                 total += len(call["function"]["name"]) + len(call["function"]["arguments"])
         if total > limit:
             raise APIError(400, f"the messages have more than {limit} characters", param="messages")
+        return total
+
+    def _check_logprob_budget(self, entries_and_param: tuple[int, str]) -> None:
+        """The answer's logprob entries within `max_logprob_entries` (400 naming it otherwise)."""
+        limit = self.core.cfg.max_logprob_entries
+        entries, param = entries_and_param
+        proto.check_logprob_budget(entries, limit, param)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -256,20 +302,25 @@ class Router:
             core.cfg.default_completion_max_tokens, req.logprobs, req.num_prompt_logprobs()
         )
         texts = core.check_prompts(req.prompts())
-        prompts = [core.encode(p) for p in texts]
+        chars = sum(len(p) for p in texts if isinstance(p, str))
+        prompts = await off_loop(chars, lambda: [core.encode(p) for p in texts])
+        self._check_logprob_budget(req.logprob_entries([len(p) for p in prompts], params.max_tokens))
         echo = {}
         if req.echo:  # the prompt's text before the completion (a token-id prompt's decoded text)
-            echo = {i: p if isinstance(p, str) else core.decode(p) for i, p in enumerate(texts)}
+            echo = await off_loop(sum(len(p) for p in prompts) * 4, lambda: {
+                i: p if isinstance(p, str) else core.decode(p) for i, p in enumerate(texts)})  # fmt: skip
         rid = proto.new_id("cmpl")
         subs = core.subrequests(prompts, params, req.n, rid)
+        prompt_logprobs_once(subs, req.n)
         head = proto.response_head(rid, "text_completion", req.model)
         opts = {"logprobs": req.logprobs is not None, "token_ids": self._token_ids(req), "echo": req.echo,
                 "prompt_logprobs": req.prompt_logprobs is not None}  # fmt: skip
         core.metrics.request_started("completions")
         if req.stream:
             return await self._stream(subs, head, opts=opts, usage=req.include_usage_in_stream, echo=echo,
-                                      echo_only=req.echo_only)  # fmt: skip
+                                      echo_only=req.echo_only, n=req.n)  # fmt: skip
         outs = await self._collect(request, subs)
+        share_prompt_logprobs(subs, outs, req.n)
         if req.echo_only:  # (the one token the engine sampled is not part of the answer)
             outs = [[proto.without_output(out) for out in seq] for seq in outs]
         choices = [proto.completion_choice(sub.index, seq, sub.prompt_ids, core.token_str,
@@ -284,7 +335,7 @@ class Router:
         core.check_open()
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._body(request))
         rid = proto.new_id("chatcmpl")
-        prompt_ids, subs, parsers = self._chat_plan(req, rid)
+        prompt_ids, subs, parsers = await self._chat_plan(req, rid)
         opts = {"logprobs": req.logprobs, "token_ids": self._token_ids(req)}
         core.metrics.request_started("chat")
         if req.stream:
@@ -304,24 +355,30 @@ class Router:
             body["prompt_logprobs"] = proto.vllm_prompt_logprobs(prompt_ids, plps, core.token_str)
         return body
 
-    def _chat_plan(
+    async def _chat_plan(
         self, req: ChatCompletionRequest, rid: str
     ) -> tuple[list[int], list[Sub], list[ChatParser]]:
-        """A chat request's prompt ids, sub-requests (one per choice) and output parsers."""
+        """A chat request's prompt ids, sub-requests (one per choice) and output parsers. Large
+        messages are templated and tokenized off the event loop."""
         core = self.core
         core.check_model(req.model)
         if core.tokenizer is None:
             raise APIError(400, "chat needs a tokenizer; this model runs in token-id mode", param="messages")
         tools = req.tool_choice_spec()
         messages = req.chat_messages()
-        self._check_messages(messages)
-        prompt = core.tokenizer.apply_chat_template(
-            messages, req.add_generation_prompt, tools.template_tools()
-        )
-        thinking = prompt.rstrip().endswith(THINK_BEGIN)  # the template opened the reasoning block
-        if thinking and req.output_schema() is not None:  # constrained from the first token: no reasoning
-            prompt, thinking = prompt + THINK_END, False
-        prompt_ids = core.tokenizer.encode(prompt, add_bos=False)
+        chars = self._check_messages(messages)
+        constrained = req.output_schema() is not None
+
+        def template_and_encode() -> tuple[list[int], bool]:
+            prompt = core.tokenizer.apply_chat_template(
+                messages, req.add_generation_prompt, tools.template_tools()
+            )
+            thinking = prompt.rstrip().endswith(THINK_BEGIN)  # the template opened the reasoning block
+            if thinking and constrained:  # constrained from the first token: no reasoning
+                prompt, thinking = prompt + THINK_END, False
+            return core.tokenizer.encode(prompt, add_bos=False), thinking
+
+        prompt_ids, thinking = await off_loop(chars, template_and_encode)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         default_max = max(1, core.cfg.max_model_len - len(prompt_ids))
@@ -330,7 +387,9 @@ class Router:
             raise APIError(
                 400, "prompt_logprobs is not supported with stream in chat", param="prompt_logprobs"
             )
+        self._check_logprob_budget(req.logprob_entries(len(prompt_ids), params.max_tokens))
         subs = core.subrequests([prompt_ids], params, req.n, rid)
+        prompt_logprobs_once(subs, req.n)  # (the response's prompt_logprobs: once for all choices)
         return prompt_ids, subs, [ChatParser(tools, thinking) for _ in subs]
 
     @app.post("/v1/responses")
@@ -342,7 +401,7 @@ class Router:
         req: ResponsesRequest = parse(ResponsesRequest, await self._body(request))
         chat = req.to_chat()
         rid = responses.new_id("resp")
-        _, subs, (parser,) = self._chat_plan(chat, rid)
+        _, subs, (parser,) = await self._chat_plan(chat, rid)
         core.metrics.request_started("responses")
         if req.stream:
             return await self._stream_response(req, rid, subs, parser)
@@ -459,16 +518,20 @@ class Router:
         echo: dict[int, str] | None = None,
         parsers: list[ChatParser] | None = None,
         echo_only: bool = False,
+        n: int = 1,
     ) -> StreamingResponse:
         """Stream the sub-requests' outputs as SSE chunks (`usage`: end with a usage chunk; `echo`:
         prompt index -> text to put before each choice's first chunk; `echo_only`: without the
-        generated token; `parsers`: a chat stream's, one per choice). An error before the first
-        output (a refused request, a full queue) is answered with its HTTP status; after it, it
-        becomes an SSE error event. A client that disconnects cancels the generator, which aborts
-        the sub-requests."""
+        generated token; `parsers`: a chat stream's, one per choice; `n`: choices per prompt). An
+        error before the first output (a refused request, a full queue) is answered with its HTTP
+        status; after it, it becomes an SSE error event. A client that disconnects cancels the
+        generator, which aborts the sub-requests. Prompt logprobs come from each prompt's first
+        choice (answers.py): a sibling's outputs wait for them."""
         core, chat = self.core, parsers is not None
         started = time.monotonic()
         outputs, first = await self._first_output(subs)
+        share = not chat and bool(opts.get("prompt_logprobs") or (opts.get("echo") and opts.get("logprobs")))
+        ordered = PromptLogprobsOrder(subs, n, share)
 
         async def events():
             completion_tokens = 0
@@ -481,21 +544,22 @@ class Router:
             core.metrics.observe_ttft(time.monotonic() - started)
 
             try:
-                async for index, out in _chained(first, outputs):
-                    if echo_only:
-                        out = proto.without_output(out)
-                    completion_tokens += len(out.token_ids)
-                    prefix = ""
-                    if not firsts[index]:
-                        firsts[index].append(out)
-                        prefix = (echo or {}).get(subs[index].prompt_index, "")
-                    if chat:
-                        chunk = proto.chat_chunk(head, index, out, core.token_str, parsers[index], **opts)
-                    else:
-                        chunk = proto.completion_chunk(head, index, out, core.token_str, offset=offsets[index],
-                                                       prefix=prefix, prompt_ids=subs[index].prompt_ids, **opts)  # fmt: skip
-                        offsets[index] += len(prefix) + len(out.text)
-                    yield proto.sse(chunk)
+                async for arrived in _chained(first, outputs):
+                    for index, out in ordered(*arrived):
+                        if echo_only:
+                            out = proto.without_output(out)
+                        completion_tokens += len(out.token_ids)
+                        prefix = ""
+                        if not firsts[index]:
+                            firsts[index].append(out)
+                            prefix = (echo or {}).get(subs[index].prompt_index, "")
+                        if chat:
+                            chunk = proto.chat_chunk(head, index, out, core.token_str, parsers[index], **opts)
+                        else:
+                            chunk = proto.completion_chunk(head, index, out, core.token_str, offset=offsets[index],
+                                                           prefix=prefix, prompt_ids=subs[index].prompt_ids, **opts)  # fmt: skip
+                            offsets[index] += len(prefix) + len(out.text)
+                        yield proto.sse(chunk)
                 if usage:
                     yield proto.sse(proto.usage_chunk(head, self._usage(subs, completion_tokens, firsts)))
             except APIError as e:

@@ -42,6 +42,7 @@ class RouterConfig:
     max_body_bytes: int = 8 << 20  # larger request bodies get 413 before they are parsed
     max_prompts: int = 256  # prompts in one completions request
     max_prompt_chars: int = 1 << 20  # characters of one text prompt, checked before tokenizing
+    max_logprob_entries: int = 1 << 22  # choices x tokens x (1 + top logprobs) (+ prompt logprobs) per answer
     retry_after_s: int = 1
     prefix_caching: bool = True  # affinity routing by prompt prefix; n > 1 choices prefill once
     affinity_max_imbalance_tokens: int = 8192  # how much busier the worker holding a prefix may be

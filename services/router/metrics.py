@@ -139,6 +139,18 @@ class RouterMetrics:
         self.vllm_prefix_hits = per_worker(
             "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (vLLM name)"
         )
+        # speculative decoding (engine stats' spec_decode), under vLLM's names
+        self.spec_drafts = per_worker("vllm:spec_decode_num_drafts", "Drafts verified (vLLM name)")
+        self.spec_draft_tokens = per_worker(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified (vLLM name)"
+        )
+        self.spec_accepted = per_worker(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted (vLLM name)"
+        )
+        self.spec_accepted_per_pos = Gauge(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft (vLLM name)",
+            ["worker", "position"], registry=r,
+        )  # fmt: skip
         self.vllm_ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token (vLLM name)",
@@ -157,6 +169,18 @@ class RouterMetrics:
             "moe_expert_recovery_seconds", "Seconds from an expert worker's death until its experts served again (last)",
             registry=r,
         )  # fmt: skip
+        self.refused = Gauge(  # (a sum of the live workers' counters: one that leaves takes its own away)
+            "moe_data_plane_refused_total",
+            "Data-plane calls and connections the expert workers refused, by transport and reason "
+            "(services/dataplane/auth.py Refusals), summed over the live workers",
+            ["transport", "reason"], registry=r,
+        )  # fmt: skip
+
+    def observe_refused(self, counts: dict[tuple[str, str], int]) -> None:
+        """The expert workers' refusals (their Stats), summed: (transport, reason) -> count."""
+        self.refused.clear()
+        for (transport, reason), n in counts.items():
+            self.refused.labels(transport, reason).set(n)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -206,6 +230,13 @@ class RouterMetrics:
             self.vllm_kv_usage.labels(w).set(s["kv_blocks_used"] / max(1, s["kv_blocks_total"]))
             self.vllm_prefix_queries.labels(w).set(prefix.get("queried_tokens", 0))
             self.vllm_prefix_hits.labels(w).set(prefix.get("hit_tokens", 0))
+            spec = s.get("spec_decode")
+            if spec:
+                self.spec_drafts.labels(w).set(spec["num_drafts"])
+                self.spec_draft_tokens.labels(w).set(spec["num_draft_tokens"])
+                self.spec_accepted.labels(w).set(spec["num_accepted_tokens"])
+                for pos, n in enumerate(spec["num_accepted_tokens_per_pos"]):
+                    self.spec_accepted_per_pos.labels(w, str(pos)).set(n)
             self.dropped.labels(w).set((s.get("load_reporter") or {}).get("dropped_tokens", 0))
             self.version.labels(w).set(s["placement_version"])
         if balancer:

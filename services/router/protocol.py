@@ -63,6 +63,26 @@ MAX_TOKEN_ID = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
+# A budget on each answer's logprobs: choices x tokens x (1 + top alternatives), prompt logprobs
+# included, summed over what the answer would hold (each entry is a dict in the router replica and
+# ~100 bytes of JSON). vLLM bounds the alternatives per token (20, as SamplingParams does here); this
+# bounds their product too: 256 prompts x n=16 with echo and logprobs=20 would be ~10^8 entries from
+# a 2 MiB request. 2^22 lets one choice of a 163,840-token context carry top_logprobs=20 (3.4M).
+MAX_LOGPROB_ENTRIES = 1 << 22
+
+
+def check_logprob_budget(entries: int, limit: int, param: str) -> None:
+    """A 400 naming the limit when an answer could hold more than `limit` logprob entries."""
+    if entries > limit:
+        raise APIError(
+            400,
+            f"this request's answer could hold {entries} logprob entries (choices x tokens x (1 + top "
+            f"logprobs), prompt logprobs included), more than this server's max_logprob_entries of {limit}: "
+            "ask for fewer choices (n), prompts or tokens (max_tokens), or fewer top logprobs",
+            param=param,
+        )
+
+
 def check_token_ids(ids: Sequence[int], param: str) -> None:
     """A 400 naming `param` unless every id is in [0, MAX_TOKEN_ID]."""
     bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
@@ -180,6 +200,16 @@ class CompletionRequest(_Request):
         asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
         return max(asked) if asked else None
 
+    def logprob_entries(self, prompt_lens: Sequence[int], max_tokens: int) -> tuple[int, str]:
+        """(logprob entries the answer could hold, the field that asks for them): per choice its
+        tokens' (`logprobs`), with `echo` its prompt's in `logprobs` too, and its prompt's in
+        `prompt_logprobs` (each choice carries its prompt's, computed once per prompt)."""
+        top, echo, plp = self.logprobs, self.echo and self.logprobs is not None, self.prompt_logprobs
+        generated = max_tokens * (1 + top) if top is not None else 0
+        per_prompt = [generated + (n * (1 + top) if echo else 0) + (n * (1 + plp) if plp is not None else 0)
+                      for n in prompt_lens]  # fmt: skip
+        return self.n * sum(per_prompt), "logprobs" if top is not None else "prompt_logprobs"
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts as text or token-id lists (a batch when a list of them is given)."""
         p = self.prompt
@@ -293,6 +323,15 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def logprob_entries(self, prompt_len: int, max_tokens: int) -> tuple[int, str]:
+        """(logprob entries the answer could hold, the field that asks for them): each choice's
+        tokens', and the prompt's once (`prompt_logprobs`, once for all choices)."""
+        top, plp = self.num_logprobs(), self.prompt_logprobs
+        entries = (self.n * max_tokens * (1 + top) if top is not None else 0) + (
+            prompt_len * (1 + plp) if plp is not None else 0
+        )
+        return entries, "top_logprobs" if top is not None else "prompt_logprobs"
 
 
 class TokenizeRequest(BaseModel):

@@ -147,7 +147,7 @@ class VersionStats(_message.Message):
     def __init__(self, version: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("current_version", "loaded_versions", "loading_versions", "versions", "dispatch_calls", "weight_bytes", "compute_seconds", "queue_seconds", "socket_port", "compute_slots")
+    __slots__ = ("current_version", "loaded_versions", "loading_versions", "versions", "dispatch_calls", "weight_bytes", "compute_seconds", "queue_seconds", "socket_port", "compute_slots", "refused")
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LOADING_VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class StatsResponse(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SOCKET_PORT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     current_version: int
     loaded_versions: _containers.RepeatedScalarFieldContainer[int]
     loading_versions: _containers.RepeatedScalarFieldContainer[int]
@@ -168,4 +169,15 @@ class StatsResponse(_message.Message):
     queue_seconds: float
     socket_port: int
     compute_slots: int
-    def __init__(self, current_version: _Optional[int] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., loading_versions: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., dispatch_calls: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., socket_port: _Optional[int] = ..., compute_slots: _Optional[int] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[Refusal]
+    def __init__(self, current_version: _Optional[int] = ..., loaded_versions: _Optional[_Iterable[int]] = ..., loading_versions: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., dispatch_calls: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., socket_port: _Optional[int] = ..., compute_slots: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("transport", "reason", "count")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    reason: str
+    count: int
+    def __init__(self, transport: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...

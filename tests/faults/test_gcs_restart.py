@@ -57,7 +57,8 @@ def nodes():
 
 @pytest.fixture(scope="module")
 def cluster(nodes, tiny_model):
-    with tiny_cluster(tiny_model, address=nodes.address, expert_workers=2, redundant_experts=0, balancer_period_s=0,
+    with tiny_cluster(tiny_model, address=nodes.address, allow_unauthenticated_ray=True,  # (cluster_utils: no token)
+                      expert_workers=2, redundant_experts=0, balancer_period_s=0,
                       max_num_seqs=16, attention_threads=1, expert_threads=1) as c:  # fmt: skip
         yield c
 

@@ -45,7 +45,8 @@ def nodes():
 def cluster(nodes, tiny_model):
     rn, _ = nodes
     with tiny_cluster(
-        tiny_model, address=rn.address, attention_workers=2, expert_workers=4, redundant_experts=0,
+        tiny_model, address=rn.address, allow_unauthenticated_ray=True,  # (cluster_utils: no token)
+        attention_workers=2, expert_workers=4, redundant_experts=0,
         attention_resources={"attention_node": 1}, expert_resources={"expert_node": 1},
         balancer_period_s=0, max_num_seqs=32, attention_threads=1, expert_threads=1,
         control_resources={"head_node": 1},  # router and balancer on the head (losing a router

@@ -1,0 +1,263 @@
+"""Speculative decoding with the checkpoint's MTP module as the drafter (issue #54; model/mtp.py).
+
+A step of a speculating sequence is a *verify chunk*: its last token and the drafted tokens,
+1 + k rows through the main model (as decode rows, each over its causal context: the absorbed
+form, `StepBatch.decode_upto`), logits at every row. `Speculator.sample` turns them into the
+tokens the step emits:
+
+- greedy: each draft is accepted while it is the target's argmax; then the target's own token
+  (the correction, or after k accepted drafts the bonus), so the tokens are those of plain decoding;
+- sampled: standard rejection sampling (Leviathan et al. 2023, Chen et al. 2023): draft d drawn
+  from the draft distribution q is accepted with probability min(1, p(d) / q(d)), p the target's;
+  on a rejection the token is drawn from norm(max(0, p - q)), and after k accepted drafts the bonus
+  from p. Each emitted token is then distributed as the target's. p and q are the distributions
+  the request samples from (penalties, temperature, top-k / top-p / min-p applied), p at row i with
+  the drafts before it counted as output.
+
+After the scheduler has taken the emitted tokens, `Speculator.draft` runs the MTP module over the
+positions the step computed (each with the main model's hidden state there and the token after
+it), which writes its latent rows into its own cache slot, and drafts the next token of each
+sequence that may speculate: the argmax of the module's (processed) logits for a greedy request,
+a draw from them for a sampled one. The module runs for every sequence of the step, so its cache
+rows are complete wherever a later request's prefix hit or a preempted sequence lands.
+
+Refused, falling back to plain decoding for that request: structured outputs (a grammar would have
+to be advanced speculatively). Penalties, logit bias, min_tokens, stop tokens and strings,
+max_tokens, logprobs, prompt logprobs, preemption (drafts are dropped and drafted again after the
+recompute), prefix caching and chunked prefill compose. Not yet: more than one draft token per
+step (chaining the module), remote expert workers (the cluster), DeepSeek-V4, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from services.model.batch import StepBatch
+from services.model.messages import ExpertTally, run_interleaved
+from services.model.mtp import mtp_forward
+
+from .sampling import TokenLogprobs, draw, processed_logits, sampling_probs, token_logprobs
+from .scheduler import Chunk, SeqStatus, Sequence
+
+SPEC_METHODS = ("deepseek_mtp", "mtp")
+
+
+def parse_speculative_config(text: str | dict | None) -> int:
+    """Draft tokens per step from vLLM's `--speculative-config` JSON ({"method": "deepseek_mtp",
+    "num_speculative_tokens": 1}; None or empty: 0); ValueError for another method or count."""
+    if not text:
+        return 0
+    given = json.loads(text) if isinstance(text, str) else dict(text)
+    method = given.get("method", "deepseek_mtp")
+    if method not in SPEC_METHODS:
+        raise ValueError(
+            f"speculative-config method {method!r}: only {' / '.join(SPEC_METHODS)} (the MTP module)"
+        )
+    k = given.get("num_speculative_tokens", 1)
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+    return k
+
+
+def speculative_tokens(flag: int | None, config: str | dict | None) -> int:
+    """Draft tokens per step from `--speculative-tokens N` and / or vLLM's `--speculative-config`
+    JSON (the same thing); ValueError where both are given and disagree."""
+    from_config = parse_speculative_config(config) if config else None
+    if flag is not None and from_config is not None and flag != from_config:
+        raise ValueError(f"--speculative-tokens {flag} and --speculative-config's num_speculative_tokens "
+                         f"{from_config} disagree")  # fmt: skip
+    n = flag if flag is not None else from_config or 0
+    if n < 0:
+        raise ValueError(f"speculative tokens must be >= 0, got {n}")
+    return n
+
+
+@dataclass
+class SpecStats:
+    """Counters with vLLM's meaning: drafts checked (`spec_decode_num_drafts`), their tokens
+    (`..._num_draft_tokens`), the tokens accepted (`..._num_accepted_tokens`, and per position)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    refused_requests: int = 0  # requests that could not speculate (structured outputs): plain decoding
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.drafts,
+            "num_draft_tokens": self.draft_tokens,
+            "num_accepted_tokens": self.accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.accepted_per_position),
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            "mean_acceptance_length": 1 + self.accepted_tokens / self.drafts if self.drafts else None,
+            "refused_requests": self.refused_requests,
+        }
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) up to scale: where a rejected draft's replacement is drawn from (p where
+    rounding leaves nothing)."""
+    r = (p - q).clamp_(min=0.0)
+    return r if float(r.sum()) > 0 else p
+
+
+def accept(
+    p: torch.Tensor, q: torch.Tensor | None, draft: list[int], generator: torch.Generator
+) -> list[int]:
+    """Rejection sampling of `draft`: target distributions p [k+1, V] (each row summing to 1) at
+    the draft rows and after them, draft distributions q [k, V] the drafts were drawn from (None:
+    each draft was the draft model's argmax, q one-hot). The emitted tokens: the accepted drafts,
+    then one drawn from `residual` at the first rejection, or the bonus from p[k]."""
+    out = []
+    for i, d in enumerate(draft):
+        qd = 1.0 if q is None else float(q[i, d])
+        u = float(torch.rand(1, generator=generator))
+        if u * qd < float(p[i, d]):  # accepted with probability min(1, p(d) / q(d))
+            out.append(d)
+            continue
+        qi = torch.zeros_like(p[i]).index_fill_(0, torch.tensor([d]), 1.0) if q is None else q[i]
+        out.append(int(draw(residual(p[i], qi)[None], [generator])[0]))
+        return out
+    out.append(int(draw(p[len(draft)][None], [generator])[0]))
+    return out
+
+
+def accept_greedy(processed: torch.Tensor, draft: list[int]) -> list[int]:
+    """Greedy verification: processed logits [k+1, V]; drafts kept while each is the argmax,
+    then the argmax of the first row that disagrees (or of the last)."""
+    best = processed.argmax(dim=-1).tolist()
+    out = []
+    for i, d in enumerate(draft):
+        out.append(best[i])
+        if best[i] != d:
+            return out
+    out.append(best[len(draft)])
+    return out
+
+
+class Speculator:
+    """Speculative decoding for an engine (see the module's doc): `sample` checks the drafts of a
+    step's verify chunks, `draft` runs the MTP module after the step. `may_speculate(seq)` says
+    whether a request gets drafts (no grammar, at least two tokens left to generate)."""
+
+    def __init__(self, model, experts, cache_kv: torch.Tensor, k: int, max_model_len: int, grammar_ids: set):
+        cfg = model.cfg
+        if cfg.is_v4:
+            raise ValueError("speculative decoding: DeepSeek-V4's MTP layers are not supported yet")
+        if not model.mtp:
+            raise ValueError(f"speculative decoding needs the checkpoint's MTP module (num_nextn_predict_layers >= 1 "
+                             f"and its weights); {cfg.num_nextn_predict_layers} declared")  # fmt: skip
+        if k != 1:
+            raise ValueError(f"speculative_tokens {k}: one draft token per step for now (chaining: not yet)")
+        self.model, self.experts, self.kv, self.k = model, experts, cache_kv, k
+        self.max_model_len, self.grammar_ids = max_model_len, grammar_ids
+        self.stats = SpecStats(accepted_per_position=[0] * k)
+        self._refused: set[str] = set()
+
+    def may_speculate(self, seq: Sequence) -> bool:
+        if seq.request_id in self.grammar_ids:
+            if seq.request_id not in self._refused:
+                self._refused.add(seq.request_id)
+                self.stats.refused_requests += 1
+            return False
+        left = seq.params.max_tokens - len(seq.output_ids)
+        return left >= 2 and seq.num_tokens + 1 < self.max_model_len
+
+    # ---- verification ---------------------------------------------------------------------
+    def sample(
+        self,
+        chunks: list[Chunk],
+        logits: torch.Tensor,
+        history: list[tuple[list[int], list[int]]],
+        held_back: list[set[int]],
+        allowed: tuple[list[int], torch.Tensor] | None,
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]], list[int]]:
+        """The tokens each chunk wanting logits emits, their logprobs, and the logits rows they were
+        drawn from. logits: 1 + len(draft) rows per such chunk, in order; history / held_back /
+        allowed: per such chunk, as `sampling.sample` takes them (a grammar's row: a plain one)."""
+        want = [c for c in chunks if c.wants_logits]
+        first, rp, rh, rb = [], [], [], []  # per chunk its first row; per row params, history, held back
+        for c, (prompt, output), held in zip(want, history, held_back, strict=True):
+            first.append(len(rp))
+            for i in range(1 + len(c.draft)):
+                rp.append(c.seq.params)
+                rh.append((prompt, output + c.draft[:i]) if i else (prompt, output))
+                rb.append(held if len(c.seq.output_ids) + i < c.seq.params.min_tokens or not i else set())
+        if allowed is not None:
+            allowed = ([first[j] for j in allowed[0]], allowed[1])
+        raw, processed = processed_logits(logits, rp, rh, rb, allowed)
+        tokens, logprobs, used = [], [], []
+        for j, c in enumerate(want):
+            r0, p, seq = first[j], c.seq.params, c.seq
+            rows = slice(r0, r0 + 1 + len(c.draft))
+            if p.greedy:
+                new = accept_greedy(processed[rows], c.draft)
+            elif not c.draft:  # (one draw from the request's generator, as plain decoding takes)
+                new = draw(sampling_probs(processed[r0 : r0 + 1], [p]), [seq.generator]).tolist()
+            else:
+                probs = sampling_probs(processed[rows], [p] * (1 + len(c.draft)))
+                new = accept(probs / probs.sum(-1, keepdim=True), seq.draft_probs, c.draft, seq.generator)
+            if c.draft:
+                self._count(c.draft, new)
+            tokens.append(new)
+            used += range(r0, r0 + len(new))
+            logprobs.append([None if p.logprobs is None else token_logprobs(raw[r0 + i], t, p.logprobs)
+                             for i, t in enumerate(new)])  # fmt: skip
+        return tokens, logprobs, used
+
+    def _count(self, draft: list[int], emitted: list[int]) -> None:
+        s = self.stats
+        s.drafts += 1
+        s.draft_tokens += len(draft)
+        n = len(emitted) - 1  # (accepted drafts: the emitted tokens before the last)
+        s.accepted_tokens += n
+        for i in range(n):
+            s.accepted_per_position[i] += 1
+
+    # ---- drafting -------------------------------------------------------------------------
+    def draft(self, parts: list[list[Chunk]], batches: list[StepBatch], tally: ExpertTally, history_of,
+              held_of) -> None:  # fmt: skip
+        """Run the MTP module over what the step computed (`parts`' chunks, run as `batches`, each
+        holding its rows' hidden states) and draft the next token of each sequence that may
+        speculate, from the module's logits processed as the request's (history_of(seq): prompt and
+        output for penalties, held_of(seq): what min_tokens holds back). Expert waits go to `tally`."""
+        rows, hidden, drafting = [], [], []
+        for part, batch in zip(parts, batches, strict=True):
+            for b, c in enumerate(part):
+                seq = c.seq
+                m = seq.num_computed - c.start  # (rows computed, their next tokens known)
+                if seq.status is not SeqStatus.RUNNING or m <= 0:
+                    continue
+                want = c.wants_logits and self.may_speculate(seq)
+                rows.append((seq.token_slice(c.start + 1, c.start + 1 + m), c.start, seq.block_ids, want))
+                s0 = batch.query_starts[b]
+                hidden.append(batch.hidden[s0 : s0 + m])
+                if want:
+                    drafting.append(seq)
+        if not rows:
+            return
+        model = self.model
+        batch = StepBatch.build(rows, model.device, decode_upto=1 + self.k)
+        load = torch.zeros(model.cfg.num_moe_layers + len(model.mtp), model.cfg.n_routed_experts, dtype=torch.long,
+                           device=model.device)  # fmt: skip
+        mtp_tally = ExpertTally(load)
+        step = mtp_forward(model, model.mtp[0], batch, torch.cat(hidden), self.kv)
+        logits = run_interleaved([step], self.experts, mtp_tally)[0]
+        tally.wait_s += mtp_tally.wait_s
+        if not drafting:
+            return
+        params = [s.params for s in drafting]
+        _, processed = processed_logits(logits, params, [history_of(s) for s in drafting],
+                                        [held_of(s) for s in drafting])  # fmt: skip
+        greedy = processed.argmax(dim=-1).tolist()
+        for i, seq in enumerate(drafting):
+            if seq.params.greedy:
+                seq.draft, seq.draft_probs = [greedy[i]], None
+                continue
+            q = sampling_probs(processed[i : i + 1], [seq.params])
+            q = q / q.sum(-1, keepdim=True)
+            seq.draft, seq.draft_probs = draw(q, [seq.generator]).tolist(), q
