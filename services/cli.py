@@ -179,7 +179,7 @@ def run_cluster(cfg) -> int:
     bar.close()
     print(f"\nmoe-cluster is up: {cluster.url}  (model {cluster.model_dir})")
     print("try:")
-    name = cfg.router.served_model_name or Path(cluster.model_dir).name
+    name = (cfg.router.served_model_name or Path(cluster.model_dir).name).split(",")[0]
     print(
         f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
         f'    -d \'{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}\''
@@ -359,13 +359,8 @@ def serve_config(args, environ=os.environ):
             refuse("--gpu-memory-utilization", f"{v.vllm_gpu_memory_utilization} not in (0, 1]")
         m.note("--gpu-memory-utilization", "not used: the KV cache takes --kv-cache-gib per attention worker, and a "
                "worker on part of a GPU is held to its share (--attention-gpus, --expert-gpus)")  # fmt: skip
-    if v.vllm_served_model_name:
-        first, *others = v.vllm_served_model_name
-        m.put("served_model_name", first, "--served-model-name")
-        if others:
-            m.note(
-                "--served-model-name", f"the router answers to one name: {first!r} (not {', '.join(others)})"
-            )
+    if v.vllm_served_model_name:  # (all answered; the first is the API's own name)
+        m.put("served_model_name", ",".join(v.vllm_served_model_name), "--served-model-name")
     if v.vllm_api_key is not None:
         m.put("api_key", v.vllm_api_key, "--api-key")
     if v.vllm_enable_auto_tool_choice:
@@ -395,9 +390,13 @@ def serve_config(args, environ=os.environ):
         m.put("port", v.vllm_port, "--port")
     if v.vllm_host is not None:
         m.put("host", v.vllm_host, "--host")
-    if v.vllm_chat_template is not None:
-        refuse("--chat-template", "the chat template is the checkpoint's (tokenizer_config.json's chat_template, "
-                "else DeepSeek-V3's); one from the command line is not supported")  # fmt: skip
+    if v.vllm_chat_template is not None:  # (a file is read here: the router may run on another node)
+        from services.engine.tokenizer import read_template
+
+        try:
+            m.put("chat_template", read_template(v.vllm_chat_template), "--chat-template")
+        except (ValueError, OSError) as e:
+            refuse("--chat-template", str(e))
     if v.vllm_dtype is not None:
         if v.vllm_dtype == "auto":
             m.note("--dtype", "auto: the dtype setting stays as it is (default float32)")

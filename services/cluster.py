@@ -334,9 +334,12 @@ def router_config(cfg: ClusterConfig, backend: Backend):
 
 
 def resolve_model(cfg: ClusterConfig) -> str:
+    """The checkpoint directory: `model` as a directory, or a Hugging Face id through this node's
+    cache (services/hf_models.py; the CLI resolves ids before, with --revision), or the tiny preset."""
+    from services.hf_models import resolve_model as resolve
     from services.presets import default_model_dir
 
-    return str(Path(cfg.model).resolve()) if cfg.model else str(default_model_dir("tiny"))
+    return resolve(cfg.model).path if cfg.model else str(default_model_dir("tiny"))
 
 
 @dataclass

@@ -340,7 +340,11 @@ class RouterSettings:
     RouterConfig go to it."""
 
     served_model_name: str | None = setting(
-        None, "model name in the API (default: the checkpoint dir's name)"
+        None,
+        "model name in the API (default: the checkpoint dir's name); several, comma-separated: all answered",
+    )
+    chat_template: str | None = setting(
+        None, "a Jinja chat template (or its file) in place of the checkpoint's tokenizer config's"
     )
     host: str = setting("127.0.0.1", "HTTP host of the OpenAI API")
     port: int = setting(8000, "HTTP port of the OpenAI API")

@@ -113,7 +113,7 @@ def add_vllm_flags(s: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--chat-template",
         dest="vllm_chat_template",
         metavar="TEMPLATE",
-        help="refused: the checkpoint's template is used",
+        help="-> --chat-template: a Jinja chat template or its file, in place of the checkpoint's",
     )
     add("--generation-config", dest="vllm_generation_config", metavar="auto|vllm|DIR",
         help="vllm: accepted; auto or a folder: accepted where it sets no sampling default")  # fmt: skip

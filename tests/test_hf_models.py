@@ -134,3 +134,13 @@ def test_up_hands_the_services_the_snapshot_and_serves_it_under_its_id(hub):
     assert (cfg.model, cfg.router.served_model_name) == (_snapshot(hub, NEW), "tiny")
     with pytest.raises(ModelNotFound, match="other/model"):
         up_config(build_parser().parse_args(["up", "--model", "other/model"]))
+
+
+def test_the_launcher_resolves_an_id_without_the_cli(hub):
+    """services/serve.py (KubeRay) and Cluster.start take an id too: the launcher resolves it."""
+    from services.cluster import ClusterConfig
+    from services.cluster import resolve_model as launcher_model
+
+    assert launcher_model(ClusterConfig(model=REPO)) == _snapshot(hub, NEW)
+    with pytest.raises(ModelNotFound):
+        launcher_model(ClusterConfig(model="/no/such/dir"))

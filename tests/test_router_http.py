@@ -71,7 +71,7 @@ def router(tmp_path_factory):
     mp.setattr(router_app.ray, "get_actor", lambda name, namespace=None: gate)
     cls = router_app.Router.func_or_class.__mro__[1]  # (the class under Serve's ingress wrapper)
     instance = cls.__new__(cls)
-    instance.__init__(RouterConfig(str(model_dir), "tiny", ["moe-attn-0"], api_key=API_KEY,
+    instance.__init__(RouterConfig(str(model_dir), "tiny,tiny-alias", ["moe-attn-0"], api_key=API_KEY,
                                    max_prompt_chars=10_000, max_model_len=1 << 16))  # fmt: skip
     mp.setattr(
         router_app.serve, "get_replica_context", lambda: types.SimpleNamespace(servable_object=instance)
@@ -137,6 +137,16 @@ def test_affinity_hashes_stop_before_an_id_no_worker_holds():
     prompt = [5] * 64 + [2**63] + [5] * 100
     assert PrefixAffinity.hashes(prompt, 8) == PrefixAffinity.hashes(prompt[:65], 8)
     assert PrefixAffinity().choose(prompt, {"a": 0, "b": 0}) in ("a", "b")
+
+
+def test_every_served_name_is_listed_and_answered(router):
+    """--served-model-name a b (vLLM): both listed, both accepted, the first the API's own."""
+    client = router[0]
+    assert [m["id"] for m in client.get("/v1/models", headers=AUTH).json()["data"]] == ["tiny", "tiny-alias"]
+    for name in ("tiny", "tiny-alias"):
+        r = post(router, "/tokenize", {"model": name, "prompt": "hi"})
+        assert r.status_code == 200, r.text
+    assert_openai_4xx(post(router, "/tokenize", {"model": "other", "prompt": "hi"}), 404)
 
 
 def test_openapi_docs_and_redoc_are_not_served(router):

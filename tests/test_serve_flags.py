@@ -40,8 +40,8 @@ def hub(tmp_path, monkeypatch, tiny_model):
     return snapshot
 
 
-def _serve(command: str, environ=None):
-    args = build_parser().parse_args(shlex.split(command))
+def _serve(command: str, environ=None, extra: list[str] = ()):
+    args = build_parser().parse_args([*shlex.split(command), *extra])
     return serve_config(args, environ if environ is not None else {})
 
 
@@ -54,14 +54,18 @@ def test_a_vllm_command_line_maps_to_the_cluster_settings(hub):
         2, 2, 2000, "fp8", 32, False
     )  # fmt: skip
     assert (e.workers, e.redundant_experts, cfg.shared.dtype) == (3, 4, "bfloat16")
-    assert (r.served_model_name, r.api_key, r.port, r.host) == ("deepseek-v3", "sk-local", 9100, "0.0.0.0")
+    assert (r.served_model_name, r.api_key, r.port, r.host) == (
+        "deepseek-v3,ds3",
+        "sk-local",
+        9100,
+        "0.0.0.0",
+    )
     noted = {n.split(":")[0] for n in notes}
     assert noted == {
-        "--enable-expert-parallel", "--gpu-memory-utilization", "--served-model-name", "--enable-auto-tool-choice",
+        "--enable-expert-parallel", "--gpu-memory-utilization", "--enable-auto-tool-choice",
         "--tool-call-parser", "--reasoning-parser", "--enable-eplb", "--trust-remote-code", "--generation-config",
         "--enforce-eager",
     }  # fmt: skip
-    assert any("one name: 'deepseek-v3' (not ds3)" in n for n in notes)
     # the rest at our defaults, as `up` would have them
     assert (a.kv_cache_gib, e.keep_fp8_experts, cfg.balancer.period_s) == (2.0, False, 30.0)
 
@@ -94,7 +98,7 @@ def test_the_model_defaults_to_its_id_and_the_key_to_vllms_env(hub):
     "flags, message",
     [
         ("--seed 0", "--seed: there is no engine-wide seed"),
-        ("--chat-template x.jinja", "--chat-template: the chat template is the checkpoint's"),
+        ("--chat-template x.jinja", "--chat-template: chat template 'x.jinja': no such file"),
         ("--kv-cache-dtype fp8_e5m2", "--kv-cache-dtype: 'fp8_e5m2'"),
         ("--tool-call-parser hermes", "--tool-call-parser: 'hermes'"),
         ("--reasoning-parser qwen3", "--reasoning-parser: 'qwen3'"),
@@ -166,3 +170,20 @@ def test_docs_table_names_every_vllm_flag():
     documented = {re.match(r"\| `(--[\w-]+)", row).group(1) for row in rows}
     flags = set(vllm_flags())
     assert len(flags) >= 27 and flags == documented, (flags - documented, documented - flags)
+
+
+def test_a_chat_template_from_the_command_line_reaches_the_router(hub, tmp_path):
+    """vLLM's --chat-template, a file or inline: the router's tokenizer templates chats with it
+    (the file read by the CLI: the router may run on another node)."""
+    from services.engine.tokenizer import Tokenizer
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    for given in (str(tmp_path / "t.jinja"), template):
+        cfg, _ = _serve(f"serve {REPO}", extra=["--chat-template", given])
+        assert cfg.router.chat_template == template
+        tok = Tokenizer.from_dir(cfg.model, cfg.router.chat_template)
+        assert (
+            tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+            == "<user>hi"
+        )

@@ -65,6 +65,16 @@ MARKER_TOKENS = [
 ]  # fmt: skip
 
 
+def read_template(template: str) -> str:
+    """A chat template given as a file's path or inline (vLLM's --chat-template takes either)."""
+    path = Path(template)
+    if "{" not in template and path.is_file():
+        return path.read_text()
+    if "{" not in template:
+        raise ValueError(f"chat template {template!r}: no such file, and not a Jinja template")
+    return template
+
+
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, bos_token: str | None, eos_token: str | None, chat_template: str):
         self._tok = tok
@@ -74,7 +84,9 @@ class Tokenizer:
         self._template = None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer | None:
+        """The checkpoint's tokenizer; `chat_template` (a Jinja template, or the path of a file
+        holding one: vLLM's --chat-template) in place of its tokenizer config's."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -89,7 +101,9 @@ class Tokenizer:
             HFTokenizer.from_file(str(path)),
             token_str(tcfg.get("bos_token")),
             token_str(tcfg.get("eos_token")),
-            tcfg.get("chat_template") or DEFAULT_CHAT_TEMPLATE,
+            read_template(chat_template)
+            if chat_template
+            else tcfg.get("chat_template") or DEFAULT_CHAT_TEMPLATE,
         )
 
     @property

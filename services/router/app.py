@@ -192,9 +192,10 @@ class Router:
     async def models(self, request: Request) -> dict:
         self.core.check_auth(request)
         cfg = self.core.cfg
-        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model",
-                                            "created": proto.now(), "owned_by": "moe-cluster",
-                                            "root": cfg.model_dir, "max_model_len": cfg.max_model_len}]}  # fmt: skip
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": proto.now(),
+                                            "owned_by": "moe-cluster", "root": cfg.model_dir,
+                                            "max_model_len": cfg.max_model_len}
+                                           for name in self.core.model_names]}  # fmt: skip
 
     async def _tokenizer_request(self, request: Request, model: type):
         """A /tokenize or /detokenize body, checked (auth, model, a tokenizer to use)."""

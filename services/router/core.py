@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RouterConfig:
     model_dir: str
-    served_model_name: str
+    served_model_name: str  # several, comma-separated: all accepted, the first is the API's name
     attention_workers: list[str]  # Ray actor names
     namespace: str = NAMESPACE  # of the attention workers and the balancer (SharedSettings.namespace)
     balancer: str | None = None  # Ray actor name of the balancer (placement/loads for operators)
@@ -42,6 +42,7 @@ class RouterConfig:
     max_body_bytes: int = 8 << 20  # larger request bodies get 413 before they are parsed
     max_prompts: int = 256  # prompts in one completions request
     max_prompt_chars: int = 1 << 20  # characters of one text prompt, checked before tokenizing
+    chat_template: str | None = None  # a Jinja template or its file, in place of the checkpoint's
     max_logprob_entries: int = 1 << 22  # choices x tokens x (1 + top logprobs) (+ prompt logprobs) per answer
     retry_after_s: int = 1
     prefix_caching: bool = True  # affinity routing by prompt prefix; n > 1 choices prefill once
@@ -93,7 +94,7 @@ class RouterCore:
 
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
-        self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
+        self.tokenizer = Tokenizer.from_dir(cfg.model_dir, cfg.chat_template)
         self.workers = {n: ray.get_actor(n, namespace=cfg.namespace) for n in cfg.attention_workers}
         self.outstanding = dict.fromkeys(self.workers, 0)
         self.serving = set(self.workers)  # the workers new requests may go to (not draining)
@@ -113,6 +114,11 @@ class RouterCore:
         self.owner = uuid.uuid4().hex
         self._keepalive: threading.Thread | None = None
 
+    @property
+    def model_names(self) -> list[str]:
+        """The names the API answers to (`--served-model-name a b`: both), the first its own."""
+        return [n for n in self.cfg.served_model_name.split(",") if n]
+
     # ---- helpers ------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
         if not self.cfg.api_key:
@@ -126,7 +132,7 @@ class RouterCore:
             raise APIError(503, "the server is shutting down", retry_after=self.cfg.retry_after_s)
 
     def check_model(self, model: str) -> None:
-        if model not in (self.cfg.served_model_name, self.cfg.model_dir):
+        if model not in (*self.model_names, self.cfg.model_dir):
             raise APIError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
 
     def check_prompts(self, prompts: list[str | list[int]]) -> list[str | list[int]]:
