@@ -121,3 +121,25 @@ def test_medium_preset_is_v2_lite_sized_and_draws_in_bf16(tmp_path):
     engine = LocalEngine(EngineConfig(model=str(path), dtype="bfloat16", max_model_len=64))
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+
+
+def test_the_detokenizer_decodes_each_token_a_bounded_number_of_times(tiny_model):
+    """A long output streams in linear time (#52: it used to decode the whole output at every
+    step): the tokens decoded over the stream stay within a constant factor of its length, and the
+    text is the whole decode's."""
+    tok = Tokenizer.from_dir(tiny_model)
+    ids = tok.encode("ab 你好 cd ef " * 200, add_bos=False)
+    decoded = 0
+    whole = tok.decode
+
+    def counting(chunk, *args, **kwargs):
+        nonlocal decoded
+        decoded += len(chunk)
+        return whole(chunk, *args, **kwargs)
+
+    tok.decode = counting
+    detok, pieces = Detokenizer(tok, ["STOP"]), []
+    for n in range(1, len(ids) + 1):
+        pieces.append(detok.step(ids[:n], final=n == len(ids))[0])
+    assert "".join(pieces) == whole(ids)
+    assert decoded <= 20 * len(ids), (decoded, len(ids))  # (quadratic: ~len(ids)**2 / 2)

@@ -160,7 +160,9 @@ class Detokenizer:
     """Turns a growing list of output token ids into text deltas, and finds stop strings.
 
     Text that may still change (an incomplete UTF-8 sequence) or may be the start of a stop
-    string is held back until it is certain.
+    string is held back until it is certain. Incremental, as vLLM's: each step decodes only a
+    window of tokens (those since the last certain text, and the ones before them that a
+    decoder's context may need: `prefix`..), so a long output costs linear time, not quadratic.
     """
 
     def __init__(
@@ -170,13 +172,29 @@ class Detokenizer:
         how many of its characters were already emitted: text continues from there."""
         self.tokenizer, self.stop = tokenizer, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.earlier = list(earlier_ids)
+        self.ids = list(earlier_ids)  # every token so far (the earlier ones, then this request's)
+        self.earlier = len(self.ids)
         self.sent = earlier_sent  # characters already emitted
+        # certain text: `done` = decode(ids[:read]); the next window starts at `prefix` <= read
+        # (a char boundary: done never ends inside a character)
+        start = max(0, self.earlier - 4)  # (a character is at most 4 byte-level tokens)
+        while start > 0 and tokenizer.decode(self.ids[:start]).endswith("\ufffd"):
+            start -= 1
+        self.prefix = self.read = start
+        self.done = tokenizer.decode(self.ids[:start]) if start else ""
         self.text = ""
 
     def step(self, output_ids: list[int], final: bool) -> tuple[str, bool]:
         """Returns (new text, stopped). When stopped, the text ends before the stop string."""
-        self.text = self.tokenizer.decode(self.earlier + output_ids)
+        self.ids += output_ids[len(self.ids) - self.earlier :]
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        window = self.tokenizer.decode(self.ids[self.prefix :])
+        if window.startswith(prefix_text):
+            self.text = self.done + window[len(prefix_text) :]
+        else:  # (a decoder whose window text is not its prefix's continuation: decode it all)
+            self.text = self.tokenizer.decode(self.ids)
+        if not self.text.endswith("\ufffd"):  # certain up to here: the next window starts at `read`
+            self.done, self.prefix, self.read = self.text, self.read, len(self.ids)
         hits = [i for s in self.stop if (i := self.text.find(s, max(0, self.sent - len(s) + 1))) >= 0]
         if hits:  # stop at the earliest stop string
             self.text = self.text[: min(hits)]
