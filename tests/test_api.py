@@ -215,7 +215,8 @@ def _assert_usage_counts_the_tokens(answer: dict, body: dict, path: str) -> None
         assert max(generated) <= req.max_tokens, answer
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
+# (300 over the real cluster; test_router_http fuzzes every endpoint's validation in process, more widely)
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=st.one_of(st.dictionaries(st.sampled_from(FIELDS), BAD_VALUES, max_size=6), BAD_VALUES),
        path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))  # fmt: skip
 def test_bad_bodies_get_4xx_openai_errors(cluster, body, path):
