@@ -168,13 +168,13 @@ class _FakeGcs:
         self.server.stop(0)
 
 
-def test_up_address_refuses_a_ray_cluster_without_token_auth_unless_told(monkeypatch, caplog):
+def test_up_address_refuses_a_ray_cluster_without_token_auth_unless_told(monkeypatch, caplog, tmp_path):
     from services.ray_control import check_ray_auth
 
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     open_gcs, closed_gcs = _FakeGcs(requires_token=False), _FakeGcs(requires_token=True)
     try:
-        cfg = ClusterConfig(address=open_gcs.address, model="/nonexistent")
+        cfg = ClusterConfig(address=open_gcs.address, model=str(tmp_path))  # (a directory: nothing loaded)
         with pytest.raises(PermissionError, match="--allow-unauthenticated-ray"):
             Cluster.start(cfg)  # (refused before Ray is even joined)
         assert not ray.is_initialized()
