@@ -111,7 +111,9 @@ def main() -> None:
                 "errors": sorted({e for e in outcome.errors if e})[:3],
             }
             if name.endswith("frozen"):
-                row["thawed_process"] = "killed (fenced)" if _gone(outcome.fault_result) else "alive, serving"
+                row["thawed_process"] = (
+                    "killed (fenced)" if scenario.gone(outcome.fault_result) else "alive, serving"
+                )
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -140,14 +142,6 @@ def _restart_redis(cluster: Cluster) -> None:
     """Redis back on its port with its password (killed: the cluster runs without it meanwhile)."""
     port = int(cluster.redis_url.rsplit(":", 1)[1].split("/")[0])
     cluster.redis = EmbeddedRedis.start(port=port, password=cluster.redis.password)
-
-
-def _gone(pid: int) -> bool:
-    """Process `pid` is gone (or a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return True
 
 
 def chaos(cluster: Cluster, expected: list[list[int]], args) -> None:

@@ -15,16 +15,7 @@ from services.router.core import RouterConfig, RouterCore, Sub
 from services.router.metrics import RouterMetrics
 from services.router.protocol import APIError
 
-
-class _Call:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def options(self, **_):
-        return self
-
-    def remote(self, *args):
-        return self.fn(*args)
+from .fakes import RemoteCall
 
 
 def _done(value):
@@ -40,9 +31,9 @@ class FakeWorker:
     def __init__(self, cut_after: int | None = None, error: Exception | None = None):
         self.cut_after, self.error = cut_after, error
         self.calls, self.aborted = [], []
-        self.generate = _Call(self._generate)
-        self.abort = _Call(self.aborted.append)
-        self.ready = _Call(lambda: _done(True))
+        self.generate = RemoteCall(self._generate)
+        self.abort = RemoteCall(self.aborted.append)
+        self.ready = RemoteCall(lambda: _done(True))
 
     async def _generate(self, prompt, params, request_id, resumed, owner):
         self.calls.append((list(prompt), dict(params), request_id))
@@ -173,7 +164,7 @@ class FreezingWorker(FakeWorker):
     def __init__(self, freeze_after: int, frozen_s: float | None, answers_pings: bool):
         super().__init__()
         self.freeze_after, self.frozen_s, self.pings = freeze_after, frozen_s, 0
-        self.ready = _Call(self._ready if answers_pings else lambda: asyncio.Event().wait())
+        self.ready = RemoteCall(self._ready if answers_pings else lambda: asyncio.Event().wait())
 
     def _ready(self):
         self.pings += 1

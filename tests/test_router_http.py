@@ -25,21 +25,12 @@ from services.router import app as router_app
 from services.router.affinity import PrefixAffinity
 from services.router.core import RouterConfig
 
+from .fakes import RemoteCall
+
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GATE = "gate: the request passed the router's checks"
 VOCAB = 1024
-
-
-class _Call:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def options(self, **_):
-        return self
-
-    def remote(self, *args):
-        return self.fn(*args)
 
 
 class Gate:
@@ -49,9 +40,9 @@ class Gate:
     def __init__(self):
         self.requests: list[tuple[list[int], dict]] = []
         self.answer: list[RequestOutput] = []
-        self.generate = _Call(self._generate)
-        self.abort = _Call(lambda *_: None)
-        self.keepalive = _Call(lambda *_: None)
+        self.generate = RemoteCall(self._generate)
+        self.abort = RemoteCall(lambda *_: None)
+        self.keepalive = RemoteCall(lambda *_: None)
 
     async def _generate(self, prompt, params, request_id, resumed, owner):
         self.requests.append((list(prompt), dict(params)))

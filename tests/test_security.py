@@ -21,6 +21,8 @@ from services.redis_store import EmbeddedRedis, connect
 from services.router.core import RouterConfig
 from services.settings import RouterSettings, SharedSettings
 
+from .fakes import RemoteCall
+
 KEY, SECRET, PASSWORD = "sk-key-3f9a1c", "data-plane-77e2b0", "redis-pw-41d8c9"
 URL = f"redis://:{PASSWORD}@10.0.0.10:6380/0"
 
@@ -425,17 +427,6 @@ def test_router_metrics_show_the_expert_workers_refusals(expert_server_shm, tmp_
 
 
 # ---- the router in process (no Ray), as tests/test_router_http.py drives it --------------------
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def options(self, **_):
-        return self
-
-    def remote(self, *args):
-        return self.fn(*args)
-
-
 class FakeBalancer:
     """Where the balancer's actor handle would be: its status and the data-plane secret."""
 
@@ -443,8 +434,8 @@ class FakeBalancer:
         async def value(v):
             return v
 
-        self.status = _Remote(lambda: value(status))
-        self.data_plane_secret = _Remote(lambda: value(secret))
+        self.status = RemoteCall(lambda: value(status))
+        self.data_plane_secret = RemoteCall(lambda: value(secret))
 
 
 class FakeWorker:
@@ -466,10 +457,10 @@ class FakeWorker:
         async def no_stats():
             raise RuntimeError("no stats here")
 
-        self.generate = _Remote(generate)
-        self.stats = _Remote(no_stats)
-        self.abort = _Remote(lambda *_: None)
-        self.keepalive = _Remote(lambda *_: None)
+        self.generate = RemoteCall(generate)
+        self.stats = RemoteCall(no_stats)
+        self.abort = RemoteCall(lambda *_: None)
+        self.keepalive = RemoteCall(lambda *_: None)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -93,6 +94,20 @@ def freeze(pid_of: Callable[[], int], seconds: float) -> Callable[[], int]:
 def thaw(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # killed while frozen
         os.kill(pid, signal.SIGCONT)
+
+
+def gone(pid: int, wait_s: float = 0.0) -> bool:
+    """Process `pid` is gone (or a zombie), waiting (polling, bounded) up to `wait_s` for it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def actor_pid(name: str, namespace: str) -> int:

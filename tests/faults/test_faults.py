@@ -5,7 +5,6 @@ without the fault (LocalEngine), and the cluster must heal afterwards."""
 
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -94,20 +93,6 @@ def _only_once(cluster):
         )
 
 
-def _gone(pid: int, deadline_s: float = 60.0) -> bool:
-    """Wait (bounded) until process `pid` is gone or a zombie."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_expert_worker_frozen(cluster, expected):
     """SIGSTOP, thawed 10 s later: the balancer's health checks (deadlines from their observed
     latency) find it hung in about 1.5 s, re-place its experts and kill it (fenced: when the
@@ -119,7 +104,7 @@ def test_expert_worker_frozen(cluster, expected):
     )
     _complete_and_identical(outcome, expected)
     assert outcome.stall_s() < 8, outcome.stall_s()  # (found and moved long before the thaw)
-    assert _gone(outcome.fault_result), "the frozen expert worker was not killed"
+    assert scenario.gone(outcome.fault_result, wait_s=60), "the frozen expert worker was not killed"
     status = scenario.wait_healed(ns, expert_workers=3)
     assert status["dead_workers"][-1]["reason"].startswith("hung"), status["dead_workers"][-1]
 
@@ -134,7 +119,7 @@ def test_attention_worker_frozen(cluster, expected):
                    scenario.freeze(lambda: scenario.actor_pid("moe-attn-0", ns), 10))  # fmt: skip
     _complete_and_identical(outcome, expected)
     assert outcome.stall_s() < 8, outcome.stall_s()
-    assert _gone(outcome.fault_result), "the frozen attention worker was not killed"
+    assert scenario.gone(outcome.fault_result, wait_s=60), "the frozen attention worker was not killed"
     status = scenario.wait_healed(ns, expert_workers=3)
     assert [f["worker"] for f in status["attention_fenced"]][-1:] == ["moe-attn-0"]
     _complete_and_identical(_run(cluster, "after the fence", None), expected)
