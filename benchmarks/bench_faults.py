@@ -62,6 +62,9 @@ def main() -> None:
                     help="instead: kills and freezes of every process kind under continuous load")  # fmt: skip
     ap.add_argument("--chaos-out", default="benchmarks/results/faults_chaos.json")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", action="append", default=[], metavar="SCENARIO",
+                    help='run only this scenario (repeatable), e.g. --only "expert worker frozen"')  # fmt: skip
+    ap.add_argument("--repeat", type=int, default=1, help="run each scenario this many times")
     args = ap.parse_args()
 
     model = init_model(Path(tempfile.mkdtemp(prefix="bench-faults-")) / "tiny", "tiny", seed=0)
@@ -84,9 +87,13 @@ def main() -> None:
     faults = {"none": None}
     faults |= {name: scenario.kill(pid) for name, pid in pid_of.items()}
     faults |= {f"{name} frozen": scenario.freeze(pid, args.freeze_s) for name, pid in pid_of.items()}
+    unknown = set(args.only) - set(faults)
+    if unknown:
+        raise SystemExit(f"unknown scenarios {sorted(unknown)}; known: {sorted(faults)}")
+    runs = [(n, f) for n, f in faults.items() if not args.only or n in args.only for _ in range(args.repeat)]
     rows = []
     try:
-        for name, fault in faults.items():
+        for name, fault in runs:
             outcome = scenario.run(
                 cluster.url, name, fault, requests=args.requests, max_tokens=args.max_tokens
             )
@@ -106,6 +113,8 @@ def main() -> None:
                 "longest_pause_s": round(outcome.stall_s(), 3) if fault else None,
                 "expert_heal_s": round(dead[0]["healed_s"], 3) if dead and dead[0]["healed_s"] else None,
                 "detected": dead[0]["reason"] if dead else None,
+                "detected_after_s": round(dead[0]["detected_at"] - outcome.killed_at, 3) if dead else None,
+                **_heal_breakdown(status, outcome.killed_at),
                 "cluster_whole_again_s": round(whole_s, 2) if fault else None,
                 "run_s": round(outcome.seconds, 2),
                 "errors": sorted({e for e in outcome.errors if e})[:3],
@@ -136,6 +145,17 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def _heal_breakdown(status: dict, since: float) -> dict:
+    """The seconds the first heal after `since` spent loading the survivors and switching the
+    attention workers (from the balancer's recent migrations)."""
+    heals = [
+        m for m in status["recent_migrations"] if m["reason"].startswith("heal") and m["started_at"] >= since
+    ]
+    if not heals:
+        return {}
+    return {"heal_load_s": round(heals[0]["load_s"], 3), "heal_switch_s": round(heals[0]["switch_s"], 3)}
 
 
 def _restart_redis(cluster: Cluster) -> None:

@@ -97,9 +97,10 @@ class Balancer:
             if self.core.cfg.watch_s > 0:
                 self._tasks.append(loop.create_task(self._every(self.core.cfg.watch_s, self.core.watch)))
             if self.core.cfg.health_s > 0:
-                self._tasks.append(
-                    loop.create_task(self._every(self.core.cfg.health_s, self.core.check_health))
+                health = self._overlapping(
+                    self.core.cfg.health_s, self.core.check_health, self.core.pool.max_missed
                 )
+                self._tasks.append(loop.create_task(health))
             if self.autoscaler is not None:
                 period = self.autoscaler.cfg.period_s
                 self._tasks.append(loop.create_task(self._every(period, self._autoscale)))
@@ -120,6 +121,26 @@ class Balancer:
                 await fn()
             except Exception:
                 log.exception("%s failed", getattr(fn, "__name__", fn))
+
+    @staticmethod
+    async def _overlapping(period_s: float, fn, max_running: int) -> None:
+        """Start `fn` every `period_s` without waiting for the last to end (at most `max_running`
+        at once): a health round waiting on a hung worker's deadline does not delay the next, so
+        its missed checks come `period_s` apart."""
+        running: set[asyncio.Task] = set()
+
+        async def one() -> None:
+            try:
+                await fn()
+            except Exception:
+                log.exception("%s failed", getattr(fn, "__name__", fn))
+
+        while True:
+            await asyncio.sleep(period_s)
+            if len(running) < max_running:
+                task = asyncio.get_running_loop().create_task(one())
+                running.add(task)
+                task.add_done_callback(running.discard)
 
     async def placement(self) -> dict:
         self._kick()

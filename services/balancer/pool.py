@@ -8,10 +8,11 @@ survivors and starts a fresh worker under a new name (numbered after every worke
 knows of).
 
 Health: a grpc.health.v1 check of every worker, every `health_s` (the balancer's own loop, which
-nothing else delays). Each check's deadline is drawn from what checks took lately (deadlines.py:
-4 x their p99, at least `hung_after_s`, at most `health_timeout_s`), so a hung worker (SIGSTOP, a
-stuck process) is found in about 1.5 s (two checks in a row unanswered within 0.75 s) and a
-loaded one is given the time it has been taking. A worker whose gRPC server is unreachable and
+nothing else delays, and whose rounds overlap: a round waiting on a hung worker does not hold the
+next). Each check's deadline is drawn from what checks took lately (deadlines.py: 4 x their p99, at
+least `hung_after_s`, at most `health_timeout_s`), so a hung worker (SIGSTOP, a stuck process) is
+found in about a second (two checks in a row, started `health_s` apart, unanswered within 0.75 s)
+and a loaded one is given the time it has been taking. A worker whose gRPC server is unreachable and
 whose actor Ray reports dead is dead at once; two failed checks in a row (unanswered within the
 deadline: hung; unreachable: a lost node Ray has not declared yet) make it dead too, as does one
 failed check on the node of a worker found dead. A hung worker is fenced as the dead are: it
@@ -31,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +105,12 @@ class ExpertPool:
     requested_workers: int | None = None  # workers' worth of room asked of Ray's autoscaler (None: not yet)
     capacity: Capacity = field(default_factory=Capacity)  # (shared with the attention pool)
     health_deadlines: Deadlines = field(init=False)
+    # the health checks' threads (each waits up to a deadline on one worker; rounds overlap)
+    _health_threads: ThreadPoolExecutor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.health_deadlines = Deadlines(ceiling_s=self.health_timeout_s, floor_s=self.hung_after_s)
+        self._health_threads = ThreadPoolExecutor(32, thread_name_prefix="expert-health")
 
     # ---- machines -----------------------------------------------------------------------
     @property
@@ -253,49 +258,59 @@ class ExpertPool:
     async def check(self) -> dict[str, str]:
         """One health check of every member, concurrently, each within its measured deadline:
         {worker id: why it is dead or hung} for those that are. A worker whose check failed this
-        round on the node of one found dead is dead too (a lost node takes its workers at once)."""
-        ids = list(self.members)
+        round on the node of one found dead is dead too (a lost node takes its workers at once).
+        Rounds may overlap (the balancer starts one every `health_s` without waiting for the last),
+        so a hung worker's second missed check comes `health_s` after its first, not a deadline."""
+        members = dict(self.members)
         timeout_s = self.health_deadlines.timeout_s(1)
-        results = await asyncio.gather(*[asyncio.to_thread(self._check_one, w, timeout_s) for w in ids])
+        loop = asyncio.get_running_loop()
+        answers = await asyncio.gather(
+            *[loop.run_in_executor(self._health_threads, self._ask, m, timeout_s) for m in members.values()]
+        )
         dead = {}
-        for wid, (why, seconds) in zip(ids, results, strict=True):
-            if why:
-                dead[wid] = why
-            elif seconds is not None:
+        for (wid, member), (outcome, detail, seconds) in zip(members.items(), answers, strict=True):
+            if self.members.get(wid) is not member:  # (left the pool meanwhile)
+                continue
+            if outcome == "answered":
                 self.health_deadlines.observe(1, seconds)
+                member.missed = 0
+                if detail != "SERVING":
+                    dead[wid] = f"health status {detail}"
+            elif outcome == "gone":
+                dead[wid] = f"unreachable ({detail}) and its actor is dead"
+            elif outcome in ("hung", "unreachable"):
+                member.missed += 1  # (one failure may be a hiccup of a loaded machine)
+                if member.missed >= self.max_missed:
+                    dead[wid] = (
+                        f"hung: {member.missed} health checks in a row failed, the last unanswered in {timeout_s:.2f}s"
+                        if outcome == "hung"
+                        else f"{member.missed} health checks in a row failed, the last unreachable ({detail})"
+                    )
         lost_nodes = {self.members[w].node: w for w in dead if w in self.members}
-        for wid in ids:
-            member = self.members.get(wid)
-            if wid not in dead and member is not None and member.missed and member.node in lost_nodes:
+        for wid, member in self.members.items():
+            if wid not in dead and member.missed and member.node in lost_nodes:
                 dead[wid] = f"its check failed with {lost_nodes[member.node]} on its node dead"
         return dead
 
-    def _check_one(self, wid: str, timeout_s: float) -> tuple[str | None, float | None]:
-        """(why `wid` is dead or hung, or None; the seconds its answer took, None without one).
-        Checks failed in a row, unanswered within the deadline or unreachable, count together:
-        `max_missed` of them make it hung or dead; Ray's word that its actor is dead, at once."""
-        member = self.members.get(wid)
-        if member is None:
-            return None, None
+    def _ask(self, member: Member, timeout_s: float) -> tuple[str, str | None, float | None]:
+        """One health check (on a health thread): ("answered", its status, seconds), "hung"
+        (unanswered within the deadline), "unreachable" (its code), "gone" (unreachable and Ray
+        says its actor is dead), or "skipped" (this balancer stalled; the worker being stopped)."""
         t0 = time.monotonic()
         try:
             status = member.client.health(timeout=timeout_s)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 if Deadlines.caller_stalled(time.monotonic() - t0, timeout_s):  # (this balancer was)
-                    return None, None
-                why = f"hung: {member.missed + 1} health checks in a row failed, the last unanswered in {timeout_s:.2f}s"
-            elif self._process_gone(member, timeout_s):
-                return f"unreachable ({e.code().name}: {e.details()}) and its actor is dead", None
-            else:  # (a lost node Ray has not declared yet, a server that failed, a blip)
-                why = f"{member.missed + 1} health checks in a row failed, the last unreachable ({e.code().name})"
-            member.missed += 1  # (one failure may be a hiccup of a loaded machine)
-            return (why if member.missed >= self.max_missed else None), None
+                    return "skipped", None, None
+                return "hung", None, None
+            if self._process_gone(member, timeout_s):
+                return "gone", f"{e.code().name}: {e.details()}", None
+            # (a lost node Ray has not declared yet, a server that failed, a blip)
+            return "unreachable", e.code().name, None
         except ValueError:  # its channel was closed: the worker is being stopped
-            return None, None
-        seconds = time.monotonic() - t0
-        member.missed = 0
-        return (None if status == "SERVING" else f"health status {status}"), seconds
+            return "skipped", None, None
+        return "answered", status, time.monotonic() - t0
 
     @staticmethod
     def _process_gone(member: Member, timeout_s: float) -> bool:

@@ -274,6 +274,8 @@ class BalancerCore:
         if self.placement is None:
             return
         for wid, why in (await self.pool.check()).items():
+            if wid not in self.pool.members:  # (an overlapping round fenced it already)
+                continue
             log.warning(
                 "expert worker %s is %s; fencing it", wid, why if why.startswith("hung") else f"dead ({why})"
             )
@@ -319,7 +321,7 @@ class BalancerCore:
     async def _replace(self) -> None:
         """Bring the pool to its target size (after deaths); backs off when that fails."""
         try:
-            result = await self.scale(self.target_workers, reason="replace dead workers")
+            result = await self.scale(self.target_workers, reason="replace dead workers", replacing=True)
             ok = result.get("ok", False)
         except Exception as e:
             log.warning("replacing dead expert workers failed: %s", e)
@@ -484,22 +486,25 @@ class BalancerCore:
             record = await self._migrate(decision)
             return {"migrated": record.ok, **asdict(record)}
 
-    async def scale(self, num_workers: int, reason: str = "scaled pool") -> dict:
+    async def scale(self, num_workers: int, reason: str = "scaled pool", replacing: bool = False) -> dict:
         """Grow or shrink the expert pool to `num_workers` (also its target from now on, which the
         balancer restores after a worker dies), migrating experts off removed workers before they
         stop. New workers start outside the migration lock: serving and healing go on meanwhile;
         resizes run one at a time. If the migration fails, the new workers that got no slot are
-        stopped again."""
+        stopped again. `replacing`: restoring the target after deaths; a worker that does not
+        start leaves the target as it is (the watch tick tries again, backing off)."""
         if num_workers < 1:
             raise ValueError("the expert pool needs at least one worker")
         async with self._scale_lock:
             self.target_workers, before = num_workers, len(self.pool.members)
             error = await self.pool.ensure(num_workers)  # (asks Ray's autoscaler for the machines)
-            if error is not None:  # some did not start: resize to those that did, if any, and
-                # stop asking for more (a later scale or autoscaling tick asks again)
+            if error is not None:  # some did not start: resize to those that did, if any; a resize
+                # also stops asking for more (a later scale or autoscaling tick asks again)
                 log.warning("the expert pool cannot grow to %d workers: %s", num_workers, error)
-                self.target_workers = num_workers = max(before, len(self.pool.members))
-                await asyncio.to_thread(self.pool.request_capacity, num_workers)
+                num_workers = max(before, len(self.pool.members))
+                if not replacing:
+                    self.target_workers = num_workers
+                    await asyncio.to_thread(self.pool.request_capacity, num_workers)
                 if num_workers <= before:
                     return {"ok": False, "workers": before, "error": error}
             async with self._lock:

@@ -58,6 +58,7 @@ def balancer_status(core) -> dict:
         "balancedness_per_layer": stats.layer_balancedness.tolist() if stats else None,
         "migrations": sum(1 for m in core.migrations if m.ok),
         "last_migration": asdict(core.migrations[-1]) if core.migrations else None,
+        "recent_migrations": [asdict(m) for m in core.migrations[-8:]],
         "last_decision": core.last_decision.info() if core.last_decision else None,
         "attention_workers": list(core.attention),
         "attention": {n: core.attention_state.get(n, {}) for n in core.attention},

@@ -95,10 +95,10 @@ class ExpertServer:
         self,
         cfg: ExpertWorkerConfig,
         host: str = "127.0.0.1",
-        known_peers: Callable[[], set[str]] | None = None,
+        known_peers: Callable[[set[str]], set[str]] | None = None,
     ):
-        """`known_peers`: the addresses LoadSlots may name as peers (asked at each LoadSlots that
-        names any; the Ray actor passes the cluster's live expert workers); None: any peer."""
+        """`known_peers`: given the peers a LoadSlots names, those it may copy from (the Ray actor
+        passes worker.ClusterPeers: the cluster's live expert workers); None: any peer."""
         with contextlib.suppress(ModelNotFound):  # (none here: its experts come from peers)
             cfg = dataclasses.replace(cfg, model=ensure_local(cfg.model))  # (a model id's snapshot)
         self.cfg = cfg

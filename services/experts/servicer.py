@@ -69,7 +69,7 @@ class ExpertServicer:
         peer_timeout_s: float = 600.0,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         secret: str | None = None,
-        known_peers: Callable[[], set[str]] | None = None,
+        known_peers: Callable[[set[str]], set[str]] | None = None,
         dispatch_streams: int = 64,
         compute_concurrency: int = 1,
     ):
@@ -79,7 +79,7 @@ class ExpertServicer:
         # the data plane's gRPC methods (each DispatchStream holds a server thread: at most
         # `dispatch_streams` at once)
         self.dispatch = DispatchService(self.compute_into, status_of, dispatch_streams)
-        self.known_peers = known_peers  # () -> the addresses LoadSlots may copy from (None: any)
+        self.known_peers = known_peers  # (peers) -> those LoadSlots may copy from (None: any)
         self.secret = (
             secret  # the cluster's (services/dataplane/auth.py): what this worker sends to its peers
         )
@@ -132,7 +132,7 @@ class ExpertServicer:
         peers = [p for p in request.peers if p and p != self.address]
         if peers and self.known_peers is not None:  # (a stranger's host would be sent the secret
             # and could send poisoned weights: only the cluster's own expert workers are peers)
-            unknown = sorted(set(peers) - self.known_peers())
+            unknown = sorted(set(peers) - self.known_peers(set(peers)))
             if unknown:
                 log.warning("LoadSlots refused: peers %s are not expert workers of this cluster", unknown)
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,

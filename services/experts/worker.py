@@ -10,9 +10,10 @@ loading.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import os
+import time
 
 import ray
 import torch
@@ -30,7 +31,7 @@ class ExpertWorker:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         limit_gpu_memory()  # (part of a shared GPU: held to its share)
-        peers = None if cfg.namespace is None else functools.partial(cluster_expert_addresses, cfg.namespace)
+        peers = None if cfg.namespace is None else ClusterPeers(cfg.namespace)
         self.server = ExpertServer(cfg, host=cfg.host or ray.util.get_node_ip_address(), known_peers=peers)
 
     def start(self) -> str:
@@ -52,24 +53,42 @@ class ExpertWorker:
         self.server.stop()
 
 
-def cluster_expert_addresses(namespace: str, timeout_s: float = 5.0) -> set[str]:
-    """The gRPC addresses of the live expert workers named in `namespace` (the named actors the
-    balancer started), this worker's own aside: the only peers LoadSlots may copy experts from.
-    A worker that does not answer within `timeout_s` (still starting, or pending) is left out."""
-    me = ray.get_runtime_context().get_actor_name()
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == namespace and EXPERT_WORKER_NAME.match(a["name"]) and a["name"] != me]  # fmt: skip
-    refs = []
-    for name in names:
-        try:
-            refs.append(ray.get_actor(name, namespace=namespace).address.remote())
-        except ValueError:  # (gone meanwhile)
-            continue
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    addresses = set()
-    for ref in ready:
-        try:
-            addresses.add(ray.get(ref))
-        except ray.exceptions.RayError:  # (died meanwhile)
-            continue
-    return addresses - {None}
+class ClusterPeers:
+    """Which addresses are the cluster's own expert workers (the named actors the balancer started
+    in `namespace`, this worker aside): the only peers LoadSlots may copy experts from.
+
+    Each worker's address is asked once and kept while Ray still lists its name, so a check asks
+    only workers it has not met: a hung worker met before costs nothing (the heal that replaces it
+    names peers while it is still frozen), and an unmet one is waited for at most `timeout_s`."""
+
+    def __init__(self, namespace: str, timeout_s: float = 5.0):
+        self.namespace, self.timeout_s = namespace, timeout_s
+        self.addresses: dict[str, str] = {}  # actor name -> its gRPC address
+
+    def __call__(self, wanted: set[str]) -> set[str]:
+        """The addresses of `wanted` that are expert workers of the cluster."""
+        me = ray.get_runtime_context().get_actor_name()
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == self.namespace and EXPERT_WORKER_NAME.match(a["name"]) and a["name"] != me}  # fmt: skip
+        self.addresses = {n: a for n, a in self.addresses.items() if n in names}  # (gone: forgotten)
+        if not wanted <= set(self.addresses.values()):
+            self._learn(names - set(self.addresses), wanted)
+        return wanted & set(self.addresses.values())
+
+    def _learn(self, names: set[str], wanted: set[str]) -> None:
+        """Ask workers `names` for their addresses until every `wanted` one is known, or for
+        `timeout_s` (a worker still starting, pending or hung is left to the next check)."""
+        refs = {}
+        for name in names:
+            try:
+                refs[ray.get_actor(name, namespace=self.namespace).address.remote()] = name
+            except ValueError:  # (gone meanwhile)
+                continue
+        deadline = time.monotonic() + self.timeout_s
+        while refs and not wanted <= set(self.addresses.values()) and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                name = refs.pop(ref)
+                with contextlib.suppress(ray.exceptions.RayError):  # (died meanwhile)
+                    if (address := ray.get(ref)) is not None:
+                        self.addresses[name] = address
