@@ -221,7 +221,8 @@ def chaos(cluster: Cluster, expected: list[list[int]], args) -> None:
                 errors.append(f"{type(e).__name__}: {e}"[:200])
                 continue
             identical += got == expected[k]
-            pauses.append(max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0))
+            gaps = [(b - a, a) for a, b in zip(times, times[1:], strict=False)]
+            pauses.append(max(gaps, default=(0.0, time.time())))  # (its longest gap, when it began)
         await http.close()
 
     async def load() -> None:
@@ -261,8 +262,11 @@ def chaos(cluster: Cluster, expected: list[list[int]], args) -> None:
         "sent": sent,
         "identical": identical,
         "lost": lost,
-        "longest_pause_s": round(max(pauses, default=0.0), 3),
-        "pause_p99_s": round(sorted(pauses)[int(0.99 * (len(pauses) - 1))], 3) if pauses else None,
+        "longest_pause_s": round(max(pauses, default=(0.0,))[0], 3),
+        "pause_p99_s": round(sorted(p for p, _ in pauses)[int(0.99 * (len(pauses) - 1))], 3)
+        if pauses
+        else None,
+        "longest_pauses": _attributed(pauses, faults, t0),
         "healed_after_s": healed,
         "faults": faults,
         "errors": sorted(set(errors))[:5],
@@ -270,6 +274,21 @@ def chaos(cluster: Cluster, expected: list[list[int]], args) -> None:
     Path(args.chaos_out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=1))
     print(f"wrote {args.chaos_out}")
+
+
+def _attributed(pauses: list[tuple[float, float]], faults: list[dict], t0: float, top: int = 8) -> list[dict]:
+    """The `top` longest pauses (seconds, wall-clock start) with the last fault injected before
+    each began (the pause's likely cause), times in seconds from the run's start."""
+    rows = []
+    for pause, at in sorted(pauses, reverse=True)[:top]:
+        before = [f for f in faults if f["at"] <= at + 0.05 and "fault" in f]
+        cause = before[-1] if before else None
+        rows.append({
+            "pause_s": round(pause, 3),
+            "at_s": round(at - t0, 1),
+            "after": f"{cause['kind']} {cause['fault']}, {at - cause['at']:.1f} s before" if cause else None,
+        })  # fmt: skip
+    return rows
 
 
 def node_loss(model: Path, expected: list[list[int]], args) -> None:

@@ -110,3 +110,14 @@ def join_ray(address: str, namespace: str) -> None:
     local = not address.startswith("ray://") and is_localhost(parse_address(_gcs_address(address))[0])
     with _single_machine_ray() if local else contextlib.nullcontext():
         ray.init(address=address, namespace=namespace, log_to_driver=False)
+
+
+def actor_state(actor) -> str:
+    """Ray's word on `actor`: its state in the GCS's actor table (ALIVE, RESTARTING, DEAD, ...),
+    read without calling the actor (a hung one would not answer)."""
+    from ray._private.state import actors
+
+    try:
+        return actors(actor._actor_id.hex())["State"]
+    except Exception as e:  # noqa: BLE001 (the GCS restarting: not proven either way)
+        return f"unknown ({type(e).__name__})"

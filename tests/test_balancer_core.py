@@ -45,7 +45,9 @@ class FakeHealth:
 
 
 def _pool(**kw) -> tuple[ExpertPool, dict[str, FakeHealth]]:
-    pool = ExpertPool(SharedSettings(), ExpertWorkerConfig(model="-"), hung_after_s=0.3, health_timeout_s=0.3, **kw)
+    pool = ExpertPool(
+        SharedSettings(), ExpertWorkerConfig(model="-"), hung_after_s=0.3, health_timeout_s=0.3, **kw
+    )
     clients = {w: FakeHealth() for w in ("w0", "w1")}
     for w, client in clients.items():
         pool.members[w] = Member(actor=None, address=f"{w}:1", node="node-a", client=client)
@@ -102,7 +104,7 @@ def test_a_worker_that_left_the_pool_during_a_round_is_not_reported():
 def test_refused_checks_count_with_missed_ones_and_take_the_node_mates_of_a_dead_worker(monkeypatch):
     """Unreachable twice makes a worker dead; a node-mate whose last check failed goes with it."""
     pool, clients = _pool()
-    monkeypatch.setattr(ExpertPool, "_process_gone", staticmethod(lambda member, timeout_s: False))
+    monkeypatch.setattr(ExpertPool, "_process_gone", staticmethod(lambda member: False))
 
     def refused(timeout: float) -> str:
         raise _RpcError(grpc.StatusCode.UNAVAILABLE)

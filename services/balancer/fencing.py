@@ -16,6 +16,7 @@ import time
 import ray
 
 from services.deadlines import Deadlines
+from services.ray_control import actor_state
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class AttentionFence:
             if Deadlines.caller_stalled(time.monotonic() - t0, deadline):
                 return {"fenced": False, "why": "the balancer itself was stalled; not proven"}
             why = f"{reason}; no answer to the balancer's ping in {deadline:.2f}s ({type(e).__name__})"
-        state = await asyncio.to_thread(ray_state, actor)
+        state = await asyncio.to_thread(actor_state, actor)
         if state != "ALIVE":  # (restarting after a death, or being created: not hung)
             return {"fenced": False, "why": f"Ray reports it {state}"}
         self._until[name] = time.monotonic() + self.restart_s
@@ -70,13 +71,3 @@ class AttentionFence:
         self.history.append({"worker": name, "at": time.time(), "reason": why})
         del self.history[:-100]
         return {"fenced": True, "why": why}
-
-
-def ray_state(actor) -> str:
-    """Ray's state of `actor` from the GCS's actor table (ALIVE, RESTARTING, DEAD, ...)."""
-    from ray._private.state import actors
-
-    try:
-        return actors(actor._actor_id.hex())["State"]
-    except Exception as e:  # noqa: BLE001 (the GCS restarting: not proven alive)
-        return f"unknown ({type(e).__name__})"

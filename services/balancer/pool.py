@@ -44,6 +44,7 @@ from services.deadlines import Deadlines
 from services.experts.client import ExpertClient
 from services.experts.server import ExpertWorkerConfig
 from services.experts.worker import ExpertWorker
+from services.ray_control import actor_state
 from services.settings import EXPERT_WORKER_NAME, SharedSettings, expert_worker_name
 
 log = logging.getLogger(__name__)
@@ -304,7 +305,7 @@ class ExpertPool:
                 if Deadlines.caller_stalled(time.monotonic() - t0, timeout_s):  # (this balancer was)
                     return "skipped", None, None
                 return "hung", None, None
-            if self._process_gone(member, timeout_s):
+            if self._process_gone(member):
                 return "gone", f"{e.code().name}: {e.details()}", None
             # (a lost node Ray has not declared yet, a server that failed, a blip)
             return "unreachable", e.code().name, None
@@ -313,12 +314,6 @@ class ExpertPool:
         return "answered", status, time.monotonic() - t0
 
     @staticmethod
-    def _process_gone(member: Member, timeout_s: float) -> bool:
-        """Ray's word on an unreachable worker: True when its actor is dead."""
-        try:
-            ray.get(member.actor.pid.remote(), timeout=timeout_s)
-            return False
-        except ray.exceptions.RayActorError:
-            return True
-        except Exception:  # slow to answer: not proven dead
-            return False
+    def _process_gone(member: Member) -> bool:
+        """Ray's word on an unreachable worker: True when the GCS holds its actor dead."""
+        return actor_state(member.actor) == "DEAD"
