@@ -1,12 +1,14 @@
 """Tool calls streamed as they decode: the function name first, then argument fragments.
 
-Pure: no Ray, no HTTP. `progress(mode, text)` reads the calls in a choice's text so far (a forced
-call's JSON, or DeepSeek's markup after `<｜tool▁calls▁begin｜>`) as `CallProgress` items: each
-call's name once it is known and the part of its arguments that can no longer change (a prefix
-of the arguments the whole text will give). `CallStream` turns successive readings into OpenAI's
-streamed `tool_calls` deltas: a call's first delta has its index, id, type and name (arguments
-""), later ones only argument fragments. The accumulated arguments of a call equal the whole
-text's, since every reading is a prefix of the final one (`finish` sends the rest).
+Pure: no Ray, no HTTP. `required_progress(text)` and `markup_progress(text)` read the calls in a
+choice's text so far (a forced call's JSON, or DeepSeek's markup after `<｜tool▁calls▁begin｜>`) as
+`CallProgress` items: each call's name once it is known and the part of its arguments that can no
+longer change (a prefix of the arguments the whole text will give). While a choice streams,
+`RequiredScanner` and `chat_format.MarkupScanner` give the same readings incrementally.
+`CallStream` turns successive readings into OpenAI's streamed `tool_calls` deltas: a call's first
+delta has its index, id, type and name (arguments ""), later ones only argument fragments. The
+accumulated arguments of a call equal the whole text's, since every reading is a prefix of the
+final one (`finish` sends the rest).
 
 The three forms (`chat_format.ChatParser` holds the text back from content and feeds it here):
 - named: the text is the function's arguments, whole;
@@ -43,11 +45,12 @@ class CallProgress:
 
 
 def held(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could begin `marker` (held back while streaming)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
+    """How many trailing characters of `text` could begin `marker` (held back while streaming): the
+    longest proper prefix of `marker` that `text` ends with (only its last len(marker) - 1 are read)."""
+    at = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while at >= 0 and not marker.startswith(text[at:]):
+        at = text.find(marker[0], at + 1)
+    return len(text) - at if at >= 0 else 0
 
 
 # ---- required: a JSON array of {"name", "parameters"} ------------------------------------------
@@ -418,15 +421,6 @@ def markup_progress(text: str) -> list[CallProgress]:
     return calls
 
 
-def progress(mode: str, text: str, name: str | None = None) -> list[CallProgress]:
-    """Calls so far of a choice whose tool mode is `mode` ("named": the function `name`)."""
-    if mode == "named":
-        return [CallProgress(name, text)]
-    if mode == "required":
-        return required_progress(text)
-    return markup_progress(text)
-
-
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -494,6 +488,32 @@ class CallStream:
             arguments = scanner.arguments(i)
             if arguments:
                 self._send(out, i, arguments)
+        return out
+
+    def markup_deltas(
+        self, calls: list, changed: dict[int, list[str]], done: set[int], limit: int
+    ) -> list[dict]:
+        """The deltas for what a `chat_format.MarkupScanner` read since the last call (`calls`: its
+        calls; `changed`, `done`: its `take_changes()`), of its first `limit` calls: the same as
+        `deltas(markup_progress(all the text)[:limit])` gives; the work is bounded by what changed.
+        An open call's new fragments extend what was sent (its arguments only grow); a completed
+        call sends the rest of its final arguments if they extend what was sent."""
+        new = range(len(self.ids), min(len(calls), limit))
+        out: list[dict] = []
+        for i in sorted(set(changed) | done | set(new)):
+            if i >= limit:
+                continue
+            call = calls[i]
+            if i == len(self.ids):
+                self._announce(out, call.name)
+                more = call.arguments()
+            elif i in done:
+                sent, final = self.sent(i), call.arguments()
+                more = final[len(sent) :] if final.startswith(sent) else ""
+            else:
+                more = "".join(changed[i])
+            if more:
+                self._send(out, i, more)
         return out
 
     def named_deltas(self, name: str, text: str) -> list[dict]:
