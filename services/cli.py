@@ -236,6 +236,11 @@ def cmd_status(args) -> int:
         if "kv_cache_tokens" in stats:
             print(f"  {name} KV cache: {stats['kv_cache_tokens']} tokens ({stats['kv_cache_dtype']} rows), "
                   f"{stats['kv_blocks_used']} of {stats['kv_blocks_total']} blocks in use")  # fmt: skip
+        spec = stats.get("spec_decode")  # (speculating: the drafted tokens accepted, vLLM's counters)
+        if spec:
+            rate = "-" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.2f}"
+            print(f"  {name} speculative decoding: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} drafted "
+                  f"tokens accepted (rate {rate}) in {spec['num_drafts']} drafts")  # fmt: skip
     print(f"{'expert worker':16} {'state':9} {'address':22} {'node':14} {'slots':>6} {'load':>10}")
     for w in st["workers"]:
         load = "-" if w.get("load") is None else f"{w['load']:.0f}"

@@ -282,6 +282,11 @@ def _start_backend(cfg: ClusterConfig, model_dir: str, shared: SharedSettings, r
     from services.balancer.attention_pool import AttentionScaling, start_attention_worker
     from services.balancer.service import BalancerConfig
 
+    if shared.speculative_tokens:  # (refused here, before any worker starts, as each engine would)
+        from services.engine.speculative import check_speculation
+        from services.model.config import ModelConfig
+
+        check_speculation(ModelConfig.from_dir(model_dir), shared.speculative_tokens)
     worker = AttentionWorkerConfig.from_settings(cfg.attention, shared, model_dir)
     attention_pool = AttentionScaling.from_settings(cfg.attention, worker)
     step(f"starting {cfg.experts.workers} expert workers and loading the placement")

@@ -16,7 +16,8 @@ Each section's `validate` checks its own fields (with the shared settings, which
 The launcher hands one `SharedSettings` (with the Redis actually used and the data-plane secret)
 to the balancer and the attention workers (the router gets its namespace), so that load counts
 written by attention workers land where the balancer reads them, every actor is found under the
-same names, and both ends of the data plane agree on its dtype and transport.
+same names, both ends of the data plane agree on its dtype and transport, and the expert pool
+serves the MTP module's experts exactly when the attention workers speculate.
 """
 
 from __future__ import annotations
@@ -129,6 +130,11 @@ class SharedSettings:
         "block (~7 us round trips instead of ~70; pays only where every worker has cores of its own)",
         key="expert_spin_us",
     )
+    # speculative decoding (issue #54): the attention workers draft with the MTP module, and the expert
+    # workers serve its MoE layer's routed experts like the others' (placed, counted, re-placed)
+    speculative_tokens: int = setting(
+        0, "speculative decoding: tokens the checkpoint's MTP module drafts per step (0: off; 1 for now)"
+    )
 
     def __post_init__(self):
         if self.bucket_seconds <= 0 or self.ttl_seconds <= 0:
@@ -141,6 +147,9 @@ class SharedSettings:
             raise ValueError(f"expert_transport {self.transport!r}: one of {', '.join(TRANSPORTS)}")
         if not 0 <= self.spin_us <= 1e6:
             raise ValueError(f"expert_spin_us {self.spin_us}: 0 to 1e6 microseconds")
+        if self.speculative_tokens not in (0, 1):
+            raise ValueError(f"speculative_tokens: {self.speculative_tokens}: 0 (off) or 1 (one draft token per "
+                             "step; chaining the MTP module: not yet)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -205,9 +214,6 @@ class AttentionSettings:
     prefix_caching: bool = setting(
         True, "reuse cached prompt-prefix blocks; send requests to the worker holding their prefix"
     )
-    speculative_tokens: int = setting(
-        0, "speculative decoding: tokens the MTP module drafts per step (LocalEngine only for now: 0 here)"
-    )
 
     @property
     def device(self) -> str:
@@ -230,9 +236,10 @@ class AttentionSettings:
             raise ValueError("kv_cache_gib must be > 0")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: auto or fp8")
-        if self.speculative_tokens:  # (issue #54: the MTP layer's experts on the expert workers, next)
-            raise ValueError("speculative_tokens: speculative decoding runs in LocalEngine (moe-cluster generate) "
-                             "only for now, not in the cluster")  # fmt: skip
+        if shared.speculative_tokens and self.tp > 1:
+            raise ValueError(
+                "speculative_tokens with attention_tp > 1 (attention tensor parallelism): not yet"
+            )
         if self.keep_fp8_linears and self.tp > 1:
             raise ValueError(
                 "keep_fp8_linears with attention_tp > 1 (attention tensor parallelism): not supported yet"

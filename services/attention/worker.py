@@ -37,6 +37,7 @@ from services.engine.scheduler import QueueFullError
 from services.gpus import limit_gpu_memory
 from services.hf_models import ensure_local
 from services.model.moe import LocalExperts
+from services.model.mtp import served_experts
 from services.settings import BALANCER_NAME, AttentionSettings, SharedSettings, build_config
 
 log = logging.getLogger(__name__)
@@ -181,8 +182,9 @@ class AttentionService:
             "times": asdict(self.times),
             # mean seconds a step waited for its routed experts, per MoE layer (the data plane's
             # cost beyond the attention side's own work: docs/experts.md)
+            # (speculating, the MTP pass's MoE layer is one more round trip per step)
             "expert_wait_per_moe_layer_s": self.times.expert_wait_s
-            / max(1, self.times.steps * self.engine.cfg.num_moe_layers),
+            / max(1, self.times.steps * (self.engine.cfg.num_moe_layers + len(self.engine.model.mtp))),
             "load_reporter": self.load_reporter.stats() if self.load_reporter else None,
         }
 
@@ -318,11 +320,13 @@ class AttentionWorker:
 
         def make_experts(mcfg, reader, dtype):
             if placement is None:  # single process: every routed expert here
-                return LocalExperts.load_all(reader, mcfg, dtype).to(cfg.engine.device)
+                mtp = cfg.engine.speculative_tokens > 0  # (the MTP module's experts too: speculative.py)
+                return LocalExperts.load_all(reader, mcfg, dtype, mtp=mtp).to(cfg.engine.device)
             dispatch = DispatchConfig(timeout_s=cfg.dispatch_timeout_s, secret=cfg.shared.secret,
                                       transport=cfg.expert_transport, spin_us=cfg.expert_spin_us,
                                       device=str(cfg.engine.device))  # fmt: skip
-            self.remote_experts = RemoteExperts(mcfg, Placement.from_dict(placement), addresses, dispatch)
+            served = served_experts(mcfg, cfg.engine.speculative_tokens > 0)  # (the MTP module's layer too)
+            self.remote_experts = RemoteExperts(served, Placement.from_dict(placement), addresses, dispatch)
             return self.remote_experts
 
         # (a model id's snapshot, resolved by the launcher on its node: the same commit on this one)
@@ -338,8 +342,9 @@ class AttentionWorker:
         engine = Engine(mcfg, model, experts, cfg.engine, tokenizer, on_batches)
         reporter = None
         if cfg.shared.redis_url:
+            served = served_experts(mcfg, engine.spec is not None)  # (the MTP pass's routed choices too)
             reporter = LoadReporter(
-                LoadReporterConfig(cfg.shared), mcfg.num_moe_layers, mcfg.n_routed_experts
+                LoadReporterConfig(cfg.shared), served.num_moe_layers, mcfg.n_routed_experts
             )
         self.service = AttentionService(cfg, engine, reporter)
         self.service.placement_version = 0 if placement is None else int(placement["version"])

@@ -44,6 +44,7 @@ from services.dataplane.placement import Placement
 from services.experts.client import ExpertClient, load_placement, release_version
 from services.experts.server import ExpertWorkerConfig, read_model_config
 from services.model.config import ModelConfig
+from services.model.mtp import served_experts
 from services.redis_store import (
     checked_placement,
     connect,
@@ -108,7 +109,8 @@ class BalancerCore:
 
     def __init__(self, cfg: BalancerConfig):
         self.cfg, self.shared = cfg, cfg.shared
-        self.model_cfg = ModelConfig.from_dir(cfg.model)
+        # the MoE layers the pool serves: with speculation the MTP module's too (placed, counted, re-placed)
+        self.model_cfg = served_experts(ModelConfig.from_dir(cfg.model), cfg.shared.speculative_tokens > 0)
         self.redis = connect(cfg.shared.redis_url) if cfg.shared.redis_url else None
         self.pool = ExpertPool(cfg.shared, cfg.expert_worker_config(), dict(cfg.experts.resources),
                                num_gpus=cfg.experts.gpus)  # fmt: skip

@@ -86,9 +86,7 @@ class Engine:
         self._matchers: dict[str, Matcher] = {}  # requests with structured output: their grammar state
         self._grammar: GrammarCompiler | None = None
         self.spec: Speculator | None = None  # speculative decoding with the MTP module (speculative.py)
-        if engine_cfg.speculative_tokens:
-            if not isinstance(experts, LocalExperts):
-                raise ValueError("speculative decoding with remote expert workers (the cluster): not yet")
+        if engine_cfg.speculative_tokens:  # (its MoE layer's experts: in process, or on the expert workers)
             self.spec = Speculator(model, experts, self.cache.kv, engine_cfg.speculative_tokens,
                                    self.max_model_len, self._matchers)  # fmt: skip
         self.graphs: DecodeGraphs | None = None  # in-process experts: whole decode steps
@@ -247,8 +245,11 @@ class Engine:
         them, so the next step schedules the same work again."""
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
-        tally = ExpertTally(torch.zeros(self.cfg.num_moe_layers, self.cfg.n_routed_experts,
-                                        dtype=torch.long, device=self.model.device))  # fmt: skip
+        # routed (token, choice) pairs per MoE layer: the main model's, then the MTP pass's (speculating)
+        layers = self.cfg.num_moe_layers + (len(self.model.mtp) if self.spec is not None else 0)
+        tally = ExpertTally(
+            torch.zeros(layers, self.cfg.n_routed_experts, dtype=torch.long, device=self.model.device)
+        )
         if not chunks:
             return StepResult([], 0, 0, tally.load.cpu(), 0.0, time.perf_counter() - t0)
         decodes = all(c.num_tokens == 1 and c.wants_logits for c in chunks)

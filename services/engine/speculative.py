@@ -25,7 +25,13 @@ Refused, falling back to plain decoding for that request: structured outputs (a 
 to be advanced speculatively). Penalties, logit bias, min_tokens, stop tokens and strings,
 max_tokens, logprobs, prompt logprobs, preemption (drafts are dropped and drafted again after the
 recompute), prefix caching and chunked prefill compose. Not yet: more than one draft token per
-step (chaining the module), remote expert workers (the cluster), DeepSeek-V4, CUDA graphs.
+step (chaining the module), DeepSeek-V4, CUDA graphs, attention tensor parallelism.
+
+In the cluster (an attention worker's engine over `RemoteExperts`) nothing here changes: a verify
+chunk's 1 + k rows go through each MoE layer's one dispatch with the step's other rows, and the MTP
+pass's MoE layer is dispatched to the expert workers like any other (its `moe_index` after the main
+model's, model/mtp.py `served_experts`: the placement, the load counts and EPLB cover it). Its
+routed choices are counted in the step's tally after the main model's layers.
 """
 
 from __future__ import annotations
@@ -73,6 +79,18 @@ def speculative_tokens(flag: int | None, config: str | dict | None) -> int:
     if n < 0:
         raise ValueError(f"speculative tokens must be >= 0, got {n}")
     return n
+
+
+def check_speculation(cfg, k: int) -> None:
+    """ValueError where the model (a ModelConfig) cannot speculate `k` tokens per step: what an engine
+    refuses at start, checked by the launcher before it starts anything."""
+    if cfg.is_v4:
+        raise ValueError("speculative decoding: DeepSeek-V4's MTP layers are not supported yet")
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError("speculative decoding needs the checkpoint's MTP module (num_nextn_predict_layers >= 1 "
+                         "and its weights); 0 declared")  # fmt: skip
+    if k != 1:
+        raise ValueError(f"speculative_tokens {k}: one draft token per step for now (chaining: not yet)")
 
 
 @dataclass
@@ -145,14 +163,10 @@ class Speculator:
     whether a request gets drafts (no grammar, at least two tokens left to generate)."""
 
     def __init__(self, model, experts, cache_kv: torch.Tensor, k: int, max_model_len: int, grammar_ids: set):
-        cfg = model.cfg
-        if cfg.is_v4:
-            raise ValueError("speculative decoding: DeepSeek-V4's MTP layers are not supported yet")
+        check_speculation(model.cfg, k)
         if not model.mtp:
             raise ValueError(f"speculative decoding needs the checkpoint's MTP module (num_nextn_predict_layers >= 1 "
-                             f"and its weights); {cfg.num_nextn_predict_layers} declared")  # fmt: skip
-        if k != 1:
-            raise ValueError(f"speculative_tokens {k}: one draft token per step for now (chaining: not yet)")
+                             f"and its weights); {model.cfg.num_nextn_predict_layers} declared")  # fmt: skip
         self.model, self.experts, self.kv, self.k = model, experts, cache_kv, k
         self.max_model_len, self.grammar_ids = max_model_len, grammar_ids
         self.stats = SpecStats(accepted_per_position=[0] * k)
@@ -224,7 +238,8 @@ class Speculator:
         """Run the MTP module over what the step computed (`parts`' chunks, run as `batches`, each
         holding its rows' hidden states) and draft the next token of each sequence that may
         speculate, from the module's logits processed as the request's (history_of(seq): prompt and
-        output for penalties, held_of(seq): what min_tokens holds back). Expert waits go to `tally`."""
+        output for penalties, held_of(seq): what min_tokens holds back). Its routed load (rows after the
+        main model's MoE layers) and expert waits go to the step's `tally`."""
         rows, hidden, drafting = [], [], []
         for part, batch in zip(parts, batches, strict=True):
             for b, c in enumerate(part):
@@ -242,12 +257,9 @@ class Speculator:
             return
         model = self.model
         batch = StepBatch.build(rows, model.device, decode_upto=1 + self.k)
-        load = torch.zeros(model.cfg.num_moe_layers + len(model.mtp), model.cfg.n_routed_experts, dtype=torch.long,
-                           device=model.device)  # fmt: skip
-        mtp_tally = ExpertTally(load)
         step = mtp_forward(model, model.mtp[0], batch, torch.cat(hidden), self.kv)
-        logits = run_interleaved([step], self.experts, mtp_tally)[0]
-        tally.wait_s += mtp_tally.wait_s
+        # (its MoE layer's load counted in the step's tally, after the main model's layers)
+        logits = run_interleaved([step], self.experts, tally)[0]
         if not drafting:
             return
         params = [s.params for s in drafting]

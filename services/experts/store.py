@@ -43,6 +43,7 @@ from services.model.config import ModelConfig
 from services.model.fp8 import dequantize_fp8_blocks
 from services.model.kernels.select import select_kernels
 from services.model.moe import PackedExperts
+from services.model.mtp import mtp_moe_layers
 
 from .rows import LayerRows, plan_rows, row_map
 from .sources import Checkpoint, ExpertRows, check_expert_weights
@@ -146,7 +147,10 @@ class SlotStore:
             check_keep_fp8_experts(cfg)
         self.fp8_block = cfg.fp8_block_size if keep_fp8 else None  # (bn, bk) when experts are held in FP8
         self.device = torch.device(device)  # where the packed experts live and compute
-        self.moe_index = {layer: n for n, layer in enumerate(cfg.moe_layers)}
+        # the MoE layers a version may name: the main model's, then (the cluster speculating) the MTP
+        # modules' (model/mtp.py); LoadSlots names the main ones alone or all of them
+        self.main_layers, self.mtp_layers = cfg.moe_layers, mtp_moe_layers(cfg)
+        self.moe_index = {layer: n for n, layer in enumerate(self.main_layers + self.mtp_layers)}
         self.spare_rows = spare_rows
         self._versions: dict[int, SlotVersion] = {}
         self._draining: list[SlotVersion] = []  # released, with calls still running on them
@@ -228,9 +232,10 @@ class SlotStore:
         if version <= 0:
             raise InvalidRequest(f"version must be > 0, got {version}")
         layers = sorted(experts_per_layer)
-        if layers != self.cfg.moe_layers:
+        if layers not in (self.main_layers, self.main_layers + self.mtp_layers):
+            mtp = f" (and the MTP modules' {self.mtp_layers})" if self.mtp_layers else ""
             raise InvalidRequest(
-                f"LoadSlots must name every MoE layer {self.cfg.moe_layers} once, got {layers}"
+                f"LoadSlots must name every MoE layer {self.main_layers}{mtp} once, got {layers}"
             )
         layout = {layer: [int(e) for e in experts_per_layer[layer]] for layer in layers}
         sizes = {len(experts) for experts in layout.values()}
@@ -399,7 +404,7 @@ class SlotStore:
         versions they come from are held as in-flight (as a Dispatch holds its version) until the
         block ends, so a release and a reload meanwhile cannot write new experts into their rows."""
         if layer not in self.moe_index:
-            raise InvalidRequest(f"layer {layer} is not a MoE layer (MoE layers: {self.cfg.moe_layers})")
+            raise InvalidRequest(f"layer {layer} is not a MoE layer (MoE layers: {list(self.moe_index)})")
         experts = list(dict.fromkeys(int(e) for e in experts))
         bad = [e for e in experts if not 0 <= e < self.cfg.n_routed_experts]
         if bad:
@@ -408,7 +413,7 @@ class SlotStore:
             loaded = [self._versions[v] for v in sorted(self._versions, reverse=True)]
             source = {}
             for held in loaded:
-                for e in held.packed.logical[layer]:
+                for e in held.packed.logical.get(layer, ()):
                     source.setdefault(int(e), held)
             versions = list({id(source[e]): source[e] for e in experts if e in source}.values())
             for held in versions:
@@ -453,6 +458,9 @@ class SlotStore:
             )
         with self._lock:
             held = self._versions.get(version)
+            if held is not None and layer not in held.packed.logical:
+                raise InvalidRequest(f"layer {layer} (an MTP module's) is not served by version {version}: "
+                                     "the cluster does not speculate")  # fmt: skip
             if held is not None:
                 held.inflight += 1  # (its rows are not written again while this call runs)
                 tensors = held.packed.layer_tensors(layer)  # (together: a growing layer swaps them)
@@ -513,7 +521,7 @@ class SlotStore:
             if t.dim() != 2:
                 raise InvalidRequest(f"{name} must be 2-D, got shape {list(t.shape)}")
         if layer not in self.moe_index:
-            raise InvalidRequest(f"layer {layer} is not a MoE layer (MoE layers: {self.cfg.moe_layers})")
+            raise InvalidRequest(f"layer {layer} is not a MoE layer (MoE layers: {list(self.moe_index)})")
         if hidden.dtype != self.dtype:
             raise InvalidRequest(f"hidden is {hidden.dtype}, this worker computes in {self.dtype}")
         if hidden.shape[1] != self.cfg.hidden_size:
@@ -546,6 +554,7 @@ class SlotStore:
                 stats.slots[v] = {
                     layer: (list(held.packed.logical[layer]), held.tokens[n].tolist())
                     for layer, n in self.moe_index.items()
+                    if layer in held.packed.logical  # (MTP layers: where the version serves them)
                 }
         stats.weight_bytes = self.weight_bytes()
         stats.kernels, stats.kernel_reasons = self.kernels.names(), self.kernels.reasons()

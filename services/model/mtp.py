@@ -16,11 +16,15 @@ At position p the module reads h(p), the main model's final-normed hidden state 
 head's input, as vLLM passes `previous_hidden_states`), and the embedding of token p + 1, and
 predicts token p + 2 (DeepSeek-V3 report, eq. 21-23; vLLM's deepseek_mtp.py): its rows run one
 position behind the main model's. As in vLLM, the embedding at position 0 is zeroed.
+
+In the cluster the expert workers serve the module's routed experts like any other layer's:
+`served_experts` is the model config as the expert pool sees it when the cluster speculates (its
+MoE layers end with the module's, so placements, load counts and EPLB have a row for it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -114,3 +118,31 @@ def mtp_forward(
     rows = batch.logits_index
     _, last = k.add_rms_norm(h[rows], delta[rows], w.head_norm, eps)
     return k.linear(last, w.head).float()
+
+
+def mtp_moe_layers(cfg: ModelConfig) -> list[int]:
+    """Decoder-layer indices of the MTP modules' MoE layers (their routed experts)."""
+    return [i for i in cfg.mtp_layers if cfg.is_moe_layer(i)]
+
+
+@dataclass(frozen=True)
+class WithMTPExperts(ModelConfig):
+    """A model config whose MoE layers include the MTP modules' (`mtp_moe_layers`), after the main
+    model's: what the expert pool serves when the cluster speculates. Its placement, load counts and
+    EPLB cover num_moe_layers + the MTP MoE layers, each numbered by `moe_index` as the model's
+    dispatches number them (model/weights.py: num_moe_layers of the main model + its MTP index)."""
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return ModelConfig.moe_layers.fget(self) + mtp_moe_layers(self)
+
+    def moe_index(self, layer: int) -> int:
+        return self.moe_layers.index(layer)
+
+
+def served_experts(cfg: ModelConfig, mtp: bool) -> ModelConfig:
+    """The config whose MoE layers the expert workers serve: with `mtp` (the cluster speculates) the
+    MTP modules' too (`WithMTPExperts`), else `cfg` itself."""
+    if not mtp or not mtp_moe_layers(cfg) or isinstance(cfg, WithMTPExperts):
+        return cfg
+    return WithMTPExperts(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig) if f.init})
