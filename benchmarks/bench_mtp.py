@@ -6,8 +6,9 @@ mtp=True)`) and batch size:
 
 - identity: greedy tokens with speculation == without, for every prompt, under `deterministic`
   kernels (asserted), and how many answers differ with the default kernels (reported);
-- acceptance rate of the drafted token (random MTP weights: near zero, reported as measured; the
-  issue's >= 0.7 needs the trained model of `train_small.py --mtp`, not built yet);
+- acceptance rate of the drafted token (random MTP weights: near zero, reported as measured;
+  `--trained DIR`: the small preset trained with its MTP module by `train_small.py --mtp`, prompted
+  with the held-out text pinned beside it, `--trained-new-tokens` (128) at `--trained-batches`);
 - decode tokens/s without speculation, with it (the module's own drafts), and with *oracle* drafts
   (each draft replaced by the token plain decoding emits there: acceptance 1.0, the ceiling this
   engine's verify step allows) and half-oracle ones (about 0.5): decode time = time(N new tokens)
@@ -16,6 +17,7 @@ mtp=True)`) and batch size:
 
     python -m benchmarks.bench_mtp [--presets tiny,small] [--batches 1,8] [--threads 2] [--repeats 5]
                                    [--new-tokens 64] [--out benchmarks/results/mtp.json]
+                                   [--trained build/small-trained-mtp] [--trained-batches 1,8,32]
 """
 
 from __future__ import annotations
@@ -82,9 +84,18 @@ def identity(model: Path, batch: list[list[int]], new_tokens: int, deterministic
             "identical": differ == 0, "acceptance_rate": stats["acceptance_rate"]}  # fmt: skip
 
 
-def bench(model: Path, batch_size: int, args) -> dict:
-    cfg = ModelConfig.from_dir(model)
-    batch = prompts(batch_size, cfg.vocab_size)
+def held_out_prompts(model: Path, batch: int) -> list[list[int]]:
+    """`batch` prompts of PROMPT_LEN tokens from the held-out text pinned with a trained checkpoint
+    (train_small.py), spread evenly over it."""
+    from benchmarks.train_small import load_held_out
+
+    ids = load_held_out(model)["token_ids"]
+    step = (len(ids) - PROMPT_LEN) // batch
+    return [ids[i * step : i * step + PROMPT_LEN] for i in range(batch)]
+
+
+def bench(model: Path, batch: list[list[int]], args) -> dict:
+    batch_size = len(batch)
     ident = [identity(model, batch, args.new_tokens, d) for d in (True, False)]
     assert ident[0]["identical"], ident[0]  # (the contract: deterministic kernels, token for token)
     engines = {
@@ -128,23 +139,36 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="benchmarks/results/mtp.json")
+    ap.add_argument("--trained", default=None, metavar="DIR",
+                    help="also: a checkpoint of train_small.py --mtp, prompted with its held-out text")  # fmt: skip
+    ap.add_argument("--trained-batches", default="1,8,32")
+    ap.add_argument("--trained-new-tokens", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = []
+
+    def report(row: dict) -> None:
+        print(json.dumps({k: v for k, v in row.items() if k != "identity"}, default=str)[:600], flush=True)
+        results.append(row)
+
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in args.presets.split(","):
+        for preset in filter(None, args.presets.split(",")):
             model = init_model(Path(tmp) / preset, preset, seed=0, mtp=True)
+            vocab = ModelConfig.from_dir(model).vocab_size
             for b in (int(x) for x in args.batches.split(",")):
-                row = {"preset": preset, **bench(model, b, args)}
-                print(
-                    json.dumps({k: v for k, v in row.items() if k != "identity"}, default=str)[:600],
-                    flush=True,
-                )
-                results.append(row)
+                report({"preset": preset, **bench(model, prompts(b, vocab), args)})
+    trained = None
+    if args.trained:
+        trained = json.loads((Path(args.trained) / "training.json").read_text())
+        for b in (int(x) for x in args.trained_batches.split(",")):
+            targs = argparse.Namespace(**{**vars(args), "new_tokens": args.trained_new_tokens})
+            report({"preset": "small, trained (train_small.py --mtp)", "prompts": "held-out text",
+                    **bench(Path(args.trained), held_out_prompts(Path(args.trained), b), targs)})  # fmt: skip
     out = {
         "benchmark": "mtp_speculative_decoding_local_engine",
         "issue": 54,
-        "model": "generated presets with one random-weight MTP module (init_model(..., mtp=True))",
+        "model": "generated presets with one random-weight MTP module (init_model(..., mtp=True)); with "
+        "--trained, the small preset trained with its MTP module (train_small.py --mtp)",
         "dtype": "float32",
         "new_tokens": args.new_tokens,
         "prompt_len": PROMPT_LEN,
@@ -155,9 +179,16 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "torch": torch.__version__,
         "rows": results,
+        "trained_model": None
+        if trained is None
+        else {
+            k: trained.get(k)
+            for k in ("steps", "seq_len", "batch", "held_out_loss_end", "mtp", "train_wall_s")
+        },
         "notes": [
-            "mtp: the random MTP module's own drafts; its acceptance is what random weights give, not a "
-            "trained module's (the issue's goal of >= 0.7 at batch 1 needs train_small.py --mtp: not built yet)",
+            "mtp: the MTP module's own drafts; on the generated presets its weights are random, so their "
+            "acceptance is what random weights give; the trained rows (--trained) are train_small.py --mtp's "
+            "module prompted with the held-out text it never trained on",
             "oracle / oracle_half: each draft (or about half) replaced by the token plain decoding emits there "
             "(acceptance ~1.0 / ~0.5): the ceiling of this engine's verify step, not a drafter",
             "a verify step runs 2 rows per sequence: at small batch a MoE layer then reads about twice the "

@@ -12,7 +12,16 @@ text); `held_out.json` beside it pins the held-out text as it was when the model
 exact text, the text's sha256 and its token ids): benchmarks read that, never the live checkout,
 whose edits since would move the split (`load_held_out`).
 
+`--mtp` trains a multi-token-prediction module with it, as DeepSeek-V3 does (issue #54): transformers'
+`MtpLayer` (enorm, hnorm, eh_proj, a full decoder layer, a final norm) over the main model's
+final-normed states and the embedding of the next token (zeroed at position 0, as vLLM runs it),
+its logits from the shared LM head scored on the token after next, the loss added with weight
+`--mtp-weight` (DeepSeek-V3's lambda: 0.3). It is saved in the Hugging Face layout
+(`model.layers.{num_hidden_layers}.*` with `shared_head.head` and `embed_tokens` copies,
+`num_nextn_predict_layers: 1`), and training.json records its held-out loss before and after.
+
     python -m benchmarks.train_small [--out DIR] [--steps 250] [--seq-len 1024] [--batch 2] [--seed 0]
+                                     [--mtp] [--mtp-weight 0.3]
 """
 
 from __future__ import annotations
@@ -127,6 +136,15 @@ def _mean_loss(model, batches: list[torch.Tensor]) -> float:
     return loss
 
 
+@torch.no_grad()
+def _mean_mtp_loss(model, mtp, batches: list[torch.Tensor]) -> float:
+    """Mean MTP loss (the token after next) over fixed batches (eval mode)."""
+    model.eval(), mtp.eval()
+    loss = sum(mtp_loss(model, mtp, b, 0.0)[1].item() for b in batches) / len(batches)
+    model.train(), mtp.train()
+    return loss
+
+
 def check_round_trip(model, out_dir: Path, prompt: list[int], new_tokens: int = 24) -> list[int]:
     """LocalEngine on the saved checkpoint and transformers' trained `model` must pick the same
     greedy tokens after `prompt` (the weights round-trip through save_pretrained and our loader);
@@ -152,6 +170,83 @@ def check_round_trip(model, out_dir: Path, prompt: list[int], new_tokens: int = 
     return ours
 
 
+def load_mtp_layer(init: Path, dtype: torch.dtype):
+    """transformers' MtpLayer holding checkpoint `init`'s MTP module (model.layers.{L}.*): its
+    decoder layer loaded as layer L of a copy of the model with L + 1 layers (transformers converts
+    the experts' layout on load), enorm / hnorm / eh_proj / shared_head.norm from the file."""
+    from safetensors import safe_open
+    from transformers import DeepseekV3ForCausalLM
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    hf = json.loads((init / "config.json").read_text())
+    L = hf["num_hidden_layers"]
+    with tempfile.TemporaryDirectory() as tmp:
+        longer = Path(tmp)
+        for f in init.iterdir():
+            (longer / f.name).symlink_to(f)
+        (longer / "config.json").unlink()
+        (longer / "config.json").write_text(
+            json.dumps({**hf, "num_hidden_layers": L + 1, "num_nextn_predict_layers": 0})
+        )
+        big = DeepseekV3ForCausalLM.from_pretrained(longer, dtype=dtype, experts_implementation="grouped_mm")
+    layer = MtpLayer(big.config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, L).to(dtype)
+    layer.mtp_block = big.model.layers[L]
+    with safe_open(str(init / "model.safetensors"), "pt") as f:
+        for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                             ("shared_head.norm", "post_norm")):  # fmt: skip
+            getattr(layer, theirs).weight.data.copy_(f.get_tensor(f"model.layers.{L}.{ours}.weight"))
+    return layer, big
+
+
+def mtp_loss(model, mtp, ids: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main next-token loss + weight x MTP loss, the MTP loss) of windows `ids` [B, S]. The MTP
+    module at position t sees the main model's final-normed state h_t and the embedding of token
+    t+1 (zero at position 0) and predicts token t+2 through the shared head."""
+    import torch.nn.functional as F
+
+    h = model.model(input_ids=ids).last_hidden_state  # [B, S, H]
+    logits = model.lm_head(h[:, :-1])
+    main = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    S = ids.shape[1] - 1
+    e = model.model.embed_tokens(ids[:, 1:])  # [B, S, H]: token t+1 at position t
+    e = e * (torch.arange(S) > 0).to(e.dtype)[None, :, None]
+    pos = torch.arange(S)[None]
+    mask = torch.full((S, S), float("-inf")).triu(1)[None, None].to(e.dtype)
+    out = mtp(e, h[:, :-1], model.model.rotary_emb(e, position_ids=pos), mask, pos, None)
+    second = F.cross_entropy(model.lm_head(out[:, :-1]).flatten(0, 1), ids[:, 2:].flatten())
+    return main + weight * second, second
+
+
+def save_mtp(out: Path, model, mtp, big) -> int:
+    """Add the trained MTP module to checkpoint `out` (written by save_pretrained) in the Hugging
+    Face layout; returns the number of tensors added. Its decoder layer is written as
+    transformers writes layer L of `big` (the experts back in the checkpoint's layout)."""
+    from safetensors.torch import load_file, save_file
+
+    L = model.config.num_hidden_layers
+    big.model.layers[L] = mtp.mtp_block  # (the trained block: `big` is only its writer)
+    with tempfile.TemporaryDirectory() as tmp:
+        big.save_pretrained(tmp)
+        block = {k: v for k, v in load_file(str(Path(tmp) / "model.safetensors")).items()
+                 if k.startswith(f"model.layers.{L}.")}  # fmt: skip
+    p = f"model.layers.{L}."
+    own = {
+        p + "enorm.weight": mtp.enorm.weight,
+        p + "hnorm.weight": mtp.hnorm.weight,
+        p + "eh_proj.weight": mtp.eh_proj.weight,
+        p + "shared_head.norm.weight": mtp.post_norm.weight,
+        p + "shared_head.head.weight": model.lm_head.weight,
+        p + "embed_tokens.weight": model.model.embed_tokens.weight,
+    }
+    weights = load_file(str(out / "model.safetensors"))
+    added = {**block, **{k: v.detach().clone().contiguous() for k, v in own.items()}}
+    save_file({**weights, **added}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2) + "\n")
+    return len(added)
+
+
 def train_small(
     out_dir: str | Path,
     steps: int = 250,
@@ -160,6 +255,8 @@ def train_small(
     seed: int = 0,
     lr: float = 1e-3,
     log_every: int = 25,
+    mtp: bool = False,
+    mtp_weight: float = 0.3,
 ) -> Path:
     """Train the small preset (our generator's weights, `seed`) for `steps` AdamW steps of `batch`
     random `seq_len`-token windows of the repository's text; write the checkpoint (config.json,
@@ -167,7 +264,8 @@ def train_small(
 
     The last 5 % of the text is held out: training.json's start/end losses are the mean loss
     over 8 fixed held-out windows before and after training (cleaner than one noisy batch), plus
-    the training loss every `log_every` steps."""
+    the training loss every `log_every` steps. `mtp`: an MTP module trained with it (load_mtp_layer,
+    mtp_loss, save_mtp), its loss weighted `mtp_weight`."""
     from transformers import DeepseekV3ForCausalLM
 
     torch.set_num_threads(2)
@@ -175,11 +273,12 @@ def train_small(
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        init = init_model(Path(tmp) / "small", "small", seed=seed)
+        init = init_model(Path(tmp) / "small", "small", seed=seed, mtp=mtp)
         # grouped_mm: ~3x faster than the per-expert eager loop for training on CPU
         model = DeepseekV3ForCausalLM.from_pretrained(
             init, dtype=torch.float32, experts_implementation="grouped_mm"
         )
+        layer, big = load_mtp_layer(init, torch.float32) if mtp else (None, None)
         tokens, split, held_out_text = split_corpus(init, corpus_text())
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(init / name, out / name)
@@ -188,9 +287,11 @@ def train_small(
     g = torch.Generator().manual_seed(seed)
     eval_batches = list(_windows(held_out, 8, seq_len, g).split(batch))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    params = [*model.parameters(), *(layer.parameters() if mtp else ())]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 20)
     start_loss = _mean_loss(model, eval_batches)
+    mtp_start = _mean_mtp_loss(model, layer, eval_batches) if mtp else None
     print(f"corpus {len(tokens)} tokens; held-out loss before training {start_loss:.3f}", flush=True)
     log = []
     t_train = time.perf_counter()
@@ -198,9 +299,9 @@ def train_small(
         for group in opt.param_groups:
             group["lr"] = _lr(step, steps, lr, warmup)
         ids = _windows(train, batch, seq_len, g)
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = mtp_loss(model, layer, ids, mtp_weight)[0] if mtp else model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % log_every == 0 or step == steps - 1:
@@ -210,6 +311,10 @@ def train_small(
     end_loss = _mean_loss(model, eval_batches)
     print(f"held-out loss {start_loss:.3f} -> {end_loss:.3f}; {train_s:.0f} s training", flush=True)
     model.save_pretrained(out)
+    if mtp:
+        mtp_end = _mean_mtp_loss(model, layer, eval_batches)
+        print(f"MTP held-out loss (token after next) {mtp_start:.3f} -> {mtp_end:.3f}", flush=True)
+        save_mtp(out, model, layer, big)
     prompt_text, prompt = readme_prompt(out)
     greedy = check_round_trip(model, out, prompt)
     info = {
@@ -227,6 +332,8 @@ def train_small(
         "total_wall_s": time.perf_counter() - t0,
         "round_trip": {"prompt": prompt_text, "greedy_tokens_match_transformers": len(greedy)},
     }
+    if mtp:
+        info["mtp"] = {"weight": mtp_weight, "held_out_loss_start": mtp_start, "held_out_loss_end": mtp_end}
     (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     return out
 
@@ -238,8 +345,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mtp", action="store_true", help="train an MTP module with it (issue #54)")
+    ap.add_argument(
+        "--mtp-weight", type=float, default=0.3, help="the MTP loss's weight (DeepSeek-V3's lambda)"
+    )
     args = ap.parse_args()
-    out = train_small(args.out, args.steps, args.seq_len, args.batch, args.seed)
+    out = train_small(args.out, args.steps, args.seq_len, args.batch, args.seed, mtp=args.mtp,
+                      mtp_weight=args.mtp_weight)  # fmt: skip
     print(out, (out / "training.json").read_text())
 
 
