@@ -17,8 +17,11 @@ each answer compared with LocalEngine's answer to that prompt alone (determinist
 and by the float bits of its logprobs; and the cluster's decode rate at batch 1 and 32 (batch x
 new tokens over the wall time of the batch's requests, prefill included) with and without.
 
-    python -m benchmarks.bench_determinism [--model DIR] [--threads 2] [--repeats 3] [--cluster]
-                                           [--out benchmarks/results/determinism.json]
+    python -m benchmarks.bench_determinism [--model DIR | --preset small] [--threads 2] [--repeats 3]
+                                           [--cluster] [--out benchmarks/results/determinism.json]
+
+`--preset tiny-v32` / `tiny-v4` (generated checkpoints, like `small`) measures the V3.2 indexer's and
+DeepSeek-V4's deterministic paths (written to benchmarks/results/determinism_<preset>.json).
 """
 
 from __future__ import annotations
@@ -201,17 +204,18 @@ def cluster_runs(model: str, prompts: list[list[int]], reference: list, determin
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated small preset)")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the generated --preset)")
+    ap.add_argument("--preset", default="small", help="the generated preset checkpoint run without --model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cluster", action="store_true", help="also over the API of a local cluster")
-    ap.add_argument("--out", default="benchmarks/results/determinism.json")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/determinism[_<preset>].json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = args.model or str(default_model_dir("small"))
+    model = args.model or str(default_model_dir(args.preset))
 
     def engine(deterministic: bool) -> LocalEngine:
         return LocalEngine(EngineConfig(model=model, deterministic=deterministic, max_num_seqs=64))
@@ -234,7 +238,7 @@ def main() -> None:
         "benchmark": "determinism",
         "issue": 53,
         "engine": "LocalEngine",
-        "model": "small preset (random weights)" if args.model is None else args.model,
+        "model": f"{args.preset} preset (random weights)" if args.model is None else args.model,
         "dtype": "float32",
         "threads": args.threads,
         "new_tokens": NEW_TOKENS,
@@ -256,9 +260,11 @@ def main() -> None:
                 1e-9, result["cluster"]["default"]["decode_tok_s"][str(batch)]
             )
             result["cluster"][f"ratio_batch_{batch}"] = round(ratio, 3)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print("wrote", args.out)
+    suffix = "" if args.preset == "small" else f"_{args.preset}"
+    out = Path(args.out or f"benchmarks/results/determinism{suffix}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print("wrote", out)
 
 
 if __name__ == "__main__":

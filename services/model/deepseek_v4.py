@@ -19,6 +19,15 @@ MoE gate: scores = sqrt(softplus(x . gate^T)) (or sigmoid); "moe" layers pick th
 scores + bias, "hash_moe" layers take the experts `tid2eid[token id]`; the weights are the picked
 scores normalised, times routed_scaling_factor. The shared expert and the routed experts are
 SwiGLUs with gate clamped to <= swiglu_limit and up to [-limit, limit].
+
+With deterministic kernels (`kernels.deterministic`, kernels/deterministic.py) every function here
+gives a token the same bits whatever else is in the step: the linears on the model's batch-invariant
+ones (MKL's F.linear sums a row differently beside other rows), sigmoid / softplus / SiLU on
+`deterministic`'s (torch's compute a tensor's last elements on a scalar path), hc_post's stream mix
+as M ordered multiply-adds (torch.matmul's batched GEMM over T is shaped by T), and the routed
+experts summed in expert order (per-choice rows where the backend does not do it). Row-local as
+they are: the RMSNorms and the softmax over a row's last dim, the Sinkhorn sums and the collapse
+over M (each output summed over its own M values in one order), the gate's top-k over E.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ import torch.nn.functional as F
 from .batch import StepBatch
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
+from .kernels import deterministic
+from .kernels.deterministic import expand_dispatch, sum_choices
 from .kernels.select import Kernels, select_kernels
 from .kernels.torch_ops import swiglu_act
 from .messages import ExpertCombine, ExpertDispatch, StepGen
@@ -97,15 +108,25 @@ def _move(obj, device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------
 # Hyper-connections
 # ---------------------------------------------------------------------------------------------
-def hc_pre(h: torch.Tensor, w: HyperConnection, cfg: ModelConfig):
-    """h [T, M, H] -> (post [T, M] fp32, comb [T, M, M] fp32, collapsed x [T, H] in h's dtype)."""
+def _ops(k: Kernels | None):
+    """(linear, sigmoid): the model's batch-invariant ones with deterministic kernels `k`, else
+    torch's (module docstring)."""
+    if k is not None and k.deterministic:
+        return k.linear, deterministic.sigmoid
+    return F.linear, torch.sigmoid
+
+
+def hc_pre(h: torch.Tensor, w: HyperConnection, cfg: ModelConfig, k: Kernels | None = None):
+    """h [T, M, H] -> (post [T, M] fp32, comb [T, M, M] fp32, collapsed x [T, H] in h's dtype).
+    k: the model's kernels (None: torch's linears)."""
     T, M, _ = h.shape
     eps = cfg.hc_eps
-    mix = F.linear(rms_norm_f32(h.reshape(T, -1).float(), None, cfg.rms_norm_eps), w.fn)
+    linear, sigmoid = _ops(k)
+    mix = linear(rms_norm_f32(h.reshape(T, -1).float(), None, cfg.rms_norm_eps), w.fn)
     pre_w, post_w, comb_w = mix.split([M, M, M * M], dim=-1)
     pre_b, post_b, comb_b = w.base.split([M, M, M * M])
-    pre = torch.sigmoid(pre_w * w.scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * w.scale[1] + post_b)
+    pre = sigmoid(pre_w * w.scale[0] + pre_b) + eps
+    post = 2 * sigmoid(post_w * w.scale[1] + post_b)
     comb = torch.softmax(comb_w.view(T, M, M) * w.scale[2] + comb_b.view(M, M), dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # Sinkhorn-Knopp: columns, then rows/columns
     for _ in range(cfg.hc_sinkhorn_iters - 1):
@@ -114,16 +135,28 @@ def hc_pre(h: torch.Tensor, w: HyperConnection, cfg: ModelConfig):
     return post, comb, (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
 
 
-def hc_post(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """The streams after a block: post * out + comb^T h; h [T, M, H], out [T, H] -> [T, M, H]."""
+def hc_post(
+    h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, k: Kernels | None = None
+) -> torch.Tensor:
+    """The streams after a block: post * out + comb^T h; h [T, M, H], out [T, H] -> [T, M, H].
+    With deterministic kernels `k`, comb^T h as M multiply-adds in stream order (not a batched
+    GEMM over T)."""
     dtype = h.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    comb = comb.to(dtype)
+    if k is not None and k.deterministic:
+        mixed = comb[:, 0, :, None] * h[:, 0, None, :]  # [T, M, H]: stream j gets sum_i comb[i, j] h_i
+        for i in range(1, h.shape[1]):
+            mixed = mixed + comb[:, i, :, None] * h[:, i, None, :]
+    else:
+        mixed = torch.matmul(comb.transpose(-1, -2), h)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + mixed
 
 
-def hc_head(h: torch.Tensor, w: HyperConnection, cfg: ModelConfig) -> torch.Tensor:
+def hc_head(h: torch.Tensor, w: HyperConnection, cfg: ModelConfig, k: Kernels | None = None) -> torch.Tensor:
     """The final collapse of the streams: h [T, M, H] -> [T, H]."""
+    linear, sigmoid = _ops(k)
     flat = rms_norm_f32(h.flatten(1).float(), None, cfg.rms_norm_eps)
-    pre = torch.sigmoid(F.linear(flat, w.fn) * w.scale + w.base) + cfg.hc_eps
+    pre = sigmoid(linear(flat, w.fn) * w.scale + w.base) + cfg.hc_eps
     return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
 
 
@@ -131,11 +164,17 @@ def hc_head(h: torch.Tensor, w: HyperConnection, cfg: ModelConfig) -> torch.Tens
 # MoE gate
 # ---------------------------------------------------------------------------------------------
 def route_v4(
-    x: torch.Tensor, input_ids: torch.Tensor, layer: V4LayerWeights, cfg: ModelConfig
+    x: torch.Tensor,
+    input_ids: torch.Tensor,
+    layer: V4LayerWeights,
+    cfg: ModelConfig,
+    k: Kernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], input_ids [T] -> (topk_idx [T, K] int64, topk_weight [T, K] fp32)."""
-    logits = F.linear(x.float(), layer.gate.float())
-    scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else logits.sigmoid()
+    linear, sigmoid = _ops(k)
+    softplus = deterministic.softplus if k is not None and k.deterministic else F.softplus
+    logits = linear(x.float(), layer.gate.float())
+    scores = softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else sigmoid(logits)
     if layer.tid2eid is not None:  # hash routing: the experts are a function of the token id
         idx = layer.tid2eid[input_ids]
     else:
@@ -170,6 +209,9 @@ class DeepseekV4:
         self.kernels = kernels if kernels is not None else select_kernels(self.device, dtype, cfg)
         self.ropes = {"main": V4Rope(cfg, False, self.device), "compress": V4Rope(cfg, True, self.device)}
         self.attn_reduce = None  # tensor parallelism: sums the ranks' partial attention outputs
+        # as DeepseekV3's: whether the expert backend adds a token's experts in expert order; else,
+        # with deterministic kernels, one row per (token, choice), added here in that order
+        self.experts_sum_in_order = False
 
     def shard_attention(self, rank: int, tp: int, reduce) -> None:
         """Keep rank `rank` of `tp`'s heads and output groups in every layer (v4_attention.shard_heads;
@@ -213,27 +255,40 @@ class DeepseekV4:
     def forward(self, batch: StepBatch, cache: list[tuple[Rows, Rows | None]]) -> StepGen:
         """One step. cache: per layer (state, entries) (kv_cache.V4Cache.kv, v4_attention.py). Yields
         expert messages at every layer; returns fp32 logits [len(batch.logits_index), vocab]."""
-        cfg = self.cfg
+        cfg, k = self.cfg, self.kernels
+        linear = k.linear if k.deterministic else F.linear
         ids = batch.input_ids
         x = F.embedding(ids, self.embed)
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, M, H]
-        cos_sin = {k: rope.cos_sin(batch.positions) for k, rope in self.ropes.items()}
+        cos_sin = {name: rope.cos_sin(batch.positions) for name, rope in self.ropes.items()}
         for i, layer in enumerate(self.layers):
-            post, comb, x = hc_pre(h, layer.hc_attn, cfg)
+            post, comb, x = hc_pre(h, layer.hc_attn, cfg, k)
             x = rms_norm_f32(x, layer.attn_norm, cfg.rms_norm_eps)
-            attn = v4_attention(x, layer.attn, cfg, self.ropes, cos_sin, cache[i], batch, self.kernels)
+            attn = v4_attention(x, layer.attn, cfg, self.ropes, cos_sin, cache[i], batch, k)
             if self.attn_reduce is not None:
                 attn = self.attn_reduce(attn)
-            h = hc_post(h, attn, post, comb)
+            h = hc_post(h, attn, post, comb, k)
 
-            post, comb, x = hc_pre(h, layer.hc_ffn, cfg)
+            post, comb, x = hc_pre(h, layer.hc_ffn, cfg, k)
             x = rms_norm_f32(x, layer.ffn_norm, cfg.rms_norm_eps)
-            topk_idx, topk_weight = route_v4(x, ids, layer, cfg)
-            handle = yield ExpertDispatch.routed(i, i, x, topk_idx, topk_weight, cfg.n_routed_experts)
-            shared = F.linear(
-                swiglu_act(F.linear(x, layer.w1), F.linear(x, layer.w3), cfg.swiglu_limit), layer.w2
-            )
+            topk_idx, topk_weight = route_v4(x, ids, layer, cfg, k)
+            per_choice = k.deterministic and not self.experts_sum_in_order  # (summed below, in expert order)
+            dispatch = expand_dispatch if per_choice else ExpertDispatch.routed
+            handle = yield dispatch(i, i, x, topk_idx, topk_weight, cfg.n_routed_experts)
+            shared = linear(self._swiglu(linear(x, layer.w1), linear(x, layer.w3)), layer.w2)
             routed = yield ExpertCombine(handle)
-            h = hc_post(h, routed + shared, post, comb)
-        last = hc_head(h[batch.logits_index], self.hc_head, cfg)
-        return F.linear(rms_norm_f32(last, self.norm, cfg.rms_norm_eps), self.head).float()
+            if per_choice:
+                routed = sum_choices(routed, topk_idx)
+            h = hc_post(h, routed + shared, post, comb, k)
+        last = hc_head(h[batch.logits_index], self.hc_head, cfg, k)
+        return linear(rms_norm_f32(last, self.norm, cfg.rms_norm_eps), self.head).float()
+
+    def _swiglu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The shared expert's activation (torch_ops.swiglu_act; deterministic kernels: its SiLU
+        `deterministic.silu`, F.silu's bits depending on where a row falls in the tensor)."""
+        limit = self.cfg.swiglu_limit
+        if not self.kernels.deterministic:
+            return swiglu_act(g, u, limit)
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        return deterministic.silu(g) * u

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels.deterministic import top_indices
 
 INDEXER_NORM_EPS = 1e-6  # the k_norm LayerNorm's eps in transformers and DeepSeek's code
 
@@ -69,11 +70,19 @@ def _rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
+def _linear(kernels) -> Callable:
+    """The indexer's linears: F.linear, or with deterministic kernels (kernels/deterministic.py)
+    the model's batch-invariant ones (MKL's sums for a row depend on the rows beside it)."""
+    return kernels.linear if kernels is not None and kernels.deterministic else F.linear
+
+
 def index_keys(
-    x: torch.Tensor, w: IndexerWeights, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    x: torch.Tensor, w: IndexerWeights, cos_sin: tuple[torch.Tensor, torch.Tensor], kernels=None
 ) -> torch.Tensor:
-    """The indexer keys of this step's tokens: x [T, H] -> [T, Di] (normed, rope'd), to cache."""
-    k = F.layer_norm(F.linear(x, w.wk), (w.wk.shape[0],), w.k_norm, w.k_norm_bias, INDEXER_NORM_EPS)
+    """The indexer keys of this step's tokens: x [T, H] -> [T, Di] (normed, rope'd), to cache.
+    kernels: the model's (None: plain torch). The LayerNorm (over each row's last dim) and the
+    rope (elementwise) are row-local as they are."""
+    k = F.layer_norm(_linear(kernels)(x, w.wk), (w.wk.shape[0],), w.k_norm, w.k_norm_bias, INDEXER_NORM_EPS)
     return _rope_neox(k, *cos_sin)
 
 
@@ -87,6 +96,9 @@ class IndexQueries:
     weights: torch.Tensor
     topk: int
     index_scores: Callable
+    # deterministic kernels: ties at the top-k boundary broken by the lower position (a stable
+    # sort), whatever the length the scores are padded to
+    stable_topk: bool = False
 
     @classmethod
     def build(
@@ -101,9 +113,10 @@ class IndexQueries:
         """x [T, H] (post input-norm), q_lora [T, q_lora] (MLA's q_a_layernorm output); kernels:
         the model's (kernels/select.py)."""
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-        q = _rope_neox(F.linear(q_lora, w.wq_b).view(x.shape[0], Hi, Di), *cos_sin)
-        weights = F.linear(x, w.weights_proj).float() * Hi**-0.5
-        return cls(q, weights, cfg.index_topk, kernels.index_scores)
+        linear = _linear(kernels)
+        q = _rope_neox(linear(q_lora, w.wq_b).view(x.shape[0], Hi, Di), *cos_sin)
+        weights = linear(x, w.weights_proj).float() * Hi**-0.5
+        return cls(q, weights, cfg.index_topk, kernels.index_scores, bool(kernels.deterministic))
 
     def select(
         self, rows: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
@@ -117,7 +130,7 @@ class IndexQueries:
         # [Q, L] scores, -inf where not visible (each query's visible tokens are a prefix of the
         # context: causal, or a decode row's length)
         scores = self.index_scores(self.q[rows], self.weights[rows], keys, visible.sum(1))
-        top = scores.topk(k, dim=-1).indices  # [Q, k]
+        top = top_indices(scores, k) if self.stable_topk else scores.topk(k, dim=-1).indices  # [Q, k]
         chosen = visible.gather(1, top)  # (fewer than k visible: the rest are -inf picks)
         first = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices
         return top.gather(1, first), chosen.sum(1)

@@ -102,7 +102,7 @@ def mla_forward(
     kv = linear(x, w.kv_a, w.kv_a_bias)
     W, index, index_key = cache.shape[-1], None, None
     if w.indexer is not None:  # V3.2: cache the indexer keys too; score the context for our queries
-        index_key = index_keys(x, w.indexer, cos_sin)
+        index_key = index_keys(x, w.indexer, cos_sin, k)
         index = IndexQueries.build(x, q_lora, w.indexer, cfg, cos_sin, k)
     # the latent norm, both ropes and the cache write (FP8 rows: kv_cache.quantize_latent_rows)
     q_pe = k.latent_to_cache(kv, q[..., D:], w.kv_a_norm, cos, sin, batch.slot_mapping, cache, NORM_EPS_LATENT,

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from .batch import DecodeRows, StepBatch
 from .config import ModelConfig, rope_inv_freq
+from .kernels import deterministic
 from .kv_cache import BLOCK_SIZE, PackedRows, PlainRows, entries_per_block
 
 Rows = PlainRows | PackedRows  # a layer's state rows or entries, read and written by flat row
@@ -220,10 +221,13 @@ def emit_entries(
     batch: StepBatch,
     rope: V4Rope,
     eps: float,
+    stable: bool = False,
 ) -> None:
     """Compute the entries of the windows this step's tokens complete (of every sequence at
     once), from the compressor states in the state rows `rows` (this step's included), into
-    `entries`."""
+    `entries`. stable (deterministic kernels): the gate's softmax over the window's slots (not
+    the last dim) as `deterministic.softmax`, torch's giving a window other bits beside other
+    windows; the rest is per window already (the pooled sum over its slots, the RMSNorm, the rope)."""
     r, d, device = c.ratio, c.dim, batch.state_table.device
     seqs, windows = [], []
     for b, n in enumerate(batch.query_lens):
@@ -246,7 +250,8 @@ def emit_entries(
         kv, gate = kv.masked_fill(before, 0.0), gate.masked_fill(before, float("-inf"))
     else:
         gate = gate + c.ape
-    pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [nw, d]
+    probs = deterministic.softmax(gate, 1) if stable else gate.softmax(dim=1)
+    pooled = (kv * probs.to(kv.dtype)).sum(dim=1)  # [nw, d]
     entry = rope_tail(rms_norm_f32(pooled, c.norm, eps), *rope.cos_sin(w * r))
     at = entry_rows(batch.block_table[b], w[:, None], r)[:, 0]  # [nw]
     entries.write(at, c.entry_cols, entry)
@@ -255,9 +260,9 @@ def emit_entries(
 # ---------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------
-def _compressor_states(c: CompressorWeights, x: torch.Tensor) -> list[torch.Tensor]:
+def _compressor_states(c: CompressorWeights, x: torch.Tensor, linear=F.linear) -> list[torch.Tensor]:
     """This step's state-row columns of one compressor: [kv | gate]."""
-    return [F.linear(x, c.wkv), F.linear(x, c.wgate)]
+    return [linear(x, c.wkv), linear(x, c.wgate)]
 
 
 def _indexer_top(
@@ -409,6 +414,48 @@ def _prefill(
         out[tile] = _attend(q[tile], keys, visible, w.sinks)
 
 
+def _attend_each(w, cfg, cache, batch: StepBatch, q, q_idx, idx_weights, out: torch.Tensor, k) -> None:
+    """Deterministic kernels: every query of the step, decode rows and prefill chunks alike, attended
+    alone over exactly what it sees, in one order: its window rows by position, then its entries
+    by window (CSA past top-k: the indexer's top-k, ties to the earlier window, in window order)
+    -> out [T, N, D]. The batched paths pad a decode group to its longest context and tile a
+    chunk's queries, which shapes their products and softmax rows by the batch; here only the
+    reads (exact copies) are batched, PREFILL_QUERIES queries at a time; the indexer's scores are
+    per (query, entry) already (k.index_scores: the C++ kernel or `index_scores_torch`)."""
+    rows, entries = cache
+    D, c, window, device = cfg.head_dim, w.compressor, cfg.sliding_window, q.device
+    seqs = torch.tensor([b for b, n in enumerate(batch.query_lens) for _ in range(n)], device=device)
+    pos = torch.tensor([p for b, n in enumerate(batch.query_lens)
+                        for p in range(batch.context_lens[b] - n, batch.context_lens[b])], device=device)  # fmt: skip
+    for t0 in range(0, q.shape[0], PREFILL_QUERIES):
+        tile = slice(t0, min(q.shape[0], t0 + PREFILL_QUERIES))
+        s, p = seqs[tile], pos[tile]
+        kpos = p[:, None] - window + 1 + torch.arange(window, device=device)  # [t, window]
+        keys = rows.read(_state_rows(batch.state_table[s], kpos.clamp(min=0)), slice(0, D))  # [t, window, D]
+        skip = (window - 1 - p).clamp(min=0).tolist()  # (window rows before position 0)
+        count = [0] * len(skip)
+        if c is not None and (most := int(((p + 1) // c.ratio).max())) > 0:
+            num = (p + 1) // c.ratio  # [t] complete windows (= entries) each sees
+            e = torch.arange(most, device=device)
+            at = entry_rows(batch.block_table[s], e, c.ratio)  # [t, most]
+            if w.indexer is not None and most > cfg.index_topk:
+                seen = (e[None] < num[:, None])[..., None]
+                index_keys = entries.read(at, w.indexer.compressor.entry_cols).masked_fill(~seen, 0)
+                scores = k.index_scores(q_idx[tile], idx_weights[tile], index_keys, num)  # [t, most]
+                # (in window order: a row seeing fewer picks its -inf ones last, past num)
+                at = at.gather(1, deterministic.top_indices(scores, cfg.index_topk).sort(dim=-1).values)
+                num = num.clamp(max=cfg.index_topk)
+            ents, count = entries.read(at, c.entry_cols), num.tolist()  # [t, E, D]
+        for i, t in enumerate(range(tile.start, tile.stop)):
+            own = keys[i, skip[i] :]
+            # (fresh copies of q and the context: MKL's sums can depend on an operand's alignment;
+            # the softmax row is this query's alone)
+            ctx = own.clone() if not count[i] else torch.cat((own, ents[i, : count[i]]))
+            logits = torch.mm(q[t].clone(), ctx.t()).float() * D**-0.5  # [N, K]
+            probs = torch.cat((logits, w.sinks[:, None]), dim=-1).softmax(dim=-1)[:, :-1].to(ctx.dtype)
+            out[t] = torch.mm(probs, ctx)
+
+
 def v4_attention(
     x: torch.Tensor,
     w: V4AttentionWeights,
@@ -423,38 +470,49 @@ def v4_attention(
     None; kv_cache.V4Cache). Writes this step's
     state rows (and the entries of the windows the step completes), then each sequence's queries
     attend to their window rows and compressed entries. k: the model's kernels (kernels/select.py:
-    the indexer's scores; the rest of V4's attention is torch code)."""
+    the indexer's scores; the rest of V4's attention is torch code). With deterministic kernels
+    (kernels/deterministic.py) a token gets the same bits whatever else is in the step: the
+    linears on k.linear, each query attended alone (`_attend_each`), the entries' softmax
+    `deterministic.softmax`, the grouped output projection one linear per group; the RMSNorms
+    (over each row's last dim) and the ropes (elementwise) are row-local as they are."""
     T, D, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
+    det = bool(k.deterministic)
+    linear = k.linear if det else F.linear
     rope_kind = "main" if w.kind == SLIDING else "compress"
     cos, sin = cos_sin[rope_kind]
-    q_lora = rms_norm_f32(F.linear(x, w.wq_a), w.q_norm, eps)
-    q = rope_tail(rms_norm_f32(F.linear(q_lora, w.wq_b).view(T, -1, D), None, eps), cos, sin)  # [T, N, D]
+    q_lora = rms_norm_f32(linear(x, w.wq_a), w.q_norm, eps)
+    q = rope_tail(rms_norm_f32(linear(q_lora, w.wq_b).view(T, -1, D), None, eps), cos, sin)  # [T, N, D]
     N = q.shape[1]
-    kv = rope_tail(rms_norm_f32(F.linear(x, w.wkv), w.kv_norm, eps), cos, sin)  # [T, D]
+    kv = rope_tail(rms_norm_f32(linear(x, w.wkv), w.kv_norm, eps), cos, sin)  # [T, D]
 
     compressors = [c for c in (w.compressor, w.indexer and w.indexer.compressor) if c is not None]
-    new = torch.cat([kv] + [col for c in compressors for col in _compressor_states(c, x)], dim=-1)
+    new = torch.cat([kv] + [col for c in compressors for col in _compressor_states(c, x, linear)], dim=-1)
     rows, entries = cache
     rows.write(batch.state_slot_mapping, slice(0, None), new)
     for c in compressors:
-        emit_entries(c, rows, entries, batch, ropes["compress"], eps)
+        emit_entries(c, rows, entries, batch, ropes["compress"], eps, stable=det)
     q_idx = idx_weights = None
     if w.indexer is not None:
         Hi = w.indexer.weights_proj.shape[0]
-        q_idx = rope_tail(F.linear(q_lora, w.indexer.wq_b).view(T, Hi, -1), *cos_sin["compress"])
-        idx_weights = F.linear(x, w.indexer.weights_proj).float() * Hi**-0.5
+        q_idx = rope_tail(linear(q_lora, w.indexer.wq_b).view(T, Hi, -1), *cos_sin["compress"])
+        idx_weights = linear(x, w.indexer.weights_proj).float() * Hi**-0.5
 
     out = torch.empty(T, N, D, dtype=x.dtype, device=x.device)
-    if batch.decode is not None:  # the decode rows in padded batches of similar lengths
-        for d in _decode_groups(batch.decode):
-            keys, visible = _decode_context(w, cfg, rows, entries, batch, d, q_idx, idx_weights, k)
-            out[d.rows] = _attend(q[d.rows, None], keys, visible, w.sinks)[:, 0]
-    for b, n in enumerate(batch.query_lens):  # prefill chunks one sequence at a time
-        if n > 1:
-            _prefill(w, cfg, rows, entries, batch, b, q, q_idx, idx_weights, out, k)
+    if det:
+        _attend_each(w, cfg, cache, batch, q, q_idx, idx_weights, out, k)
+    else:
+        if batch.decode is not None:  # the decode rows in padded batches of similar lengths
+            for d in _decode_groups(batch.decode):
+                keys, visible = _decode_context(w, cfg, rows, entries, batch, d, q_idx, idx_weights, k)
+                out[d.rows] = _attend(q[d.rows, None], keys, visible, w.sinks)[:, 0]
+        for b, n in enumerate(batch.query_lens):  # prefill chunks one sequence at a time
+            if n > 1:
+                _prefill(w, cfg, rows, entries, batch, b, q, q_idx, idx_weights, out, k)
 
     out = rope_tail(out, cos, -sin)  # undo the rope the values (= keys) carried
     G = cfg.o_groups * N // cfg.num_attention_heads  # (a tensor-parallel rank: its heads' groups)
     grouped = out.reshape(T, G, -1)
     wo_a = w.wo_a.view(G, -1, grouped.shape[-1])  # [G, o_lora, N*D/G]
+    if det:  # (the einsum: a batched GEMM over the groups, shaped by T)
+        return linear(torch.cat([linear(grouped[:, g], wo_a[g]) for g in range(G)], dim=-1), w.wo_b)
     return F.linear(torch.einsum("tgi,goi->tgo", grouped, wo_a).reshape(T, -1), w.wo_b)

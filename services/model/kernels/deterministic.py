@@ -36,7 +36,34 @@ worker, then over workers. What is used instead (CPU only; chosen once, by `bind
   (token, choice) (`expand_dispatch`), so whichever worker computes a pair returns that pair alone,
   and adds the K rows itself in that order (`sum_choices`).
 
-DeepSeek-V3 layers on the CPU only (V3.2's indexer, V4 and the GPU kernels: not yet).
+DeepSeek-V3.2 (its lightning indexer and sparse attention) additionally:
+
+- the indexer's linears (wk, wq_b, weights_proj: F.linear in indexer.py) on the deterministic
+  linears; its LayerNorm and rope are row-local.
+- its scores: the C++ kernel sums each (query, token) score in one order whatever the batch
+  (attention.cpp); on torch the einsums' products were shaped by the batch's queries and the
+  decode rows' padded context: `index_scores_torch`, query by query on fixed key tiles.
+- its top-k: torch.topk breaks exact ties (relu zeroes whole rows) by an algorithm that depends on
+  the row's length, and a decode row is padded to the batch's longest context: `top_indices`, a
+  stable sort (ties to the earlier token).
+- the sparse attention over the chosen rows (decode and prefill alike): the batched one pads every
+  row to the batch's top-k and runs one bmm: `sparse_decode_cpp` (the rows gathered into scratch
+  blocks of their own, then the C++ decode kernel) or `sparse_decode_torch` (row by row).
+
+DeepSeek-V4 (deepseek_v4.py, v4_attention.py: torch code, made invariant there with `k.linear`
+and the functions here): every F.linear on the deterministic linears (attention, compressors,
+indexer, hyper-connections, gate, shared expert, head); torch.sigmoid (hyper-connections),
+F.softplus (the sqrtsoftplus gate; torch.log1p has the same scalar tail) and F.silu (the shared
+expert) as `sigmoid` / `softplus` / `silu`; the compressors' softmax over a window's slots (not the
+last dim: torch's kernel vectorises across windows) as `softmax`; hc_post's torch.matmul and the
+grouped output einsum (batched GEMMs shaped by T) as ordered multiply-adds and one linear per
+group; the attention one query at a time over exactly its window rows and entries (the batched
+paths pad a decode group to its longest context and tile a prefill chunk), the CSA indexer's
+top-k with `top_indices`; the routed experts as V3's (in expert order, per-choice rows for
+workers). Row-local as they are: RMSNorms, ropes, softmax over a row's last dim, the Sinkhorn and
+stream sums (each output over its own M values, in order), the gates' top-k over E.
+
+The CPU only (the GPU kernels: not yet).
 """
 
 from __future__ import annotations
@@ -53,16 +80,13 @@ from . import torch_ops
 from .cpu_kernels import MAX_ROWS
 
 ROWS = MAX_ROWS  # the row chunk / tile every row-wise product runs in
+KEY_TILE = 64  # the key tile of the indexer's scores on torch (`index_scores_torch`)
 
 
 def unsupported(device: torch.device, cfg, scope: str) -> str | None:
     """Why deterministic kernels cannot be chosen for this target (None: they can)."""
     if device.type != "cpu":
         return f"CPU only for now ({device.type}: the GPU kernels are not batch-invariant yet)"
-    if scope == "model" and cfg.is_v4:
-        return "DeepSeek-V3 / V2 layers only (DeepSeek-V4: not yet)"
-    if scope == "model" and cfg.has_indexer:
-        return "DeepSeek-V3 / V2 layers only (V3.2's indexer: not yet)"
     return None
 
 
@@ -84,6 +108,31 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x) with the `sigmoid` above."""
     return x * sigmoid(x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """F.softplus(x) (beta 1, threshold 20) on exp, log and the basic operations: F.softplus and
+    torch.log1p have the scalar tail path of `sigmoid`. log1p(t) = log(u) * t / (u - 1), u = 1 + t
+    (exact where u == 1: t), accurate to a few ulps."""
+    t = torch.exp(x)
+    u = 1 + t
+    return torch.where(x > 20, x, torch.where(u == 1, t, torch.log(u) * (t / (u - 1))))
+
+
+def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.softmax over a dimension that is not the last: torch's kernel for those vectorises
+    across the other dimensions and gives a row other bits beside other rows (over the last
+    dimension it is row-local: used as it is). exp(x - max) / sum: max is exact in any order,
+    the sum over `dim` is summed per output in one order."""
+    e = torch.exp(x - x.amax(dim, keepdim=True))
+    return e / e.sum(dim, keepdim=True)
+
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores.topk(k, dim=-1).indices, ties broken by the lower index: a stable sort. torch.topk
+    breaks exact ties (the indexer's scores: relu makes whole rows 0) by its algorithm, which
+    depends on the row's length, and a decode row is padded to the batch's longest context."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def _tiles(fn, x: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
@@ -251,6 +300,60 @@ class DeterministicImpls:
         rows = _Rows(blocks.long()[None].expand(n, -1).contiguous(), lens)
         return k.absorb_o(k.mla_decode(q_full, cache, rows, C, scale), kv_b, q_nope.shape[-1])
 
+    @staticmethod
+    def sparse_decode_torch(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, C: int,
+                            scale: float) -> torch.Tensor:  # fmt: skip
+        """torch_ops.sparse_decode (V3.2) row by row over exactly each row's first count[b] chosen
+        rows (the batched one pads every row to the batch's top-k, its products shaped by it)."""
+        W, QD = cache.shape[-1], q.shape[-1]
+        flat = cache.view(-1, W)
+        out = []
+        for b, n in enumerate(count.tolist()):
+            ctx = flat[rows[b, :n]]  # [n, W]
+            if ctx.dtype == torch.uint8:
+                ctx = dequantize_latent_rows(ctx, C, QD - C, q.dtype)
+            scores = torch.mm(q[b].clone(), ctx[:, :QD].t()).float() * scale  # [N, n]
+            out.append(torch.mm(scores.softmax(dim=-1).to(q.dtype), ctx[:, :C]))
+        return torch.stack(out) if out else q.new_zeros(0, q.shape[1], C)
+
+    def sparse_decode_cpp(self, q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, count: torch.Tensor,
+                          C: int, scale: float) -> torch.Tensor:  # fmt: skip
+        """V3.2's sparse decode on the C++ decode kernel (each (row, head) over its own context, in
+        order): each row's chosen cache rows gathered into scratch blocks of its own, its length
+        count[b]. fp32 rows only (else `sparse_decode_torch`)."""
+        if cache.dtype is not torch.float32 or q.dtype is not torch.float32:
+            return self.sparse_decode_torch(q, cache, rows, count, C, scale)
+        Bd, k = rows.shape
+        if Bd == 0:
+            return q.new_zeros(0, q.shape[1], C)
+        nb = -(-k // BLOCK_SIZE)
+        if nb * BLOCK_SIZE > k:  # (padding: row 0, past count)
+            rows = torch.cat((rows, rows.new_zeros(Bd, nb * BLOCK_SIZE - k)), dim=1)
+        scratch = cache.view(-1, cache.shape[-1])[rows].view(Bd * nb, BLOCK_SIZE, 1, cache.shape[-1])
+        table = torch.arange(Bd * nb, device=q.device).view(Bd, nb)
+        return self._m.mla_decode(q.contiguous(), scratch, table, count.contiguous(), C, scale)
+
+    @staticmethod
+    def index_scores_torch(
+        q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """torch_ops.index_scores (V3.2, V4's CSA) query by query over its visible keys, their dots
+        in fixed KEY_TILE-row GEMM tiles, each score's heads summed along its row (the einsums'
+        products are shaped by the batch's queries and longest context). The C++ kernel sums each
+        score in one order already (attention.cpp: index_scores)."""
+        Q, Hi, Di = q.shape
+        L = keys.shape[-2]
+        out = torch.full((Q, L), float("-inf"), dtype=torch.float32, device=q.device)
+        for i, n in enumerate(lens.tolist()):
+            n = min(n, L)
+            if n == 0:
+                continue
+            ki = (keys if keys.dim() == 2 else keys[i])[:n].float()
+            qi = q[i].float().clone()  # [Hi, Di]
+            dots = _tiles(lambda t, qi=qi: torch_ops.linear(t, qi), ki, KEY_TILE)  # [n, Hi]
+            out[i, :n] = (torch.relu(dots * Di**-0.5) * w[i]).sum(-1)
+        return out
+
     def fused_decode_layer(self, fused):
         """The C++ decode layer on <= ROWS-row chunks (its sums are those of the single kernels
         here there; each decode row is a sequence of its own, so chunks share no cache row)."""
@@ -288,12 +391,18 @@ def bind(k, cfg, cpp) -> None:
         "absorb": ((d.absorb_q_cpp, d.absorb_o_cpp) if on_cpp("absorb") else (d.absorb_q_torch, d.absorb_o_torch)),
         "mla_decode": (None if on_cpp("mla_decode") else (d.mla_decode_torch,)),  # (C++: row-local as it is)
         "mla_prefill": (d.mla_prefill,),
+        "mla_sparse_decode": (d.sparse_decode_torch,),  # (V3.2; torch is the CPU's only one)
+        "index_scores": (None if on_cpp("index_scores") else (d.index_scores_torch,)),  # (C++: row-local)
     }  # fmt: skip
     for family, fns in rebind.items():
         if family in names and fns is not None:
             # (the prefill runs on the decode kernel: named after it)
             k._bind(family, names["mla_decode"] if family == "mla_prefill" else names[family], fns)
             k._next[family] = []  # (no fallback to a batch-variant implementation)
+    if "mla_sparse_decode" in names and cpp is not None and k.dtype is torch.float32:
+        widths = {cfg.kv_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim}
+        if all(w % 8 == 0 for w in widths):  # (the C++ decode kernel's: select.py, mla_decode)
+            k._bind("mla_sparse_decode", "cpp", (d.sparse_decode_cpp,))
     if names.get("mla_decode_layer") == "cpp":
         H, N, V = cfg.hidden_size, cfg.num_attention_heads, cfg.v_head_dim
         widths = (H, cfg.q_lora_rank or 0, N * V, cfg.kv_lora_rank)

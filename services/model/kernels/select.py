@@ -221,7 +221,7 @@ def select_kernels(
     engine's forward pass and in-process experts) or "experts" (an expert worker's store).
     strict: ValueError where an implementation named in `allow` runs no family (with why).
     deterministic: batch-invariant kernels (kernels/deterministic.py; ValueError where this target
-    has none yet: not the CPU, DeepSeek-V4 or V3.2 models)."""
+    has none yet: not the CPU)."""
     target = Target(torch.device(device), dtype, cfg, weight_dtype, fp8_linears, fp8_experts, fp8_cache, scope,
                     deterministic)  # fmt: skip
     k = _select(target, _parse_allow(allow))
