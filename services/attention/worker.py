@@ -30,6 +30,7 @@ from services.attention.ranks import RankGroup
 from services.attention.tensor_parallel import lead
 from services.dataplane.placement import Placement
 from services.dataplane.remote_experts import DispatchConfig, RemoteExperts
+from services.deadlines import Deadlines
 from services.engine.engine import Engine, EngineConfig, load_engine
 from services.engine.outputs import Refusal, RequestOutput, StepFailed, StepResult
 from services.engine.sampling import SamplingParams
@@ -56,6 +57,14 @@ class AttentionWorkerConfig:
     step_retry_wait_s: float = 0.05  # pause between retries of a failing step
     idle_wait_s: float = 0.05
     owner_timeout_s: float = 5.0  # a request whose router replica renewed no lease this long is aborted
+    # the engine thread is stuck (a deadlock, a hung kernel) when one step attempt (or command at a
+    # step boundary) runs past max(stuck_floor_s, the data plane's largest call deadline + 4 x the
+    # p99 of step attempts): a legitimate step may wait out one dispatch deadline on a frozen
+    # expert worker (up to dispatch_timeout_s, ~1.5 s learned) on top of its own compute (a long
+    # prefill chunk on a loaded CPU, rarer than the p99); `ready()` reports it and the router and
+    # balancer treat it as hung. Before 8 attempts are timed their part is stuck_ceiling_s.
+    stuck_floor_s: float = 10.0
+    stuck_ceiling_s: float = 120.0
 
     @classmethod
     def from_settings(
@@ -111,8 +120,20 @@ class AttentionService:
     and its expert load to the load reporter.
     """
 
-    def __init__(self, cfg: AttentionWorkerConfig, engine: Engine, load_reporter: LoadReporter | None = None):
+    def __init__(
+        self,
+        cfg: AttentionWorkerConfig,
+        engine: Engine,
+        load_reporter: LoadReporter | None = None,
+        dispatch_deadline_s: Callable[[], float] = lambda: 0.0,
+    ):
+        """`dispatch_deadline_s`: the data plane's largest call deadline now (called on the engine
+        thread, which is the one that updates it)."""
         self.cfg, self.engine, self.load_reporter = cfg, engine, load_reporter
+        self.dispatch_deadline_s = dispatch_deadline_s
+        self.attempts = Deadlines(ceiling_s=cfg.stuck_ceiling_s, floor_s=1.0)  # step attempts' seconds
+        # (what, since when, its deadline s) of the engine thread's work under way; None: between
+        self._busy: tuple[str, float, float] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.times = StepTimes()
@@ -184,9 +205,21 @@ class AttentionService:
             # cost beyond the attention side's own work: docs/experts.md)
             # (speculating, the MTP pass's MoE layer is one more round trip per step)
             "expert_wait_per_moe_layer_s": self.times.expert_wait_s
-            / max(1, self.times.steps * (self.engine.cfg.num_moe_layers + len(self.engine.model.mtp))),
+            / max(1, self.times.steps * (self.engine.cfg.num_moe_layers + (self.engine.spec is not None))),
             "load_reporter": self.load_reporter.stats() if self.load_reporter else None,
         }
+
+    def stuck(self) -> str | None:
+        """Why the engine thread is thought stuck (its work under way ran past its deadline), or
+        None. Read from any thread."""
+        busy = self._busy  # (one read: the engine thread replaces it whole)
+        if busy is None:
+            return None
+        what, since, deadline_s = busy
+        running_s = time.monotonic() - since
+        if running_s <= deadline_s:
+            return None
+        return f"the engine thread has been in {what} for {running_s:.1f}s (its deadline {deadline_s:.1f}s)"
 
     def close(self) -> None:
         self._stop.set()
@@ -195,8 +228,17 @@ class AttentionService:
             self.load_reporter.close()
 
     # ---- the engine thread --------------------------------------------------------------
+    def _begin(self, what: str) -> float:
+        """The engine thread starts `what` (a step attempt, a command): stuck if it runs past
+        max(stuck_floor_s, the largest dispatch deadline + 4 x p99 of step attempts)."""
+        deadline_s = max(self.cfg.stuck_floor_s, self.dispatch_deadline_s() + self.attempts.timeout_s(1))
+        now = time.monotonic()
+        self._busy = (what, now, deadline_s)
+        return now
+
     def _apply(self, cmd: _Command) -> None:
         try:
+            self._begin(f"a command ({cmd.kind})")
             if cmd.kind == "add":
                 prompt_ids, params, request_id, resumed = cmd.args
                 cmd.done.set_result(self.engine.add_request(prompt_ids, params, request_id, resumed))
@@ -210,6 +252,8 @@ class AttentionService:
                 cmd.done.set_result(cmd.args[0]())
         except Exception as e:  # refused request or bad command: report to the caller
             cmd.done.set_exception(e)
+        finally:
+            self._busy = None
 
     def _emit(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -240,7 +284,7 @@ class AttentionService:
             if not self.engine.has_unfinished():
                 continue
             try:
-                result = self.engine.step()
+                result = self._step()
                 failing_since.clear()
             except StepFailed as e:
                 self.times.failed_steps += 1
@@ -268,6 +312,16 @@ class AttentionService:
                     self._emit(out)
                 continue
             self._finish(result)
+
+    def _step(self) -> StepResult:
+        """One step attempt, timed (failed ones too: their time, up to a dispatch deadline, is
+        legitimate)."""
+        started = self._begin("a step")
+        try:
+            return self.engine.step()
+        finally:
+            self.attempts.observe(1, time.monotonic() - started)
+            self._busy = None
 
     def _finish(self, result: StepResult) -> None:
         if not result.num_seqs:
@@ -346,11 +400,22 @@ class AttentionWorker:
             reporter = LoadReporter(
                 LoadReporterConfig(cfg.shared), served.num_moe_layers, mcfg.n_routed_experts
             )
-        self.service = AttentionService(cfg, engine, reporter)
-        self.service.placement_version = 0 if placement is None else int(placement["version"])
         self.cfg = cfg
+        self.service = AttentionService(cfg, engine, reporter, self._dispatch_deadline_s)
+        self.service.placement_version = 0 if placement is None else int(placement["version"])
         self.leases = OwnerLeases(cfg.owner_timeout_s)
         self._watchdog: asyncio.Task | None = None
+
+    def _dispatch_deadline_s(self) -> float:
+        """The data plane's largest call deadline now, over the call sizes seen (the ceiling before
+        any; 0: experts in process): the longest a step may wait on a frozen expert worker. (A
+        size never sent before borrows a deadline that may be longer, up to the ceiling: such a
+        step meeting a frozen expert worker past the stuck floor gets this worker fenced too, its
+        streams moved with the same tokens.) Called on the engine thread, which updates them."""
+        if self.remote_experts is None:
+            return 0.0
+        d = self.remote_experts.deadlines
+        return max(d.snapshot().values(), default=d.ceiling_s)
 
     async def generate(
         self,
@@ -451,8 +516,11 @@ class AttentionWorker:
         return [t for t in self.service.step_trace if t[0] > since]
 
     async def ready(self) -> dict:
+        """Liveness: answered by the event loop; `stuck`: why its engine thread is thought stuck
+        (AttentionService.stuck), or None. A stuck worker is hung to the router and the balancer."""
         return {"worker_id": self.cfg.worker_id, "placement_version": self.service.placement_version,
-                "max_model_len": self.service.engine.max_model_len, "tp": self.cfg.tp}  # fmt: skip
+                "max_model_len": self.service.engine.max_model_len, "tp": self.cfg.tp,
+                "stuck": self.service.stuck()}  # fmt: skip
 
     async def shutdown(self) -> None:
         if self.ranks is not None:

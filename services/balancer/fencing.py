@@ -2,7 +2,8 @@
 stalled, its pings unanswered: router/core.py) moves that worker's requests and asks the balancer
 to fence it. The balancer does not take one router's word for it: it pings the worker itself,
 within a deadline drawn from the pings it has timed (the watch tick pings every attention worker),
-and only if no answer comes kills it; Ray restarts it in place (a fresh process that re-attaches
+and only if no answer comes (or one that says its engine thread is stuck: a deadlocked step, its
+event loop still answering) kills it; Ray restarts it in place (a fresh process that re-attaches
 and catches up with the placement), so a frozen worker that thaws holds nothing and serves
 nothing stale. Once per restart: a worker fenced less than `restart_s` ago is left to its restart
 (every router replica may report it)."""
@@ -40,9 +41,9 @@ class AttentionFence:
         return state
 
     async def fence(self, name: str, actor, reason: str) -> dict:
-        """Ping `name` within the measured deadline; kill it if it does not answer and Ray counts
-        it alive (not restarting: a fresh process loading the model answers nothing yet either).
-        `reason`: the router's. Reports from several routers at once share one fence.
+        """Ping `name` within the measured deadline; kill it if it does not answer (or answers that
+        its engine thread is stuck) and Ray counts it alive (not restarting: a fresh process
+        loading the model answers nothing yet either). `reason`: the router's. Reports from several routers at once share one fence.
         {"fenced": bool, "why": str}."""
         if time.monotonic() < self._until.get(name, 0.0):
             return {"fenced": False, "why": "fenced already; restarting"}
@@ -54,8 +55,10 @@ class AttentionFence:
     async def _fence(self, name: str, actor, reason: str) -> dict:
         deadline, t0 = self.pings.timeout_s(1), time.monotonic()
         try:
-            await self.ping(name, actor, deadline)
-            return {"fenced": False, "why": "it answers"}
+            stuck = (await self.ping(name, actor, deadline)).get("stuck")
+            if not stuck:
+                return {"fenced": False, "why": "it answers"}
+            why = f"{reason}; it answers the balancer's ping, but {stuck}"
         except ray.exceptions.ActorDiedError:
             return {"fenced": False, "why": "dead; Ray restarts it"}
         except Exception as e:  # noqa: BLE001 (no answer in time, or unreachable: hung)

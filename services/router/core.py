@@ -67,7 +67,8 @@ class _StreamCut(Exception):
 
 
 class _WorkerHung(_StreamCut):
-    """A worker's stream stalled and the worker did not answer a ping in time (frozen, stuck)."""
+    """A worker's stream stalled and the worker did not answer a ping in time (frozen), or
+    answered that its engine thread is stuck."""
 
 
 class _QueueFull(Exception):
@@ -76,6 +77,11 @@ class _QueueFull(Exception):
     def __init__(self, error: APIError):
         super().__init__(error.message)
         self.error = error
+
+
+def _stuck(ready_answer) -> str | None:
+    """Why an attention worker's `ready` answer says its engine thread is stuck, or None."""
+    return ready_answer.get("stuck") if isinstance(ready_answer, dict) else None
 
 
 @dataclass
@@ -273,9 +279,9 @@ class RouterCore:
     async def _next_output(self, name: str, stream):
         """The next item of `name`'s output stream. While none comes for the stall deadline (4 x
         the p99 of this worker's gaps between outputs, at least `stall_floor_s`) the worker is
-        pinged; a worker that does not answer within the ping deadline is hung (_WorkerHung): its
-        streams move as a dead worker's do. A slow but live worker (a long prefill, a full batch)
-        answers and is waited for."""
+        pinged; a worker that does not answer within the ping deadline, or answers that its engine
+        thread is stuck (AttentionService.stuck), is hung (_WorkerHung): its streams move as a dead
+        worker's do. A slow but live worker (a long prefill, a full batch) answers and is waited for."""
         gaps = self.gaps.get(name)
         if gaps is None:
             gaps = self.gaps[name] = Deadlines(ceiling_s=5.0, floor_s=self.cfg.stall_floor_s)
@@ -288,36 +294,40 @@ class RouterCore:
                     item = pending.result()  # (StopAsyncIteration at the stream's end)
                     gaps.observe(1, time.monotonic() - t0)
                     return item
-                if not await self._answers(name):
-                    raise _WorkerHung(
-                        f"no output for {time.monotonic() - t0:.1f}s and no answer to a ping within "
-                        f"{self.pings.timeout_s(1):.2f}s"
-                    )
+                why = await self._hung(name)
+                if why is not None:
+                    raise _WorkerHung(f"no output for {time.monotonic() - t0:.1f}s and {why}")
         finally:
             if not pending.done():
                 pending.cancel()
 
-    async def _answers(self, name: str) -> bool:
-        """Does attention worker `name` answer a ping within the measured deadline? One ping per
-        worker at a time, shared by every stream waiting on it."""
+    async def _hung(self, name: str) -> str | None:
+        """Why attention worker `name` is hung (None: it is not): no answer to a ping within the
+        measured deadline, or an answer that its engine thread is stuck (a deadlocked step: its
+        event loop answers, its streams get nothing). One ping per worker at a time, shared by
+        every stream waiting on it."""
         task = self._pinging.get(name)
         if task is None or task.done():
             task = self._pinging[name] = asyncio.ensure_future(self._ping(name))
         return await asyncio.shield(task)
 
-    async def _ping(self, name: str) -> bool:
+    async def _ping(self, name: str) -> str | None:
         deadline, t0 = self.pings.timeout_s(1), time.monotonic()
         try:
-            await asyncio.wait_for(self.workers[name].ready.remote(), deadline)
+            answer = await asyncio.wait_for(self.workers[name].ready.remote(), deadline)
         except Exception as e:  # noqa: BLE001 (no answer in time, or dead: either way not serving)
             if isinstance(e, TimeoutError) and Deadlines.caller_stalled(time.monotonic() - t0, deadline):
-                return True  # (this replica itself was stalled: the worker is given another chance)
+                return None  # (this replica itself was stalled: the worker is given another chance)
             log.warning(
                 "attention worker %s: no answer to a ping in %.2fs (%s)", name, deadline, type(e).__name__
             )
-            return False
+            return f"no answer to a ping within {deadline:.2f}s"
         self.pings.observe(1, time.monotonic() - t0)
-        return True
+        stuck = _stuck(answer)
+        if stuck:
+            log.warning("attention worker %s answers a ping, but %s", name, stuck)
+            return f"its ping answer says {stuck}"
+        return None
 
     def _fence(self, name: str, reason: str) -> None:
         """Ask the balancer to fence hung worker `name` (it checks for itself, then kills it and
@@ -372,8 +382,9 @@ class RouterCore:
     async def _check_live(self, name: str) -> None:
         """Ping a serving worker (the pings' times are the ping deadline's measure; a worker
         frozen with no stream on it is found here before a request is sent to it)."""
-        if not await self._answers(name):
-            self.mark_down(name, hung="no answer to a liveness ping")
+        why = await self._hung(name)
+        if why is not None:
+            self.mark_down(name, hung=f"liveness ping: {why}")
 
     def set_pool(self, serving: list[str], draining: list[str]) -> None:
         """The attention pool's members: `serving` take new requests, `draining` finish theirs.
@@ -430,10 +441,11 @@ class RouterCore:
         try:
             while name in self.workers:  # (a worker that left the pool is not waited for)
                 try:
-                    await asyncio.wait_for(self.workers[name].ready.remote(), 10)
-                    break
-                except Exception:  # restarting, or dead for good: keep it out, ask again
-                    await asyncio.sleep(0.5)
+                    if not _stuck(await asyncio.wait_for(self.workers[name].ready.remote(), 10)):
+                        break
+                except Exception:  # noqa: BLE001 (restarting, or dead for good: keep it out, ask again)
+                    pass
+                await asyncio.sleep(0.5)  # (or still stuck: fenced, it is restarted)
             since = self.down.pop(name, None)
             if name in self.workers and since is not None:
                 log.info("attention worker %s is back after %.1fs", name, time.monotonic() - since)

@@ -3,6 +3,8 @@ the balancer, an embedded Redis): 16 concurrent greedy streaming requests, one p
 with SIGKILL while they run. Every request must complete with exactly the tokens of a run
 without the fault (LocalEngine), and the cluster must heal afterwards."""
 
+import asyncio
+import functools
 import threading
 import time
 
@@ -122,6 +124,37 @@ def test_attention_worker_frozen(cluster, expected):
     assert scenario.gone(outcome.fault_result, wait_s=60), "the frozen attention worker was not killed"
     status = scenario.wait_healed(ns, expert_workers=3)
     assert [f["worker"] for f in status["attention_fenced"]][-1:] == ["moe-attn-0"]
+    _complete_and_identical(_run(cluster, "after the fence", None), expected)
+
+
+def test_attention_worker_engine_thread_stuck(cluster, expected):
+    """Its engine thread blocks for 60 s while its event loop answers pings: once the step has run
+    past its stuck deadline (at least `stuck_floor_s`, 10 s) its ping answers say so, so the
+    router moves its streams (same tokens) and the balancer, asked to fence it, kills it; Ray
+    restarts it and it serves again."""
+    _only_once(cluster)
+    ns = cluster.cfg.namespace
+
+    def block_engine_thread(worker, seconds: float) -> None:
+        """Run on the worker by Ray's own `__ray_call__` (no hook of the worker's; a nested
+        function: pickled by value): its engine thread sleeps `seconds` at the next step boundary
+        while its event loop answers as ever. (From a thread of its own, whatever runs this.)"""
+        block = functools.partial(worker.service.between_steps, functools.partial(time.sleep, seconds))
+        threading.Thread(target=lambda: asyncio.run(block()), daemon=True).start()
+
+    def fault() -> int:
+        actor = ray.get_actor("moe-attn-0", namespace=ns)
+        pid = ray.get(actor.pid.remote(), timeout=30)
+        ray.get(actor.__ray_call__.remote(block_engine_thread, 60.0), timeout=30)
+        return pid
+
+    outcome = _run(cluster, "attention engine thread stuck", fault)
+    _complete_and_identical(outcome, expected)
+    assert 10 <= outcome.stall_s() < 25, outcome.stall_s()  # (the stuck deadline, then moved)
+    assert scenario.gone(outcome.fault_result, wait_s=60), "the stuck attention worker was not killed"
+    status = scenario.wait_healed(ns, expert_workers=3)
+    fenced = status["attention_fenced"][-1]
+    assert fenced["worker"] == "moe-attn-0" and "engine thread" in fenced["reason"], fenced
     _complete_and_identical(_run(cluster, "after the fence", None), expected)
 
 
