@@ -131,6 +131,80 @@ def bench(model: Path, batch: list[list[int]], args) -> dict:
     return row
 
 
+def cluster_rows(model: Path, batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
+    """The real cluster (1 attention worker, 2 expert workers, shared memory, `--deterministic`
+    off) on `model` without and with speculation, one cluster each: greedy streams of held-out
+    prompts over the official client, per batch: decode tok/s (tokens after the first over the
+    time from the first to the last, summed over the batch's streams; median and best of
+    `repeats`), the answers that differ from the plain cluster's, the acceptance rate and the share
+    of the attention worker's step spent waiting for routed experts."""
+    import asyncio
+
+    import openai
+    import ray
+
+    from services.cluster import Cluster, ClusterConfig
+    from services.net import free_port
+
+    async def stream(client, prompt: list[int]) -> tuple[list[int], float]:
+        tokens, times = [], []
+        response = await client.completions.create(
+            model="small", prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        async for chunk in response:
+            for c in chunk.choices:
+                got = getattr(c, "token_ids", None) or []
+                tokens += got
+                times += [time.perf_counter()] * len(got)
+        return tokens, times[-1] - times[0]
+
+    async def run(url: str, batch: list[list[int]]) -> tuple[list[list[int]], float]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+        answers = await asyncio.gather(*[stream(client, p) for p in batch])
+        await client.close()
+        tok_s = sum((len(t) - 1) / s for t, s in answers)  # (each stream's own decode rate, summed)
+        return [t for t, _ in answers], tok_s
+
+    rows, plain = [], {}
+    for k in (0, 1):
+        cfg = ClusterConfig(model=str(model), served_model_name="small", port=free_port(), attention_workers=1,
+                            expert_workers=2, expert_transport="shm", balancer_period_s=0, max_num_seqs=64,
+                            speculative_tokens=k)  # fmt: skip
+        cluster = Cluster.start(cfg)
+        try:
+            attention = next(iter(cluster.attention.values()))
+            asyncio.run(run(cluster.url, held_out_prompts(model, 1)))  # (warm-up)
+            for b in batches:
+                batch = held_out_prompts(model, b)
+                before = ray.get(attention.stats.remote())
+                results = [asyncio.run(run(cluster.url, batch)) for _ in range(repeats)]
+                after = ray.get(attention.stats.remote())
+                answers, rates = results[0][0], [r for _, r in results]
+                plain.setdefault(b, answers)
+                spec, was = after.get("spec_decode") or {}, before.get("spec_decode") or {}
+                drafts = spec.get("num_draft_tokens", 0) - was.get("num_draft_tokens", 0)
+                step_s = after["times"]["step_s"] - before["times"]["step_s"]
+                wait_s = after["times"]["expert_wait_s"] - before["times"]["expert_wait_s"]
+                rows.append({
+                    "speculative_tokens": k, "batch": b,
+                    "decode_tok_s_median": statistics.median(rates), "decode_tok_s_best": max(rates),
+                    "decode_tok_s_all": rates,
+                    "answers_differing_from_plain": sum(a != p for a, p in zip(answers, plain[b], strict=True)),
+                    "acceptance_rate": (spec.get("num_accepted_tokens", 0) - was.get("num_accepted_tokens", 0))
+                    / drafts if drafts else None,
+                    "expert_wait_share": wait_s / step_s if step_s else None,
+                })  # fmt: skip
+                print(json.dumps(rows[-1])[:400], flush=True)
+        finally:
+            cluster.stop()
+    for row in rows:
+        base = next(r for r in rows if r["batch"] == row["batch"] and r["speculative_tokens"] == 0)
+        row["speedup_median"] = row["decode_tok_s_median"] / base["decode_tok_s_median"]
+        row["speedup_best"] = row["decode_tok_s_best"] / base["decode_tok_s_best"]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="tiny,small")
@@ -143,6 +217,8 @@ def main() -> None:
                     help="also: a checkpoint of train_small.py --mtp, prompted with its held-out text")  # fmt: skip
     ap.add_argument("--trained-batches", default="1,8,32")
     ap.add_argument("--trained-new-tokens", type=int, default=128)
+    ap.add_argument("--cluster-batches", default="",
+                    help="also: the trained model on the real cluster over shared memory at these batches")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = []
@@ -157,10 +233,13 @@ def main() -> None:
             vocab = ModelConfig.from_dir(model).vocab_size
             for b in (int(x) for x in args.batches.split(",")):
                 report({"preset": preset, **bench(model, prompts(b, vocab), args)})
-    trained = None
+    trained, cluster = None, None
+    if args.trained and args.cluster_batches:
+        batches = [int(x) for x in args.cluster_batches.split(",")]
+        cluster = cluster_rows(Path(args.trained), batches, args.trained_new_tokens, args.repeats)
     if args.trained:
         trained = json.loads((Path(args.trained) / "training.json").read_text())
-        for b in (int(x) for x in args.trained_batches.split(",")):
+        for b in (int(x) for x in filter(None, args.trained_batches.split(","))):
             targs = argparse.Namespace(**{**vars(args), "new_tokens": args.trained_new_tokens})
             report({"preset": "small, trained (train_small.py --mtp)", "prompts": "held-out text",
                     **bench(Path(args.trained), held_out_prompts(Path(args.trained), b), targs)})  # fmt: skip
@@ -179,6 +258,7 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "torch": torch.__version__,
         "rows": results,
+        "cluster": cluster,
         "trained_model": None
         if trained is None
         else {
