@@ -38,6 +38,7 @@ import torch
 from services.engine.engine import EngineConfig, LocalEngine
 from services.engine.sampling import SamplingParams
 from services.presets import default_model_dir
+from tests.staggered import run_staggered
 
 NEW_TOKENS = 64
 
@@ -85,28 +86,13 @@ def decode_tok_s(engines: dict[bool, LocalEngine], batch: int, vocab: int, repea
 
 def answers(
     engine: LocalEngine, prompts: list[list[int]], stagger: int | None
-) -> list[tuple[list[int], list]]:
+) -> list[tuple[list[int], torch.Tensor]]:
     """Each prompt's (greedy tokens, logits rows): run one at a time (stagger None), or all
     concurrently, added at once (0) or one every `stagger` steps."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     if stagger is None:
         return [answers(engine, [p], 0)[0] for p in prompts]
-    ids, tokens, logits = [], {}, {}
-    pending = list(prompts)
-    while pending or engine.has_unfinished():
-        if pending:
-            ids.append(engine.add_request(pending.pop(0), params))
-            if stagger == 0 and pending:
-                continue
-        for _ in range(max(stagger, 1)):
-            result = engine.step()
-            for rid, row in zip(
-                result.logits_ids, result.logits if result.logits is not None else (), strict=True
-            ):
-                logits.setdefault(rid, []).append(row.clone())
-            for out in result.outputs:
-                tokens.setdefault(out.request_id, []).extend(out.token_ids)
-    return [(tokens[r], logits[r]) for r in ids]
+    return run_staggered(engine, prompts, params, stagger)
 
 
 def identity(engine: LocalEngine, prompts: list[list[int]], rounds: int) -> dict:

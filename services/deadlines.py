@@ -88,6 +88,10 @@ class Deadlines:
         than half a second) proves nothing about the peer, so the call is not held against it."""
         return elapsed_s - timeout_s > max(0.5, timeout_s)
 
+    def longest_s(self) -> float:
+        """The longest deadline of the size classes seen (the ceiling before any call was seen)."""
+        return max((self.timeout_s((1 << c) - 1) for c in self._seen), default=self.ceiling_s)
+
     def snapshot(self) -> dict[str, float]:
         """{"rows<=N": deadline s} of the size classes seen (status)."""
         return {f"rows<={(1 << c) - 1}": round(self.timeout_s((1 << c) - 1), 3) for c in sorted(self._seen)}

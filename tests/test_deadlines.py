@@ -42,6 +42,7 @@ def test_the_ceiling_until_calls_were_seen_then_a_multiple_of_their_p99():
         d.observe(2048, 60.0)
     assert d.timeout_s(2048) == 30.0  # (never beyond the ceiling)
     assert d.snapshot() == {"rows<=15": 2.0, "rows<=4095": 30.0}
+    assert d.longest_s() == 30.0 and Deadlines(ceiling_s=7.0).longest_s() == 7.0  # (none seen: the ceiling)
     assert Deadlines(ceiling_s=0.5, floor_s=1.5).floor_s == 0.5
     with pytest.raises(ValueError):
         Deadlines(ceiling_s=30.0, factor=0.5)

@@ -20,6 +20,8 @@ from services.model.messages import ExpertDispatch
 from services.model.moe import LocalExperts
 from services.presets import PRESETS
 
+from .staggered import run_staggered
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 TINY = ModelConfig.from_hf(PRESETS["tiny"])
 
@@ -32,20 +34,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 def _run(engine: LocalEngine, prompts, stagger: int = 0) -> list[torch.Tensor]:
     """Each prompt's logits [steps, vocab] (greedy), the prompts added together or (stagger) one
     every `stagger` steps."""
-    ids, logits = [], {}
-    pending = list(prompts)
-    while pending or engine.has_unfinished():
-        if pending:
-            ids.append(engine.add_request(pending.pop(0), GREEDY))
-            if stagger == 0:
-                continue
-        for _ in range(max(stagger, 1)):
-            result = engine.step()
-            for rid, row in zip(
-                result.logits_ids, result.logits if result.logits is not None else (), strict=True
-            ):
-                logits.setdefault(rid, []).append(row.clone())
-    return [torch.stack(logits[r]) for r in ids]
+    return [logits for _, logits in run_staggered(engine, prompts, GREEDY, stagger)]
 
 
 def _engine(model, deterministic: bool, kernels="auto", weight_dtype=None, tokens=2048) -> LocalEngine:

@@ -16,6 +16,8 @@ from services.model.kernels import deterministic
 from services.model.kernels.select import select_kernels
 from services.presets import PRESETS, init_model
 
+from .staggered import run_staggered
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PRESET_NAMES = ("tiny-v32", "tiny-v4")
 
@@ -34,22 +36,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 def _run(engine: LocalEngine, prompts, stagger: int = 0) -> list[tuple[list[int], torch.Tensor]]:
     """Each prompt's (greedy tokens, logits [steps, vocab]), the prompts added together or
     (stagger) one every `stagger` steps."""
-    ids, logits, tokens = [], {}, {}
-    pending = list(prompts)
-    while pending or engine.has_unfinished():
-        if pending:
-            ids.append(engine.add_request(pending.pop(0), GREEDY))
-            if stagger == 0:
-                continue
-        for _ in range(max(stagger, 1)):
-            result = engine.step()
-            for rid, row in zip(
-                result.logits_ids, result.logits if result.logits is not None else (), strict=True
-            ):
-                logits.setdefault(rid, []).append(row.clone())
-            for out in result.outputs:
-                tokens.setdefault(out.request_id, []).extend(out.token_ids)
-    return [(tokens[r], torch.stack(logits[r])) for r in ids]
+    return run_staggered(engine, prompts, GREEDY, stagger)
 
 
 def _engine(

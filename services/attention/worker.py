@@ -414,8 +414,7 @@ class AttentionWorker:
         streams moved with the same tokens.) Called on the engine thread, which updates them."""
         if self.remote_experts is None:
             return 0.0
-        d = self.remote_experts.deadlines
-        return max(d.snapshot().values(), default=d.ceiling_s)
+        return self.remote_experts.deadlines.longest_s()
 
     async def generate(
         self,
