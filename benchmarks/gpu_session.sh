@@ -12,10 +12,13 @@
 #   PATH=$PWD/.venv/bin:$PATH DEVICE=cpu WHEELS_DIR=/tmp/whl311 BUDGET=900 OUT=/tmp/gpu_dry \
 #       bash benchmarks/gpu_session.sh flashmla cluster api medium
 #
+# #53's device half (deterministic mode on the Triton kernels; the step limits add up to 320 s):
+#   run(command="bash benchmarks/gpu_session.sh deterministic", carry=[".whl"], timeout_s=400)
+#
 # Steps, in order (default: all): tests, local, kernels, attention_gpu, attention_cpu, dispatch,
 # kernel_tests; also sweep, prefill, mla_tests, fp8_tests, mla_fp8, transports, spin, flashmla,
-# cluster, api and medium when named. Each has its own time limit, cut to what is left of BUDGET
-# seconds (default 540), and writes its results under $OUT as it goes, so a step that overruns
+# cluster, api, medium and deterministic when named. Each has its own time limit, cut to what is
+# left of BUDGET seconds (default 540), and writes its results under $OUT as it goes, so a step that overruns
 # costs only itself and the steps after it still run while time is left. Files back ($OUT, at
 # most 8): log.txt (everything, each step's rc and seconds), env.txt, and each step's JSON
 # (#57's call: flashmla.json, cluster_gpu.json, api_gpu.json, cluster_gpu_medium.json).
@@ -80,6 +83,7 @@ DEVICE=${DEVICE:-cuda}
 SLOWER=1 # the step limits are the GPU's; a dry run on a small CPU box gets SLOWER (default 4) times them
 if [ "$DEVICE" = cpu ]; then
     SLOWER=${SLOWER_CPU:-4}
+    DET="device='cpu', dtype='float32', preset='tiny'"
     ON="--device cpu --dtype float32" TRANSPORTS=shm BATCHES=1,4 ROUNDS=1
     API="--preset tiny --transports shm --kill-transports shm --requests 4 --max-tokens 16 --num-cpus 4"
     MEDIUM="dtype='float32', device='cpu', overrides={'num_hidden_layers': 2, 'vocab_size': 4096, 'n_routed_experts': 16}"
@@ -87,6 +91,7 @@ else
     ON="--device cuda --dtype bfloat16" TRANSPORTS=cuda-ipc,shm BATCHES=1,32,128 ROUNDS=2
     API="--preset small --transports cuda-ipc,shm --kill-transports cuda-ipc --requests 16 --max-tokens 64 --heal-timeout-s 20"
     MEDIUM="dtype='bfloat16', device='cuda'"
+    DET="device='cuda', dtype='bfloat16', preset='small'"
 fi
 OUT=${OUT:-/tmp/gpu_session}
 BUDGET=${BUDGET:-540}
@@ -213,6 +218,37 @@ print('medium preset written in', round(time.time() - t, 1), 's')"
         # shellcheck disable=SC2086
         step medium 110 $GPU python3 -m benchmarks.bench_attention --model /tmp/medium $ON --tp 1 --no-ray \
             --batches $BATCHES --rounds 1 --transports $TRANSPORTS --out "$OUT/cluster_gpu_medium.json" ;;
+    deterministic) # #53: the deterministic Triton kernels' tests on CUDA tensors (each row alone == in
+        # batches of 1 / 3 / 17 / 40, MLA rows beside longer and shorter ones, prefill == decode, the
+        # tiny model alone == batched == chunked: the tensor cores' bits), then decode tok/s with and
+        # without --deterministic (small preset, bf16, greedy, 32 new tokens; prefill included) and
+        # whether the flag's greedy tokens of a prompt alone equal its tokens in the batch of 32
+        step det_tests 200 $GPU python3 -m pytest -q -rs -p no:cacheprovider tests/test_deterministic_triton.py
+        step det_speed 120 $GPU python3 -c "import json, time
+from services.engine.engine import EngineConfig, LocalEngine
+from services.engine.sampling import SamplingParams
+from services.presets import init_model
+opts = dict($DET)
+path = init_model('/tmp/det_' + opts['preset'], opts['preset'], dtype=opts['dtype'], device=opts['device'])
+params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+prompts = [[0] + [4 + (7 * b + 3 * i) % 300 for i in range(16)] for b in range(32)]
+out = {'preset': opts['preset'], 'device': opts['device'], 'dtype': opts['dtype']}
+for det in (False, True):
+    name = 'deterministic' if det else 'default'
+    e = LocalEngine(EngineConfig(model=str(path), device=opts['device'], dtype=opts['dtype'], deterministic=det,
+                                 max_num_seqs=32))
+    out[name + '_kernels'] = e.kernels.summary()
+    e.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # (warm-up)
+    for B in (1, 32):
+        t = time.time()
+        toks = [o.token_ids for o in e.generate(prompts[:B], params)]
+        out[f'{name}_tok_s_b{B}'] = round(B * 32 / (time.time() - t), 1)
+        out[f'{name}_tokens_b{B}'] = toks
+    out[name + '_alone_equals_batched'] = out[name + '_tokens_b1'][0] == out[name + '_tokens_b32'][0]
+for B in (1, 32):
+    out[f'speed_ratio_b{B}'] = round(out[f'deterministic_tok_s_b{B}'] / out[f'default_tok_s_b{B}'], 3)
+json.dump(out, open('$OUT/determinism_gpu.json', 'w'), indent=1)
+print({k: v for k, v in out.items() if 'tokens' not in k})" ;;
     kernel_tests) # the kernels' own tests, compiled for this GPU
         step kernel_tests 150 $GPU python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
             tests/test_triton_moe.py tests/test_decode_graphs.py tests/test_flashmla.py ;;

@@ -25,8 +25,8 @@ worker, then over workers. What is used instead (CPU only; chosen once, by `bind
   tiles); decode as chosen (the C++ kernel: each (row, head) over its own context in order; the
   torch path here row by row, over exactly its context); prefill on the decode kernel, each query
   a decode row of its own causal length, so a token attends with the same arithmetic in a prompt
-  chunk as in a decode step. The fused decode layer (C++) runs on chunks of MAX_ROWS rows: its
-  arithmetic is then that of these single kernels, bit for bit.
+  chunk as in a decode step. The fused decode layer (C++) runs on chunks of MAX_ROWS rows (its
+  own size rule): its arithmetic is then that of these single kernels, bit for bit.
 - norms, rope, the router: row-local already (chosen as usual), but for torch's sigmoid and SiLU
   (the router's and the MLPs' on the torch path), which compute a tensor's last elements on a
   scalar path of other bits: `sigmoid` / `silu` here instead.
@@ -63,7 +63,40 @@ top-k with `top_indices`; the routed experts as V3's (in expert order, per-choic
 workers). Row-local as they are: RMSNorms, ropes, softmax over a row's last dim, the Sinkhorn and
 stream sums (each output over its own M values, in order), the gates' top-k over E.
 
-The CPU only (the GPU kernels: not yet).
+On CUDA (and on CPU tensors under triton's interpreter, where the Triton kernels are asked for by
+name: tests) the same guarantees come from our Triton kernels with batch-invariant configurations
+(Thinking Machines' "batch-invariant ops": one kernel configuration for every M, no split-K or
+split-KV whose count follows the batch, reductions row-local), chosen by `bind` where triton runs:
+
+- linears: `triton_linear.linear`, one tile shape per dtype whatever M, each output's K loop in
+  order (no split-K); FP8 linears `triton_linear.fp8_linear(deterministic=True)` (a fixed M tile,
+  K unsplit); where that kernel cannot take the weights, dequantised, then the plain one.
+- MLA's absorbed products: the same GEMM kernel with the heads as its batch axis (a linear per
+  head: torch.bmm on CUDA picks its cuBLAS kernel, split-K included, by the token count;
+  `_tiles` of fixed shapes would hold in one cuBLAS version but costs a launch per 8 tokens).
+- the routed experts: `triton_moe.fused_moe(deterministic=True)` (a fixed BLOCK_M; a token's K
+  choices added in slot order with elementwise adds, not torch's reduction).
+- MLA decode, prefill (on the decode kernel) and V3.2's sparse decode:
+  `triton_mla.mla_decode(deterministic=True)`: each row's context cut by its own length, never by
+  the batch, and a merge that skips the empty splits; FlashMLA is not chosen (its split schedule
+  follows the batch).
+- the router: `route_ordered`: torch.topk's algorithm (and its order of the chosen experts, and its
+  ties) depends on the number of rows on CUDA, and torch's reductions pick their strategy by the
+  tensor's size: a stable sort for every top-k, the chosen experts in ascending order, the top-k
+  weights' sum and the group scores as ordered elementwise adds.
+- the V3.2 indexer's scores: `index_scores_triton`, `index_scores_torch`'s per-query scores on the
+  Triton linear (the heads' sum per query: a reduction over that query's own [n, Hi] scores).
+- RMSNorm and the latent's norm / ropes / cache write (Triton): one program per row; torch's
+  elementwise ops (ropes, SiLU, the residual adds) compute every element alike on CUDA; its
+  softmax over a row's last dim runs one warp or block per row; max / amax are exact in any order.
+- DeepSeek-V4 (its attention, compressors and hyper-connections are torch code whose reductions on
+  CUDA follow the tensor's size): refused on CUDA for now (an expert worker's store, scope
+  "experts", only runs the routed experts: allowed).
+
+The test file tests/test_deterministic_triton.py checks these under triton's interpreter on the
+CPU, which shows the structure (one configuration whatever the batch, no batch-dependent split, the
+order of the sums) with numpy's arithmetic; bit-identity on a real GPU's tensor cores is checked by
+running the same file there (benchmarks/gpu_session.sh, step `deterministic`).
 """
 
 from __future__ import annotations
@@ -84,9 +117,25 @@ KEY_TILE = 64  # the key tile of the indexer's scores on torch (`index_scores_to
 
 
 def unsupported(device: torch.device, cfg, scope: str) -> str | None:
-    """Why deterministic kernels cannot be chosen for this target (None: they can)."""
-    if device.type != "cpu":
-        return f"CPU only for now ({device.type}: the GPU kernels are not batch-invariant yet)"
+    """Why deterministic kernels cannot be chosen for this target (None: they can): the CPU, or
+    CUDA with triton (not DeepSeek-V4's model there: module docstring). select.py also refuses a
+    CUDA target whose Triton kernels are not allowed (MOE_TRITON=0, `kernels` without triton)."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"CPU or CUDA only ({device.type} tensors)"
+    if not torch.cuda.is_available():
+        return "CPU only on this machine (CUDA target, but torch sees no CUDA device)"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"on CUDA it needs triton ({e})"
+    if cfg.is_v4 and scope == "model":
+        return (
+            "DeepSeek-V4 on CUDA is not batch-invariant yet (its attention, compressors and "
+            "hyper-connections are torch code whose CUDA reductions follow the tensor's size); "
+            "use the CPU, or V3 / V3.2"
+        )
     return None
 
 
@@ -160,10 +209,11 @@ def _chunks(fn, x: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
 
 class DeterministicImpls:
     """The batch-invariant implementations (module docstring). `k`: the select.Kernels they are
-    bound into; `cpp`: the C++ kernels (cpu_kernels.CppKernels) where chosen, else None."""
+    bound into; `cpp`: the C++ kernels (cpu_kernels.CppKernels) where chosen, else None; `gpu`:
+    the Triton kernels (gpu.TritonKernels, made deterministic) where triton runs, else None."""
 
-    def __init__(self, k, cfg, cpp):
-        self.k, self.cfg, self.cpp = k, cfg, cpp
+    def __init__(self, k, cfg, cpp, gpu=None):
+        self.k, self.cfg, self.cpp, self.gpu = k, cfg, cpp, gpu
         self._m = None if cpp is None else cpp._m
 
     # ---- linears -----------------------------------------------------------------------------
@@ -202,6 +252,13 @@ class DeterministicImpls:
     ) -> torch.Tensor:
         """A linear kept FP8: dequantised whole, then `linear_torch`."""
         return self.linear_torch(x, w.dequantize().to(x.dtype), bias)
+
+    def fp8_linear_triton(
+        self, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A linear kept FP8 where the Triton FP8 kernel cannot take it: dequantised whole, then the
+        Triton linear (gpu.TritonKernels.linear)."""
+        return self.gpu.linear(x, w.dequantize().to(x.dtype), bias)
 
     # ---- MLPs and experts ----------------------------------------------------------------------
     def dense_ffn_cpp(self, x: torch.Tensor, w13, w2) -> torch.Tensor:
@@ -248,6 +305,41 @@ class DeterministicImpls:
     def route_torch(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None):
         """torch_ops.route on the deterministic linears and `sigmoid`."""
         return torch_ops.route(x, gate_w, bias, self.cfg, self.k.linear, sigmoid=sigmoid)
+
+    def route_ordered(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None):
+        """torch_ops.route (V3's sigmoid / noaux_tc, V2's softmax / greedy / group-limited) with
+        every step row-local on any device (module docstring): the logits on the deterministic
+        linears, `sigmoid`; each top-k a stable sort (`top_indices`); a group's top-2 sum one add;
+        the chosen experts in ascending order, their weights' sum K - 1 ordered adds. x [T, H] ->
+        (topk_idx [T, K] int64 ascending, topk_weight [T, K] fp32)."""
+        cfg = self.cfg
+        T, E, G, K = x.shape[0], cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
+        logits = self.k.linear(x.float(), gate_w.float())
+        if cfg.scoring_func == "sigmoid":
+            scores = sigmoid(logits)
+            choice = scores + bias if bias is not None else scores
+        else:
+            scores = logits.softmax(dim=-1)  # (over the last dim: one warp / block per row)
+            choice = scores
+        if cfg.topk_method in ("noaux_tc", "group_limited_greedy") and G > 1:
+            per_group = choice.view(T, G, E // G)
+            if cfg.topk_method == "noaux_tc":
+                top2 = per_group.gather(-1, top_indices(per_group, 2))
+                group_scores, fill = top2[..., 0] + top2[..., 1], float("-inf")
+            else:
+                group_scores, fill = per_group.amax(dim=-1), 0.0
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+            group_mask.scatter_(1, top_indices(group_scores, cfg.topk_group), True)
+            expert_mask = group_mask.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+            choice = choice.masked_fill(~expert_mask, fill)
+        topk_idx = top_indices(choice, K).sort(dim=-1).values
+        topk_weight = scores.gather(1, topk_idx)
+        if cfg.norm_topk_prob and K > 1:
+            total = topk_weight[:, 0]
+            for j in range(1, K):
+                total = total + topk_weight[:, j]
+            topk_weight = topk_weight / (total[:, None] + 1e-20)
+        return topk_idx, topk_weight * cfg.routed_scaling_factor
 
     # ---- MLA -----------------------------------------------------------------------------------
     def absorb_q_cpp(self, q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
@@ -354,30 +446,33 @@ class DeterministicImpls:
             out[i, :n] = (torch.relu(dots * Di**-0.5) * w[i]).sum(-1)
         return out
 
-    def fused_decode_layer(self, fused):
-        """The C++ decode layer on <= ROWS-row chunks (its sums are those of the single kernels
-        here there; each decode row is a sequence of its own, so chunks share no cache row)."""
+    def index_scores_triton(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """`index_scores_torch` with each query's dots on the Triton linear (batch-invariant in
+        its keys) instead of fixed torch GEMM tiles; the heads' sum over that query's own [n, Hi]
+        scores."""
+        Q, Hi, Di = q.shape
+        L = keys.shape[-2]
+        out = torch.full((Q, L), float("-inf"), dtype=torch.float32, device=q.device)
+        for i, n in enumerate(lens.tolist()):
+            n = min(n, L)
+            if n == 0:
+                continue
+            ki = (keys if keys.dim() == 2 else keys[i])[:n].float()
+            dots = self.gpu.linear(ki, q[i].float())  # [n, Hi]
+            out[i, :n] = (torch.relu(dots * Di**-0.5) * w[i]).sum(-1)
+        return out
 
-        def run(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps):
-            T = x.shape[0]
-            if T <= ROWS:
-                return fused(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps)
-            cos, sin = cos_sin
-            parts = []
-            for i in range(0, T, ROWS):
-                s = slice(i, i + ROWS)
-                parts.append(fused(x[s].contiguous(), w, (cos[s].contiguous(), sin[s].contiguous()), cache,
-                                   slot_mapping[s].contiguous(), table[s].contiguous(), lens[s].contiguous(), cfg,
-                                   eps))  # fmt: skip
-            return torch.cat(parts)
 
-        return run
-
-
-def bind(k, cfg, cpp) -> None:
+def bind(k, cfg, cpp, gpu=None, guard=None) -> None:
     """Rebind `k`'s (a select.Kernels, families already chosen) batch-variant families to the
     deterministic implementations over the same choices (the C++ kernels where chosen, else
-    torch). `cpp`: the C++ kernels' implementations (None where not built)."""
+    torch). `cpp`: the C++ kernels' implementations (None where not built). `gpu`: the Triton
+    kernels (gpu.TritonKernels made with deterministic=True) where triton runs (then
+    `bind_triton`); guard(family, fns): how select.py wraps a GPU implementation's functions."""
+    if gpu is not None:
+        return bind_triton(k, cfg, gpu, guard or (lambda family, fns: fns))
     names = k.names()
     on_cpp = lambda family: cpp is not None and names.get(family) == "cpp"  # noqa: E731
     d = DeterministicImpls(k, cfg, cpp)
@@ -407,9 +502,40 @@ def bind(k, cfg, cpp) -> None:
         H, N, V = cfg.hidden_size, cfg.num_attention_heads, cfg.v_head_dim
         widths = (H, cfg.q_lora_rank or 0, N * V, cfg.kv_lora_rank)
         if all(w % 8 == 0 for w in widths) and names.get("linear") == "cpp" and on_cpp("absorb"):
-            k._bind("mla_decode_layer", "cpp", (d.fused_decode_layer(cpp.mla_decode_layer),))
+            k._bind("mla_decode_layer", "cpp", (cpp.mla_decode_layer,))  # (on <= ROWS-row chunks itself)
         else:  # (its linears would not be this module's)
             k._bind("mla_decode_layer", "unfused", (None,))
+
+
+def bind_triton(k, cfg, gpu, guard) -> None:
+    """`bind` where the Triton kernels run (CUDA; CPU tensors under the interpreter): the families
+    selection gave Triton already run its deterministic variants (`gpu` was made so: fused MoE,
+    FP8 linear, MLA decode / sparse decode / prefill on the decode kernel); the others are rebound
+    here (module docstring): the linears and the absorbed products to the Triton GEMM ("triton"
+    in names()), the router to `route_ordered`, the MLPs and the torch fallbacks to the
+    deterministic torch paths over those linears."""
+    names = k.names()
+    d = DeterministicImpls(k, cfg, None, gpu)
+    k._det = d
+    on = lambda family: names.get(family) == "triton"  # noqa: E731
+    rebind = {
+        "linear": ("triton", (gpu.linear,)),
+        "fp8_linear": None if on("fp8_linear") else ("triton", (d.fp8_linear_triton,)),
+        "dense_ffn": ("torch", (d.dense_ffn_torch,)),
+        "route": ("torch", (d.route_ordered,)),
+        "expert_ffn": None if on("expert_ffn") else ("torch", (d.expert_ffn_torch,)),
+        "absorb": ("triton", (gpu.absorb_q, gpu.absorb_o)),
+        "mla_decode": None if on("mla_decode") else ("torch", (d.mla_decode_torch,)),
+        "mla_prefill": None if on("mla_prefill") and on("mla_decode") else ("torch", (d.mla_prefill,)),
+        "mla_sparse_decode": None if on("mla_sparse_decode") else ("torch", (d.sparse_decode_torch,)),
+        "index_scores": ("triton", (d.index_scores_triton,)),
+    }
+    for family, choice in rebind.items():
+        if family in names and choice is not None:
+            name, fns = choice
+            k._bind(family, name, guard(family, fns) if name == "triton" else fns)
+    for family in names:
+        k._next[family] = []  # (no fallback to a batch-variant implementation: torch's RMSNorm included)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,21 +64,25 @@ def flashmla_unavailable(device: torch.device, asked: bool) -> str | None:
 class TritonKernels:
     """Our Triton kernels as kernel-family implementations (`kernels`: the select.Kernels they
     are bound into, whose other choices the prefill's absorbed products use). `interleave`: the
-    model's rope layout (the latent kernel's)."""
+    model's rope layout (the latent kernel's). `deterministic`: their batch-invariant variants
+    (kernels/deterministic.py; RMSNorm and the latent's kernel are one program per row anyway),
+    and the batch-invariant GEMMs `linear` / `absorb_q` / `absorb_o` (bound by deterministic.bind)."""
 
-    def __init__(self, kernels, interleave: bool = True):
+    def __init__(self, kernels, interleave: bool = True, deterministic: bool = False):
         from . import triton_linear, triton_mla, triton_moe, triton_norm
 
-        self.k, self.interleave = kernels, interleave
+        self.k, self.interleave, self.deterministic = kernels, interleave, deterministic
         self._mla, self._moe, self._norm, self._linear = triton_mla, triton_moe, triton_norm, triton_linear
 
     def mla_decode(self, q, cache, dec, C: int, scale: float):
         """Absorbed MLA decode over each row's paged context (`triton_mla.mla_decode`)."""
-        return self._mla.mla_decode(q, cache, dec.table, dec.lens, C, scale)
+        return self._mla.mla_decode(q, cache, dec.table, dec.lens, C, scale, deterministic=self.deterministic)
 
     def sparse_decode(self, q, cache, rows, count, C: int, scale: float):
         """V3.2's decode over each row's chosen cache rows (`triton_mla.mla_decode` with rows)."""
-        return self._mla.mla_decode(q, cache, None, count, C, scale, rows=rows)
+        return self._mla.mla_decode(
+            q, cache, None, count, C, scale, rows=rows, deterministic=self.deterministic
+        )
 
     def mla_prefill(self, q_nope, q_pe, cache, blocks, L: int, kv_b, C: int, scale: float):
         """Causal MLA of one sequence's prefill chunk on the decode kernel: q_nope [n, N, D], q_pe
@@ -91,7 +95,8 @@ class TritonKernels:
         n = q_nope.shape[0]
         q_full = torch.cat((self.k.absorb_q(q_nope, kv_b), q_pe), dim=-1)  # [n, N, C+R]
         lens = torch.arange(L - n + 1, L + 1, device=q_nope.device, dtype=torch.int32)
-        o_lat = self._mla.mla_decode(q_full, cache, blocks[None].expand(n, -1), lens, C, scale)
+        o_lat = self._mla.mla_decode(q_full, cache, blocks[None].expand(n, -1), lens, C, scale,
+                                     deterministic=self.deterministic)  # fmt: skip
         return self.k.absorb_o(o_lat, kv_b, q_nope.shape[-1])
 
     def latent_to_cache(self, kv, q_pe, norm_weight, cos, sin, slot_mapping, cache, eps: float, extra=None):
@@ -112,15 +117,33 @@ class TritonKernels:
     def expert_ffn(self, x, slot, weight, w13, w2, out=None, swiglu_limit=None, w13_scale=None, w2_scale=None,
                    fp8_block=None):  # fmt: skip
         """A layer's routed experts, bf16 / fp32 or block-FP8 weights (`triton_moe.fused_moe`)."""
+        det = self.deterministic
         if w13_scale is None:
-            return self._moe.fused_moe(x, slot, weight, w13, w2, swiglu_limit, out=out)
+            return self._moe.fused_moe(x, slot, weight, w13, w2, swiglu_limit, out=out, deterministic=det)
         return self._moe.fused_moe(
-            x, slot, weight, w13, w2, swiglu_limit, w13_scale, w2_scale, fp8_block, out=out
+            x, slot, weight, w13, w2, swiglu_limit, w13_scale, w2_scale, fp8_block, out=out, deterministic=det
         )
 
     def fp8_linear(self, x, w, bias=None):
         """y = x @ W^T (+ bias) with W kept FP8 (`triton_linear.fp8_linear`)."""
-        return self._linear.fp8_linear(x, w.weight, w.scale, w.block, bias)
+        return self._linear.fp8_linear(x, w.weight, w.scale, w.block, bias, deterministic=self.deterministic)
+
+    # ---- the batch-invariant GEMMs (deterministic kernels only) ---------------------------------
+    def linear(self, x, w, bias=None):
+        """F.linear(x, w, bias), batch-invariant (`triton_linear.linear`)."""
+        return self._linear.linear(x, w, bias)
+
+    def absorb_q(self, q_nope, kv_b):
+        """torch_ops.absorb_q batch-invariant: q_nope [T, N, D] @ W_UK (kv_b [N, D+V, C]) ->
+        [T, N, C], one GEMM per head (`triton_linear.batched_linear`, the heads its batch axis)."""
+        D = q_nope.shape[-1]
+        y = self._linear.batched_linear(q_nope.transpose(0, 1), kv_b[:, :D].transpose(1, 2))  # [N, T, C]
+        return y.transpose(0, 1)
+
+    def absorb_o(self, o_lat, kv_b, D: int):
+        """torch_ops.absorb_o batch-invariant: o_lat [T, N, C] through W_UV (kv_b [N, D+V, C], its
+        rows from D on) -> [T, N, V], one GEMM per head."""
+        return self._linear.batched_linear(o_lat.transpose(0, 1), kv_b[:, D:]).transpose(0, 1)
 
 
 class FlashMLAKernels:

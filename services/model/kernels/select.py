@@ -220,8 +220,9 @@ def select_kernels(
     under TRITON_INTERPRET=1, torch elsewhere; torch is always allowed). scope: "model" (an
     engine's forward pass and in-process experts) or "experts" (an expert worker's store).
     strict: ValueError where an implementation named in `allow` runs no family (with why).
-    deterministic: batch-invariant kernels (kernels/deterministic.py; ValueError where this target
-    has none yet: not the CPU)."""
+    deterministic: batch-invariant kernels (kernels/deterministic.py: the CPU's, or on CUDA the
+    Triton ones; ValueError where this target has none: CUDA without triton or with the Triton
+    kernels not allowed, DeepSeek-V4's model on CUDA)."""
     target = Target(torch.device(device), dtype, cfg, weight_dtype, fp8_linears, fp8_experts, fp8_cache, scope,
                     deterministic)  # fmt: skip
     k = _select(target, _parse_allow(allow))
@@ -243,10 +244,14 @@ def _select(t: Target, allow: tuple[str, ...] | None) -> Kernels:
         raise ValueError(f"deterministic: {why}")
     k = Kernels(t, allow)
     unavailable = _libraries(t, allow)
+    if t.deterministic and t.device.type == "cuda":
+        why = unavailable["triton"] or (None if t.dtype in TL_DTYPES else f"not {t.dtype} activations")
+        if why:
+            raise ValueError(f"deterministic: on CUDA it needs the Triton kernels ({why})")
     impls = {
         "torch": _TorchImpls(k, t.cfg),
         "cpp": None if unavailable["cpp"] else cpu_kernels.CppKernels(cpu_kernels._module(), k),
-        "triton": None if unavailable["triton"] else TritonKernels(k, t.cfg.rope_interleave),
+        "triton": None if unavailable["triton"] else TritonKernels(k, t.cfg.rope_interleave, t.deterministic),
         "flashmla": None if unavailable["flashmla"] else FlashMLAKernels(k),
     }
     for family in families_of(t):
@@ -264,7 +269,9 @@ def _select(t: Target, allow: tuple[str, ...] | None) -> Kernels:
         k._passed[family], k._next[family] = passed, viable[1:]
         k._bind(family, *viable[0])
     if t.deterministic:  # (the batch-variant families rebound over the same choices)
-        deterministic_kernels.bind(k, t.cfg, impls["cpp"])
+        on_triton = impls["triton"] is not None and t.dtype in TL_DTYPES  # (CUDA; the interpreter when asked)
+        deterministic_kernels.bind(k, t.cfg, impls["cpp"], impls["triton"] if on_triton else None,
+                                   lambda family, fns: _guarded(k, family, "triton", fns))  # fmt: skip
     plain, fp8_type = k.linear_plain, Fp8Weight
 
     def linear(x, w, bias=None):
@@ -512,6 +519,8 @@ def _options(family: str, t: Target, impls: dict) -> dict[str, tuple | str | Non
             )
 
         flash_why = None if flash is None else flashmla.unsupported(dtype, cache_dtype, C, R, W)
+        if flash is not None and t.deterministic:
+            flash_why = "deterministic (its split schedule follows the batch)"
         return {
             "flashmla": None if flash is None else (flash_why or (flash.mla_decode,)),
             "triton": on_triton(triton_why, lambda: (triton.mla_decode,)),

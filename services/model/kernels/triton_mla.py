@@ -19,6 +19,17 @@ sums in fp32 whatever the cache dtype.
 
 The same kernel runs prefill on the GPU (gpu.TritonKernels.mla_prefill): a chunk's queries are rows of
 their own causal lengths over one block table.
+
+Deterministic kernels (`mla_decode(deterministic=True)`, kernels/deterministic.py): the splits
+above come from the batch (its size, the table's width), so a row's online softmax was cut at
+other places in another batch. Under the flag each row is cut by its own length alone: splits of
+DETERMINISTIC_SPLIT_BLOCKS blocks, or for rows of more than DETERMINISTIC_MAX_SPLITS such splits,
+cdiv(blocks, DETERMINISTIC_MAX_SPLITS) blocks each (so a split's partials stay bounded); the
+launch's SPLITS only has to cover the widest row (the trailing splits of shorter rows are empty),
+and the merge skips an empty split outright (its running maximum, sum and output keep their bits),
+so a row gets the same bits whatever the launch's SPLITS; the tile shape does not follow the batch
+either (`decode_tiles(..., deterministic=True)`). Prefill rows run the same kernel: a token's
+attention is the same in a prompt chunk as decoded.
 """
 
 from __future__ import annotations
@@ -63,7 +74,7 @@ def _mla_decode_split(
     N, C, R, W, stride_q_b, stride_q_n, stride_table_b, scale, SPARSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, MAX_ROW_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: the softmax of heads [BLOCK_H] of row b over its split's context rows.
     mid_o [B, N, SPLITS, C] fp32 (normalised by the split's own sum; not written for a split past
@@ -72,7 +83,9 @@ def _mla_decode_split(
     SPARSE: table_ptr holds each row's chosen flat cache rows (V3.2's top-k), not block ids.
     FP8: the cache holds FP8 latent rows (`_fp8_rows`), dequantised per tile to q's dtype.
     The head group is the fastest-varying program id: a row's groups run side by side and read
-    its cache rows once from memory between them (the others hit the L2)."""
+    its cache rows once from memory between them (the others hit the L2).
+    MAX_ROW_SPLITS (deterministic; 0: off): a row's split size from its own length only,
+    max(MIN_BLOCKS, cdiv(blocks, MAX_ROW_SPLITS)) blocks, not from SPLITS."""
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,7 +100,10 @@ def _mla_decode_split(
 
     length = tl.load(lens_ptr + b).to(tl.int32)
     # this row's context in whole blocks, at least MIN_BLOCKS per split (the last splits may be empty)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(length, PAGE), SPLITS), MIN_BLOCKS) * PAGE
+    if MAX_ROW_SPLITS > 0:  # (deterministic: the row's own cut, whatever the launch's SPLITS)
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(length, PAGE), MAX_ROW_SPLITS), MIN_BLOCKS) * PAGE
+    else:
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(length, PAGE), SPLITS), MIN_BLOCKS) * PAGE
     start = split * per_split
     end = tl.minimum(start + per_split, length)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -139,7 +155,9 @@ def _mla_decode_merge(
     BLOCK_C: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Stage 2: o[b, n] = sum_s exp(lse_s - lse) * mid_o[b, n, s] for one (row b, head n), the
-    splits merged one by one (a running maximum, as the online softmax)."""
+    splits merged one by one (a running maximum, as the online softmax). An empty split (lse
+    -inf: past the end of the row's context) is skipped, not merged with weight 0, so a row's bits
+    do not depend on how many empty splits follow its own."""
     bn = tl.program_id(0)  # b * N + n
     c = tl.arange(0, BLOCK_C)
     top = tl.load(mid_lse_ptr + bn * SPLITS)  # split 0 is never empty (lens >= 1)
@@ -151,9 +169,10 @@ def _mla_decode_merge(
         keep, add = tl.exp(top - new_top), tl.exp(lse - new_top)
         written = tl.where(lse > float("-inf"), C, 0)  # (an empty split's partial: not written, not read)
         part = tl.load(mid_o_ptr + (bn * SPLITS + s) * C + c, mask=c < written, other=0.0)
-        acc = acc * keep + add * part
-        total = total * keep + add
-        top = new_top
+        used = lse > float("-inf")
+        acc = tl.where(used, acc * keep + add * part, acc)
+        total = tl.where(used, total * keep + add, total)
+        top = tl.where(used, new_top, top)
     tl.store(o_ptr + bn * C + c, (acc / total).to(o_ptr.dtype.element_ty), mask=c < C)
 
 
@@ -183,20 +202,33 @@ FP8_WIDE_TILES = WIDE_TILES  # and these the fastest of six shapes at batch 1, 8
 
 
 def decode_tiles(
-    batch: int, heads: int, dtype: torch.dtype, device: torch.device, fp8_rows: bool = False
+    batch: int,
+    heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8_rows: bool = False,
+    deterministic: bool = False,
 ) -> DecodeTiles:
     """WIDE_TILES for 64 heads or more (V3's 128; fewer would leave a program's heads masked),
     16-bit rows and batches of 8 or more on Hopper-class GPUs (their 227 KB of shared memory per
     block hold its tiles); DECODE_TILES otherwise (at small batches more programs win). FP8 rows
-    (fp8_rows): FP8_WIDE_TILES at any batch, on the same other terms, else FP8_TILES."""
+    (fp8_rows): FP8_WIDE_TILES at any batch, on the same other terms, else FP8_TILES.
+    deterministic: the same tiles at every batch (those of batches of 8 and more)."""
     wide = heads >= 64 and dtype != torch.float32 and hardware.hopper_or_newer(device)
     if fp8_rows:
         return FP8_WIDE_TILES if wide else FP8_TILES
-    return WIDE_TILES if wide and batch >= 8 else DECODE_TILES
+    return WIDE_TILES if wide and (batch >= 8 or deterministic) else DECODE_TILES
 
 
 MIN_SPLIT_BLOCKS = 4  # cache blocks per split at least: a split's partials (heads x C fp32, 256 KB
 # on V3) are written and read back once, its rows (64 x 576 bf16 per block, 74 KB) read once
+
+# deterministic: splits of this many blocks (256 rows), up to DETERMINISTIC_MAX_SPLITS per row
+# (longer rows: cdiv(blocks, DETERMINISTIC_MAX_SPLITS) blocks a split); a launch's partials are
+# bounded by running at most DETERMINISTIC_MID_BYTES of them at a time (rows are independent)
+DETERMINISTIC_SPLIT_BLOCKS = MIN_SPLIT_BLOCKS
+DETERMINISTIC_MAX_SPLITS = 32
+DETERMINISTIC_MID_BYTES = 1 << 29
 
 
 def _splits(batch: int, head_groups: int, max_blocks: int, device: torch.device) -> int:
@@ -237,6 +269,7 @@ def mla_decode(
     splits: int | None = None,
     rows: torch.Tensor | None = None,
     tiles: DecodeTiles | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """q [B, N, C+R] (the absorbed latent query: q_nope @ W_UK, then q_pe), cache [blocks, 64, 1,
     W] (rows [c_kv | k_pe | ...]), table [B, max_blocks] int32/int64, lens [B] context lengths
@@ -251,6 +284,7 @@ def mla_decode(
     dequantised per tile in the kernel; rows whose width is not a multiple of 16 bytes (not ours:
     they are padded) are refused (on an H200 they raised "misaligned address").
     ValueError for a cache of another dtype or layout (`unsupported`: what selection checks).
+    deterministic: batch-invariant (module docstring; `splits` and `tiles` are then not taken).
     """
     B, N, D = q.shape
     C, R, W = latent_dim, q.shape[-1] - latent_dim, cache.shape[-1]
@@ -261,26 +295,60 @@ def mla_decode(
     q = q if q.stride(-1) == 1 else q.contiguous()
     table = (table if rows is None else rows).contiguous()
     lens = lens.contiguous()
-    fp32 = q.dtype == torch.float32
+    if deterministic:
+        return _deterministic_decode(q, cache, table, lens, C, scale, rows, fp8)
     tiles = tiles or decode_tiles(B, N, q.dtype, q.device, fp8)
-    block_n = max(16, tiles.block_n // 2) if fp32 else tiles.block_n  # (fp32 tiles are twice the
-    # registers; tl.dot's K is at least 16)
     groups = triton.cdiv(N, tiles.block_h)
     width = table.shape[1] if rows is None else triton.cdiv(rows.shape[1], BLOCK_SIZE)  # in blocks
     min_blocks = 1 if splits else MIN_SPLIT_BLOCKS  # (splits given: exactly cdiv(blocks, splits) each)
     splits = splits or _splits(B, groups, width, q.device)
+    return _launch(q, cache, table, lens, C, scale, rows is not None, fp8, tiles, splits, min_blocks, 0)
+
+
+def _deterministic_decode(q, cache, table, lens, C: int, scale: float, rows, fp8: bool) -> torch.Tensor:
+    """`mla_decode(deterministic=True)`: each row cut by its own length (module docstring), the
+    launch's SPLITS a power of two covering the widest row, rows in groups whose partials fit
+    DETERMINISTIC_MID_BYTES."""
+    B, N, _ = q.shape
+    if B == 0:
+        return q.new_empty(0, N, C)
+    tiles = decode_tiles(B, N, q.dtype, q.device, fp8, deterministic=True)
+    width = table.shape[1] if rows is None else triton.cdiv(rows.shape[1], BLOCK_SIZE)  # in blocks
+    need = min(DETERMINISTIC_MAX_SPLITS, triton.cdiv(max(width, 1), DETERMINISTIC_SPLIT_BLOCKS))
+    splits = triton.next_power_of_2(need)
+    step = max(1, DETERMINISTIC_MID_BYTES // (N * splits * C * 4))
+    parts = [
+        _launch(q[b : b + step], cache, table[b : b + step], lens[b : b + step], C, scale, rows is not None,
+                fp8, tiles, splits, DETERMINISTIC_SPLIT_BLOCKS, DETERMINISTIC_MAX_SPLITS)
+        for b in range(0, B, step)
+    ]  # fmt: skip
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _launch(q, cache, table, lens, C: int, scale: float, sparse: bool, fp8: bool, tiles: DecodeTiles,
+            splits: int, min_blocks: int, max_row_splits: int) -> torch.Tensor:  # fmt: skip
+    """Stage 1 (and with splits > 1 stage 2) over q's B rows -> o [B, N, C]."""
+    B, N, _ = q.shape
+    R, W = q.shape[-1] - C, cache.shape[-1]
+    fp32 = q.dtype == torch.float32
+    block_n = max(16, tiles.block_n // 2) if fp32 else tiles.block_n  # (fp32 tiles are twice the
+    # registers; tl.dot's K is at least 16)
+    groups = triton.cdiv(N, tiles.block_h)
     o = torch.empty(B, N, C, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return o
     mid_o = torch.empty(B, N, splits, C, dtype=torch.float32, device=q.device) if splits > 1 else o
     mid_lse = torch.empty(B, N, splits, dtype=torch.float32, device=q.device) if splits > 1 else o
     BLOCK_C = max(16, triton.next_power_of_2(C))
     scales, ropes = (cache.view(torch.float32), cache.view(torch.bfloat16)) if fp8 else (cache, cache)
     _mla_decode_split[(groups, B, splits)](
         q, cache, scales, ropes, table, lens, mid_o, mid_lse,
-        N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale, rows is not None,
+        N, C, R, W, q.stride(0), q.stride(1), table.stride(0), scale, sparse,
         BLOCK_H=tiles.block_h, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=block_n,
         PAGE=BLOCK_SIZE, SPLITS=splits, MIN_BLOCKS=min_blocks,
         PRECISION="ieee" if fp32 else None,  # fp32: no TF32 rounding
-        UPCAST=INTERPRETED, FP8=fp8, GROUP=FP8_GROUP, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        UPCAST=INTERPRETED, FP8=fp8, GROUP=FP8_GROUP, MAX_ROW_SPLITS=max_row_splits, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )  # fmt: skip
     if splits > 1:
         _mla_decode_merge[(B * N,)](mid_o, mid_lse, o, N, C, BLOCK_C=BLOCK_C, SPLITS=splits)

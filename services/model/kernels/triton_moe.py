@@ -10,7 +10,16 @@ Then:
    H), applies the (clamped) SwiGLU and stores the intermediate [EM, I] in x's dtype.
 2. `_down_kernel`, one program per (M-block, BLOCK_N columns of H): intermediate @ w2[slot]^T
    over I, times the pair's routing weight, stored fp32 in a per-pair buffer [P, H].
-3. torch sums the K choices of each token (in a fixed order: deterministic) and casts to x's dtype.
+3. torch sums the K choices of each token and casts to x's dtype.
+
+Deterministic kernels (`deterministic=True`, kernels/deterministic.py): BLOCK_M is fixed
+(DETERMINISTIC_BLOCK_M, not 16 or 64 by the pairs per slot), BLOCK_N / BLOCK_K / the grid's
+per-block work never depend on T (each M-block holds one slot's pairs; a pair's products are its
+row's K loop over H, then over I, in order), and the K choices are added in ascending slot order
+from an fp32 zero with elementwise adds (`sum_in_slot_order`), not a torch reduction (whose
+strategy on CUDA can follow the tensor's size): a token's output is the same whatever else is in
+the call. (What the kernels give a pair does not depend on which row of its M-block it lands in:
+the tensor cores sum every output of a tile in one order.)
 
 The padded length EM is an upper bound computed from the shapes alone (each busy slot pads by at
 most BLOCK_M - 1 rows), so nothing waits on the device and a CUDA graph can capture the whole
@@ -176,10 +185,16 @@ def unsupported(dtype: torch.dtype, fp8_block: tuple[int, int] | None) -> str | 
     return None
 
 
-def _blocks(P: int, S: int, fp8: bool, block_shape: tuple[int, int]) -> tuple[int, int, int]:
+DETERMINISTIC_BLOCK_M = 64  # deterministic: one M-block size whatever the pairs per slot
+
+
+def _blocks(
+    P: int, S: int, fp8: bool, block_shape: tuple[int, int], deterministic: bool = False
+) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K): M-blocks of 16 rows while slots average <= 16 pairs (decode),
-    else 64; BLOCK_K divides the FP8 quantisation block's width."""
-    block_m = 16 if P <= 16 * S else 64
+    else 64 (deterministic: DETERMINISTIC_BLOCK_M always); BLOCK_K divides the FP8 quantisation
+    block's width."""
+    block_m = DETERMINISTIC_BLOCK_M if deterministic else 16 if P <= 16 * S else 64
     block_k = 64
     if fp8:
         block_k = min(block_k, block_shape[1])
@@ -199,6 +214,7 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
     out: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """torch_ops.expert_ffn on the GPU: x [T, H] fp32/bf16/fp16; slot [T, K] int64 (-1 =
     skip); weight [T, K] fp32; w13 [S, 2I, H] (gate rows, then up rows); w2 [S, H, I]. Returns
@@ -208,6 +224,8 @@ def fused_moe(
     FP8 weights (float8_e4m3fn) come with w13_scale [S, ceil(2I/bn), ceil(H/bk)] and w2_scale [S,
     ceil(H/bn), ceil(I/bk)] fp32, block_shape = (bn, bk): the weight is the FP8 value times the
     scale of its (row block, column block) (fp8.dequantize_fp8_blocks).
+    deterministic: batch-invariant (module docstring): fixed BLOCK_M, the choices summed in slot
+    order.
     """
     T, K = slot.shape
     S, I2, H = w13.shape
@@ -225,9 +243,9 @@ def fused_moe(
         step = max(1, MAX_PAIRS // K)
         for t in range(0, T, step):
             fused_moe(x[t : t + step], slot[t : t + step], weight[t : t + step], w13, w2, swiglu_limit,
-                      w13_scale, w2_scale, block_shape, result[t : t + step])  # fmt: skip
+                      w13_scale, w2_scale, block_shape, result[t : t + step], deterministic)  # fmt: skip
         return result
-    block_m, block_n, block_k = _blocks(P, S, fp8, block_shape)
+    block_m, block_n, block_k = _blocks(P, S, fp8, block_shape, deterministic)
     quant_n, quant_k = block_shape if fp8 else (1, 1)
     x = x if x.stride(-1) == 1 else x.contiguous()
     sorted_pair, block_slot = align_pairs(slot, S, block_m)
@@ -256,5 +274,21 @@ def fused_moe(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, QUANT_N=quant_n, QUANT_K=quant_k,
         DOT_DTYPE=dot_dtype, PRECISION=precision, FP8_BITS=bits,
     )  # fmt: skip
+    if deterministic:
+        return result.copy_(sum_in_slot_order(pair_out.view(T, K, H), slot))
     summed = pair_out.view(T, K, H).sum(1)
     return result.copy_(summed)
+
+
+def sum_in_slot_order(pair_out: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """pair_out [T, K, H] fp32 (each (token, choice)'s weighted output; 0 for skipped choices),
+    slot [T, K] -> [T, H] fp32: each token's K outputs added in ascending slot order (skipped
+    ones, -1, first: zeros) from zero, K elementwise adds (the order the CPU's deterministic
+    experts and the model's `sum_choices` add them in: slot == expert in process)."""
+    T, K, H = pair_out.shape
+    order = slot.argsort(dim=1, stable=True)  # [T, K]
+    ordered = pair_out.gather(1, order[:, :, None].expand(T, K, H))
+    acc = torch.zeros(T, H, dtype=torch.float32, device=pair_out.device)
+    for j in range(K):
+        acc.add_(ordered[:, j])
+    return acc
