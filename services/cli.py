@@ -57,7 +57,7 @@ def cmd_generate(args) -> int:
     from services.engine.engine import EngineConfig, LocalEngine
     from services.engine.sampling import SamplingParams
     from services.engine.scheduler import RequestError
-    from services.engine.speculative import speculative_tokens
+    from services.engine.speculative import speculative_disable_by_batch_size, speculative_tokens
     from services.hf_models import ModelNotFound, resolve_model
     from services.presets import default_model_dir
 
@@ -76,6 +76,9 @@ def cmd_generate(args) -> int:
             num_threads=args.threads,
             deterministic=args.deterministic,
             speculative_tokens=speculative_tokens(args.speculative_tokens, args.speculative_config),
+            speculative_disable_by_batch_size=speculative_disable_by_batch_size(
+                args.speculative_disable_by_batch_size, args.speculative_config
+            ),
         )
     )
     prompts: list[list[int]] = list(args.prompt_token_ids or [])
@@ -240,7 +243,8 @@ def cmd_status(args) -> int:
         if spec:
             rate = "-" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.2f}"
             print(f"  {name} speculative decoding: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} drafted "
-                  f"tokens accepted (rate {rate}) in {spec['num_drafts']} drafts")  # fmt: skip
+                  f"tokens accepted (rate {rate}) in {spec['num_drafts']} drafts; "
+                  f"{spec.get('by_batch_size_summary', '-')}")  # fmt: skip
     print(f"{'expert worker':16} {'state':9} {'address':22} {'node':14} {'slots':>6} {'load':>10}")
     for w in st["workers"]:
         load = "-" if w.get("load") is None else f"{w['load']:.0f}"
@@ -533,6 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-invariant kernels: each prompt's tokens as if it ran alone (CPU)")  # fmt: skip
     s.add_argument("--speculative-tokens", type=int, default=None, metavar="N",
                    help="speculative decoding: N tokens drafted per step by the checkpoint's MTP module (default 0)")  # fmt: skip
+    s.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="no speculation in a step with more than N sequences running (default 0: auto, measured)")  # fmt: skip
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's form of it: '{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 1}'")  # fmt: skip
     s.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")

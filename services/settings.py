@@ -27,6 +27,10 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+MAX_SPECULATIVE_TOKENS = (
+    4  # draft tokens per step at most (the chained MTP module's acceptance falls per position)
+)
+
 NAMESPACE = "moe-cluster"
 BALANCER_NAME = "moe-balancer"
 
@@ -133,7 +137,14 @@ class SharedSettings:
     # speculative decoding (issue #54): the attention workers draft with the MTP module, and the expert
     # workers serve its MoE layer's routed experts like the others' (placed, counted, re-placed)
     speculative_tokens: int = setting(
-        0, "speculative decoding: tokens the checkpoint's MTP module drafts per step (0: off; 1 for now)"
+        0,
+        "speculative decoding: tokens the checkpoint's MTP module drafts per step (0: off; 1 to 4, the module "
+        "chained past 1)",
+    )
+    speculative_disable_by_batch_size: int = setting(
+        0,
+        "speculative decoding off for a step when more than N sequences run (vLLM's disable_by_batch_size; 0: "
+        "auto, measured per batch size)",
     )
 
     def __post_init__(self):
@@ -147,9 +158,13 @@ class SharedSettings:
             raise ValueError(f"expert_transport {self.transport!r}: one of {', '.join(TRANSPORTS)}")
         if not 0 <= self.spin_us <= 1e6:
             raise ValueError(f"expert_spin_us {self.spin_us}: 0 to 1e6 microseconds")
-        if self.speculative_tokens not in (0, 1):
-            raise ValueError(f"speculative_tokens: {self.speculative_tokens}: 0 (off) or 1 (one draft token per "
-                             "step; chaining the MTP module: not yet)")  # fmt: skip
+        if self.speculative_tokens < 0:  # (its upper bound: the engine's check_speculation, run at start)
+            raise ValueError(
+                f"speculative_tokens: {self.speculative_tokens}: 0 (off) or more draft tokens per step"
+            )
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError(f"speculative_disable_by_batch_size: {self.speculative_disable_by_batch_size}: >= 0 "
+                             "(0: auto)")  # fmt: skip
 
 
 @dataclass(frozen=True)

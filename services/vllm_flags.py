@@ -152,7 +152,8 @@ def refuse(flag: str, why: str) -> None:
 
 
 def speculative(text: str, model: str | None, m: FlagMapping, settings: dict) -> None:
-    """vLLM's --speculative-config JSON -> speculative_tokens (the checkpoint's MTP module drafts)."""
+    """vLLM's --speculative-config JSON -> speculative_tokens (the checkpoint's MTP module drafts)
+    and its disable_by_batch_size -> speculative_disable_by_batch_size."""
     flag = "--speculative-config"
     if "speculative_tokens" not in settings:
         refuse(flag, "speculative decoding is not available in this version (no --speculative-tokens)")
@@ -167,10 +168,12 @@ def speculative(text: str, model: str | None, m: FlagMapping, settings: dict) ->
         n = parse_speculative_config(spec)
     except ValueError as e:  # (json.JSONDecodeError too)
         refuse(flag, str(e))
-    ignored = sorted(set(spec) - {"method", "model", "num_speculative_tokens"})
+    ignored = sorted(set(spec) - {"method", "model", "num_speculative_tokens", "disable_by_batch_size"})
     if ignored:
         m.note(flag, f"ignored: {', '.join(ignored)}")
     m.put("speculative_tokens", n, flag)
+    if spec.get("disable_by_batch_size") is not None and "speculative_disable_by_batch_size" in settings:
+        m.put("speculative_disable_by_batch_size", spec["disable_by_batch_size"], flag)
 
 
 def generation_config(value: str, model_dir: str | None, m: FlagMapping) -> None:

@@ -73,20 +73,22 @@ def _run(
 
 
 def _oracle_drafts(engine: LocalEngine, reference: dict, rate: float, seed: int = 0, always: bool = False):
-    """After each MTP pass, replace a share `rate` of the drafts by the reference's true next token
-    (so that many drafts are accepted: the verify paths with a bonus token run); always: draft even
-    where the engine would not (one token left), so a step may emit past max_tokens if let."""
+    """After each MTP pass, replace a share `rate` of the drafts by the reference's true next tokens
+    (so that many drafts are accepted: the verify paths with a bonus token run); with k > 1 drafts a
+    head of random length of them (so a step accepts some and rejects the next); always: draft k even
+    where the engine would draft fewer (tokens left), so a step may emit past max_tokens if let."""
     rng, spec = random.Random(seed), engine.spec
     original = spec.draft
     if always:
-        spec.may_speculate = lambda seq: seq.request_id not in engine._matchers
+        spec.num_drafts = lambda seq: 0 if seq.request_id in engine._matchers else spec.k
 
     def draft(parts, *args):
         original(parts, *args)
         for seq in (c.seq for part in parts for c in part):
-            ref = reference[seq.request_id]["tokens"]
-            if seq.draft and len(seq.output_ids) < len(ref) and rng.random() < rate:
-                seq.draft = [ref[len(seq.output_ids)]]
+            ref = reference[seq.request_id]["tokens"][len(seq.output_ids) :]
+            if seq.draft and ref and rng.random() < rate:
+                n = rng.randint(1, len(seq.draft))
+                seq.draft = ref[:n] + seq.draft[n:]
 
     spec.draft = draft
 
@@ -172,8 +174,8 @@ def test_what_speculation_needs_is_refused_clearly(tiny_model, mtp_model, tmp_pa
                                                     "num_nextn_predict_layers": 1}))  # fmt: skip
     with pytest.raises(ValueError, match="no model.layers.3.eh_proj.weight"):
         _engine(broken, 1)
-    with pytest.raises(ValueError, match="one draft token per step"):
-        _engine(mtp_model, 2)
+    with pytest.raises(ValueError, match="1 to 4 draft tokens per step"):
+        _engine(mtp_model, 5)
     off = _engine(mtp_model, 0)
     assert off.spec is None and off.model.mtp == [] and off.cache.kv.shape[0] == 3  # (nothing loaded or held)
 
@@ -308,30 +310,38 @@ def _chi2_critical(dof: int, z: float = 3.72) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-def test_sampled_outputs_through_the_engine_follow_the_target(tmp_path, monkeypatch):
-    """A vocabulary of 8: the joint distribution of the first two sampled tokens (the second one
-    verified against a draft) over 2,400 seeded requests, against the exact one from the target's
-    logits (deterministic kernels: the same bits in both engines); chi-square at p = 1e-4. A rule
-    that accepts every draft fails it."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_sampled_outputs_through_the_engine_follow_the_target(tmp_path, monkeypatch, k):
+    """A vocabulary of 8: the joint distribution of the two tokens after the first (k = 1: the first
+    and the second) over 2,400 seeded requests, the step after the prefill verifying k drafts (k = 2:
+    the second and third tokens, the third drawn from the chained module's draft where the second
+    was accepted), against the exact one from the target's logits (deterministic kernels: the same
+    bits in both engines); chi-square at p = 1e-4. A rule that accepts every draft fails it."""
     model = init_model(tmp_path / "v8", "tiny", mtp=True, tokenizer=False, overrides={"vocab_size": 8})
     prompt, T, N = [0, 5, 3, 6, 2], 2.0, 2400
-    params = lambda seed: SamplingParams(max_tokens=3, temperature=T, ignore_eos=True, seed=seed)  # noqa: E731
+    params = lambda seed: SamplingParams(max_tokens=2 + k, temperature=T, ignore_eos=True, seed=seed)  # noqa: E731
     plain = _engine(model, 0, max_num_seqs=256)
 
     def probs(tokens: list[int]) -> torch.Tensor:
         plain.add_request(tokens, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         return torch.softmax(plain.step().logits[0] / T, -1)
 
-    p1 = probs(prompt)
-    exact = p1[:, None] * torch.stack([probs(prompt + [t]) for t in range(8)])  # [t1, t2]
+    def pairs(context: list[int]) -> torch.Tensor:  # [a, b]: the next two tokens' joint distribution
+        return probs(context)[:, None] * torch.stack([probs(context + [t]) for t in range(8)])
+
+    if k == 1:
+        exact = pairs(prompt)
+    else:  # (the first token summed out)
+        exact = sum(p * pairs(prompt + [t]) for t, p in enumerate(probs(prompt).tolist()))
+    first = k - 1  # (the output index of the pair's first token)
 
     def chi2() -> tuple[float, int, dict]:
-        engine = _engine(model, 1, max_num_seqs=256)
+        engine = _engine(model, k, max_num_seqs=256, speculative_disable_by_batch_size=256)
         counts = torch.zeros(8, 8)
         for start in range(0, N, 240):
             outs = engine.generate([prompt] * 240, [params(s) for s in range(start, start + 240)])
             for o in outs:
-                counts[o.token_ids[0], o.token_ids[1]] += 1
+                counts[o.token_ids[first], o.token_ids[first + 1]] += 1
         expected = (exact * N).flatten()
         big = expected >= 5
         obs, exp = counts.flatten()[big], expected[big]
@@ -340,7 +350,9 @@ def test_sampled_outputs_through_the_engine_follow_the_target(tmp_path, monkeypa
         return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1, engine.stats()["spec_decode"]
 
     stat, dof, stats = chi2()
-    assert stats["num_drafts"] >= N and stats["acceptance_rate"] > 0.1  # (accepted and rejected both)
+    assert stats["num_drafts"] >= N and stats["num_draft_tokens"] >= k * N
+    assert stats["acceptance_rate"] > 0.1 and len(stats["num_accepted_tokens_per_pos"]) == k
+    assert min(stats["num_accepted_tokens_per_pos"]) > 0  # (accepted and rejected both, at each position)
     assert stat < _chi2_critical(dof), (stat, dof)
     monkeypatch.setattr(speculative, "accept", lambda p, q, draft, g: [*draft, int(p[-1].argmax())])
     wrong, dof, _ = chi2()

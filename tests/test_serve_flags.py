@@ -134,6 +134,10 @@ def test_speculative_config_maps_to_speculative_tokens_where_it_exists(hub):
         assert str(e).startswith("--speculative-config: speculative_tokens"), e
     else:
         assert cfg.speculative_tokens == 1  # (the cluster speculates: #54)
+        assert cfg.shared.speculative_disable_by_batch_size == 0  # (auto)
+        spec = '{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8}'
+        cfg, notes = _serve(f"serve {REPO} --speculative-config '{spec}'")
+        assert (cfg.speculative_tokens, cfg.shared.speculative_disable_by_batch_size) == (2, 8), notes
 
 
 def test_gpu_workers_refuse_enforce_eager(hub, tmp_path):

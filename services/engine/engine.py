@@ -87,8 +87,9 @@ class Engine:
         self._grammar: GrammarCompiler | None = None
         self.spec: Speculator | None = None  # speculative decoding with the MTP module (speculative.py)
         if engine_cfg.speculative_tokens:  # (its MoE layer's experts: in process, or on the expert workers)
-            self.spec = Speculator(model, experts, self.cache.kv, engine_cfg.speculative_tokens,
-                                   self.max_model_len, self._matchers)  # fmt: skip
+            self.spec = Speculator(model, experts, self.cache.kv, engine_cfg.speculative_tokens, self.max_model_len,
+                                   self._matchers, self.scheduler.grow_blocks,
+                                   engine_cfg.speculative_disable_by_batch_size)  # fmt: skip
         self.graphs: DecodeGraphs | None = None  # in-process experts: whole decode steps
         self.segment_graphs: list[SegmentedDecodeGraphs] = []  # remote experts: one per micro-batch
         if engine_cfg.cuda_graphs and model.device.type == "cuda" and on_batches is None:
@@ -235,7 +236,7 @@ class Engine:
             },
             **self.kernels.stats(),  # family -> the kernel running it; -> {better ones not taken: why}
             # speculative decoding's counters (vLLM's spec_decode_* quantities); None when off
-            "spec_decode": None if self.spec is None else self.spec.stats.as_dict(),
+            "spec_decode": None if self.spec is None else self.spec.as_dict(),
         }
 
     # ---- one step -----------------------------------------------------------------------
@@ -276,7 +277,8 @@ class Engine:
         logits = self._score_prompts([c for part in parts for c in part], logits)
         want = [c.seq for c in chunks if c.wants_logits]
         outputs, logits, ids = self._advance(chunks, want, logits)
-        if self.spec is not None:
+        if self.spec is not None:  # (the step's measure for the gate: speculating or plain, by batch size)
+            self.spec.record_step(chunks, sum(len(o.token_ids) for o in outputs), time.perf_counter() - t0)
             self._draft(parts, batches, tally)
         return StepResult(
             outputs,
@@ -294,7 +296,8 @@ class Engine:
         only (the step's tokens are out)."""
         eos = set(self.cfg.eos_token_ids)
         try:
-            self.spec.draft(parts, batches, tally, self._history, lambda s: self._held_back(s, eos))
+            self.spec.draft(parts, batches, tally, self._history, lambda s: self._held_back(s, eos),
+                            len(self.scheduler.running))  # fmt: skip
         except Exception:
             log.exception("speculative decoding: the MTP pass failed; this step drafts nothing")
             for c in (c for part in parts for c in part):

@@ -63,6 +63,9 @@ class EngineConfig:
     # speculative decoding with the checkpoint's MTP module as the drafter (speculative.py): draft
     # tokens per step and sequence (0: off; vLLM's --speculative-config, parse_speculative_config)
     speculative_tokens: int = 0
+    # running sequences above which a step does not speculate (vLLM's disable_by_batch_size); 0: auto,
+    # measured per batch-size bucket (spec_gate.py)
+    speculative_disable_by_batch_size: int = 0
 
     def select_kernels(self, cfg: ModelConfig, device=None, reuse: Kernels | None = None) -> Kernels:
         """The kernels of a model of `cfg` on `device` (default: this config's), chosen once

@@ -259,7 +259,7 @@ class Scheduler:
         for seq in decoding:
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            draft = seq.draft if len(seq.draft) <= spare else []
+            draft = seq.draft[:spare]  # (as many drafts as the budget leaves room for)
             if not self._ensure_blocks(seq, seq.num_tokens + len(draft)):
                 continue  # seq itself was preempted
             chunks.append(Chunk(seq, seq.num_computed, 1 + len(draft), draft))
@@ -356,6 +356,19 @@ class Scheduler:
                 return False
         seq.block_ids += self.allocator.allocate(need)
         self._hold_state(seq, num_tokens)
+        return True
+
+    def grow_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give seq the blocks to hold num_tokens now, from free blocks only (no one is
+        preempted): the MTP module's chained passes write its latent rows at drafted positions
+        before the next step schedules them. False where too few blocks are free (or DeepSeek-V4's
+        state blocks would be needed)."""
+        need = max(0, blocks_needed(num_tokens) - len(seq.block_ids))
+        if not need:
+            return True
+        if self.state_start is not None or not self.allocator.can_allocate(need):
+            return False
+        seq.block_ids += self.allocator.allocate(need)
         return True
 
     # ---- DeepSeek-V4 state blocks -------------------------------------------------------

@@ -21,11 +21,27 @@ sequence that may speculate: the argmax of the module's (processed) logits for a
 a draw from them for a sampled one. The module runs for every sequence of the step, so its cache
 rows are complete wherever a later request's prefix hit or a preempted sequence lands.
 
+k > 1 draft tokens chain the module as DeepSeek and vLLM do: draft i + 1 is the module run again at
+the next position, over its own output state there (before its shared head) and the embedding of
+draft i; one batched pass per chained position for every sequence still drafting (its MoE layer
+dispatched like the first pass's, counted in the same tally row). The chained passes write the
+module's latent rows at the drafted positions, into blocks taken for them now from free ones
+(`Scheduler.grow_blocks`; where none is free a sequence drafts fewer): those rows are read only by
+the later chained passes of the same step, and overwritten when their positions are computed for
+real. A sequence with fewer than k + 1 tokens left to generate (or to the context's end) drafts
+fewer; a sampled request's drafts each come with their distribution ([k, V] `draft_probs`), each
+position processed with the drafts before it counted as output, as verification processes p.
+
+Whether a step speculates at all is the `SpeculationGate`'s (spec_gate.py: vLLM's
+`disable_by_batch_size`, or `auto`: measured per batch-size bucket). A step that does not still
+runs the module's first pass without its head, so the module's cache stays complete and any later
+step may speculate again.
+
 Refused, falling back to plain decoding for that request: structured outputs (a grammar would have
 to be advanced speculatively). Penalties, logit bias, min_tokens, stop tokens and strings,
 max_tokens, logprobs, prompt logprobs, preemption (drafts are dropped and drafted again after the
-recompute), prefix caching and chunked prefill compose. Not yet: more than one draft token per
-step (chaining the module), DeepSeek-V4, CUDA graphs, attention tensor parallelism.
+recompute), prefix caching and chunked prefill compose. Not yet: DeepSeek-V4, CUDA graphs,
+attention tensor parallelism.
 
 In the cluster (an attention worker's engine over `RemoteExperts`) nothing here changes: a verify
 chunk's 1 + k rows go through each MoE layer's one dispatch with the step's other rows, and the MTP
@@ -37,26 +53,37 @@ routed choices are counted in the step's tally after the main model's layers.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from services.model.batch import StepBatch
+from services.model.kv_cache import BLOCK_SIZE
 from services.model.messages import ExpertTally, run_interleaved
 from services.model.mtp import mtp_forward
 
 from .sampling import TokenLogprobs, draw, processed_logits, sampling_probs, token_logprobs
 from .scheduler import Chunk, SeqStatus, Sequence
+from .spec_gate import SpeculationGate
 
 SPEC_METHODS = ("deepseek_mtp", "mtp")
+MAX_SPECULATIVE_TOKENS = 4  # (the chained module's acceptance falls with each position)
+
+
+def _given(text: str | dict) -> dict:
+    return json.loads(text) if isinstance(text, str) else dict(text)
 
 
 def parse_speculative_config(text: str | dict | None) -> int:
     """Draft tokens per step from vLLM's `--speculative-config` JSON ({"method": "deepseek_mtp",
-    "num_speculative_tokens": 1}; None or empty: 0); ValueError for another method or count."""
+    "num_speculative_tokens": 1}; None or empty: 0); ValueError for another method or count, or a
+    `disable_by_batch_size` that is not an integer >= 0 (`speculative_disable_by_batch_size`)."""
     if not text:
         return 0
-    given = json.loads(text) if isinstance(text, str) else dict(text)
+    given = _given(text)
+    speculative_disable_by_batch_size(None, given)
     method = given.get("method", "deepseek_mtp")
     if method not in SPEC_METHODS:
         raise ValueError(
@@ -66,6 +93,21 @@ def parse_speculative_config(text: str | dict | None) -> int:
     if not isinstance(k, int) or k < 0:
         raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
     return k
+
+
+def speculative_disable_by_batch_size(flag: int | None, config: str | dict | None) -> int:
+    """Running sequences above which a step does not speculate, from
+    `--speculative-disable-by-batch-size N` and / or vLLM's `--speculative-config` JSON key
+    `disable_by_batch_size` (0, or neither given: `auto`, measured: spec_gate.py); ValueError
+    where both are given and disagree, or for a value that is not an integer >= 0."""
+    given = _given(config).get("disable_by_batch_size") if config else None
+    for value in (flag, given):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"disable_by_batch_size must be an integer >= 0 (0: auto), got {value!r}")
+    if flag is not None and given is not None and flag != given:
+        raise ValueError(f"--speculative-disable-by-batch-size {flag} and --speculative-config's "
+                         f"disable_by_batch_size {given} disagree")  # fmt: skip
+    return flag if flag is not None else given or 0
 
 
 def speculative_tokens(flag: int | None, config: str | dict | None) -> int:
@@ -89,8 +131,9 @@ def check_speculation(cfg, k: int) -> None:
     if cfg.num_nextn_predict_layers < 1:
         raise ValueError("speculative decoding needs the checkpoint's MTP module (num_nextn_predict_layers >= 1 "
                          "and its weights); 0 declared")  # fmt: skip
-    if k != 1:
-        raise ValueError(f"speculative_tokens {k}: one draft token per step for now (chaining: not yet)")
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"speculative_tokens {k}: 1 to {MAX_SPECULATIVE_TOKENS} draft tokens per step (the MTP "
+                         "module chained)")  # fmt: skip
 
 
 @dataclass
@@ -159,27 +202,49 @@ def accept_greedy(processed: torch.Tensor, draft: list[int]) -> list[int]:
 
 class Speculator:
     """Speculative decoding for an engine (see the module's doc): `sample` checks the drafts of a
-    step's verify chunks, `draft` runs the MTP module after the step. `may_speculate(seq)` says
-    whether a request gets drafts (no grammar, at least two tokens left to generate)."""
+    step's verify chunks, `draft` runs the MTP module after the step (chained for k > 1).
+    `num_drafts(seq)` says how many drafts a request gets (none with a grammar, fewer near its
+    end); `gate` whether a step speculates at all, `record_step` feeds it.
 
-    def __init__(self, model, experts, cache_kv: torch.Tensor, k: int, max_model_len: int, grammar_ids: set):
+    grow_blocks(seq, num_tokens) -> bool: the scheduler's `grow_blocks` (blocks for the chained
+    passes' rows, from free ones); disable_by_batch_size: the gate's setting (0: auto)."""
+
+    def __init__(self, model, experts, cache_kv: torch.Tensor, k: int, max_model_len: int, grammar_ids: set,
+                 grow_blocks: Callable[[Sequence, int], bool], disable_by_batch_size: int = 0):  # fmt: skip
         check_speculation(model.cfg, k)
         if not model.mtp:
             raise ValueError(f"speculative decoding needs the checkpoint's MTP module (num_nextn_predict_layers >= 1 "
                              f"and its weights); {model.cfg.num_nextn_predict_layers} declared")  # fmt: skip
         self.model, self.experts, self.kv, self.k = model, experts, cache_kv, k
-        self.max_model_len, self.grammar_ids = max_model_len, grammar_ids
+        self.max_model_len, self.grammar_ids, self.grow_blocks = max_model_len, grammar_ids, grow_blocks
         self.stats = SpecStats(accepted_per_position=[0] * k)
+        self.gate = SpeculationGate(disable_by_batch_size)
         self._refused: set[str] = set()
+        self._draft_s = 0.0  # seconds of the last MTP pass (the cost of the next step's drafts)
 
-    def may_speculate(self, seq: Sequence) -> bool:
+    def num_drafts(self, seq: Sequence) -> int:
+        """Drafts seq may get for its next step: up to k, fewer than the tokens it has left to
+        generate (its last one is the step's own) and to the context's end; none with a grammar."""
         if seq.request_id in self.grammar_ids:
             if seq.request_id not in self._refused:
                 self._refused.add(seq.request_id)
                 self.stats.refused_requests += 1
-            return False
+            return 0
         left = seq.params.max_tokens - len(seq.output_ids)
-        return left >= 2 and seq.num_tokens + 1 < self.max_model_len
+        return max(0, min(self.k, left - 1, self.max_model_len - seq.num_tokens - 1))
+
+    def as_dict(self) -> dict:
+        """The engine's `spec_decode` stats: vLLM's counters, and the gate's by batch size."""
+        return {**self.stats.as_dict(), "num_speculative_tokens": self.k, "by_batch_size": self.gate.as_dict(),
+                "by_batch_size_summary": self.gate.summary()}  # fmt: skip
+
+    def record_step(self, chunks: list[Chunk], num_emitted: int, seconds: float) -> None:
+        """A step's measure for the gate, where it was a pure decode step (every chunk one token,
+        or a verify chunk): its seconds with the MTP pass that drafted for it, and the tokens it
+        emitted per sequence; whether any chunk verified drafts says which side it counts on."""
+        if chunks and all(c.wants_logits and c.num_tokens == 1 + len(c.draft) for c in chunks):
+            speculated = any(c.draft for c in chunks)
+            self.gate.record(len(chunks), speculated, seconds + self._draft_s, num_emitted / len(chunks))
 
     # ---- verification ---------------------------------------------------------------------
     def sample(
@@ -234,42 +299,86 @@ class Speculator:
 
     # ---- drafting -------------------------------------------------------------------------
     def draft(self, parts: list[list[Chunk]], batches: list[StepBatch], tally: ExpertTally, history_of,
-              held_of) -> None:  # fmt: skip
+              held_of, num_running: int) -> None:  # fmt: skip
         """Run the MTP module over what the step computed (`parts`' chunks, run as `batches`, each
-        holding its rows' hidden states) and draft the next token of each sequence that may
-        speculate, from the module's logits processed as the request's (history_of(seq): prompt and
-        output for penalties, held_of(seq): what min_tokens holds back). Its routed load (rows after the
-        main model's MoE layers) and expert waits go to the step's `tally`."""
-        rows, hidden, drafting = [], [], []
+        holding its rows' hidden states) and, where the gate lets the next step (`num_running`
+        sequences) speculate, draft the next tokens of each sequence that may: the first from the
+        module's logits, the others from its chained passes, each processed as the request's
+        (history_of(seq): prompt and output for penalties, held_of(seq): what min_tokens holds back
+        now). Its routed load (rows after the main model's MoE layers) and expert waits go to the
+        step's `tally`."""
+        t0 = time.perf_counter()
+        try:
+            self._draft(parts, batches, tally, history_of, held_of, self.gate.speculate(num_running))
+        finally:
+            self._draft_s = time.perf_counter() - t0
+
+    def _draft(self, parts, batches, tally, history_of, held_of, speculate: bool) -> None:
+        rows, hidden, drafting = [], [], []  # drafting: (seq, how many drafts)
         for part, batch in zip(parts, batches, strict=True):
             for b, c in enumerate(part):
                 seq = c.seq
                 m = seq.num_computed - c.start  # (rows computed, their next tokens known)
                 if seq.status is not SeqStatus.RUNNING or m <= 0:
                     continue
-                want = c.wants_logits and self.may_speculate(seq)
+                n = self.num_drafts(seq) if c.wants_logits else 0
+                if n > 1 and speculate and not self.grow_blocks(seq, seq.num_tokens + n - 2):
+                    n = min(n, len(seq.block_ids) * BLOCK_SIZE - seq.num_tokens + 2)  # (rows that fit)
+                want = n > 0 and speculate
                 rows.append((seq.token_slice(c.start + 1, c.start + 1 + m), c.start, seq.block_ids, want))
                 s0 = batch.query_starts[b]
                 hidden.append(batch.hidden[s0 : s0 + m])
                 if want:
-                    drafting.append(seq)
+                    drafting.append((seq, n))
         if not rows:
             return
         model = self.model
-        batch = StepBatch.build(rows, model.device, decode_upto=1 + self.k)
+        chained = any(n > 1 for _, n in drafting)
+        batch = StepBatch.build(rows, model.device, decode_upto=1 + self.k, keep_hidden=chained)
         step = mtp_forward(model, model.mtp[0], batch, torch.cat(hidden), self.kv)
         # (its MoE layer's load counted in the step's tally, after the main model's layers)
         logits = run_interleaved([step], self.experts, tally)[0]
         if not drafting:
             return
-        params = [s.params for s in drafting]
-        _, processed = processed_logits(logits, params, [history_of(s) for s in drafting],
-                                        [held_of(s) for s in drafting])  # fmt: skip
+        for seq, _ in drafting:
+            seq.draft, seq.draft_probs = [], None
+        probs: dict[int, list[torch.Tensor]] = {id(seq): [] for seq, _ in drafting}
+        self._pick([seq for seq, _ in drafting], logits, history_of, held_of, probs)
+        alive, state = drafting, batch.hidden  # (the last pass's rows: their sequences, output states)
+        for j in range(1, max(n for _, n in drafting)):
+            keep = [r for r, (_, n) in enumerate(alive) if n > j]
+            alive = [alive[r] for r in keep]
+            seqs = [seq for seq, _ in alive]
+            # at position num_tokens - 2 + j: the draft before as input, the last pass's output state
+            chain = StepBatch.build([([s.draft[-1]], s.num_tokens - 2 + j, s.block_ids, True) for s in seqs],
+                                    model.device, decode_upto=1 + self.k, keep_hidden=True)  # fmt: skip
+            step = mtp_forward(model, model.mtp[0], chain, state[keep], self.kv)
+            logits = run_interleaved([step], self.experts, tally)[0]
+            self._pick(seqs, logits, history_of, held_of, probs)
+            state = chain.hidden
+        for seq, _ in drafting:
+            if probs[id(seq)]:
+                seq.draft_probs = torch.cat(probs[id(seq)])
+
+    def _pick(self, seqs: list[Sequence], logits: torch.Tensor, history_of, held_of,
+              probs: dict[int, list[torch.Tensor]]) -> None:  # fmt: skip
+        """Append a draft to each of `seqs` from its row of the module's logits [len(seqs), V]:
+        processed as the request's with its drafts so far counted as output (min_tokens' hold by
+        the output index the draft would take); greedy: the argmax, sampled: a draw, its
+        distribution [1, V] appended to probs[id(seq)]."""
+        history, held = [], []
+        for seq in seqs:
+            prompt, output = history_of(seq)
+            history.append((prompt, output + seq.draft))
+            j = len(seq.draft)
+            held.append(held_of(seq) if not j or len(seq.output_ids) + j < seq.params.min_tokens else set())
+        _, processed = processed_logits(logits, [s.params for s in seqs], history, held)
         greedy = processed.argmax(dim=-1).tolist()
-        for i, seq in enumerate(drafting):
+        for i, seq in enumerate(seqs):
             if seq.params.greedy:
-                seq.draft, seq.draft_probs = [greedy[i]], None
+                seq.draft.append(greedy[i])
                 continue
             q = sampling_probs(processed[i : i + 1], [seq.params])
             q = q / q.sum(-1, keepdim=True)
-            seq.draft, seq.draft_probs = draw(q, [seq.generator]).tolist(), q
+            seq.draft.append(int(draw(q, [seq.generator])[0]))
+            probs[id(seq)].append(q)

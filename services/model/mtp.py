@@ -15,7 +15,9 @@ Hugging Face checkpoints keep module j at decoder-layer index `num_hidden_layers
 At position p the module reads h(p), the main model's final-normed hidden state there (the LM
 head's input, as vLLM passes `previous_hidden_states`), and the embedding of token p + 1, and
 predicts token p + 2 (DeepSeek-V3 report, eq. 21-23; vLLM's deepseek_mtp.py): its rows run one
-position behind the main model's. As in vLLM, the embedding at position 0 is zeroed.
+position behind the main model's. As in vLLM, the embedding at position 0 is zeroed. Drafting k > 1
+tokens chains the module (DeepSeek's and vLLM's way with one MTP layer): the pass at p + 1 reads the
+module's own output state at p (before `shared_head`) and the embedding of the token it drafted.
 
 In the cluster the expert workers serve the module's routed experts like any other layer's:
 `served_experts` is the model config as the expert pool sees it when the cluster speculates (its
@@ -108,7 +110,9 @@ def mtp_forward(
     positions p with input_ids token p + 1, and `hidden` [T, H] the main model's final-normed
     state at p. Writes the module's latent rows at p into its cache slot (latent_cache[w.index]);
     yields expert messages at its MoE layer; returns fp32 logits [len(batch.logits_index), vocab]
-    of token p + 2."""
+    of token p + 2. With `batch.keep_hidden` it also sets `batch.hidden` [len(batch.logits_index),
+    H]: the module's output state at those rows before `shared_head` (its residual stream), what
+    a chained pass at p + 1 reads in place of the main model's state (more than one draft token)."""
     k, eps = model.kernels, model.cfg.rms_norm_eps
     e = F.embedding(batch.input_ids, model.embed).masked_fill((batch.positions == 0)[:, None], 0.0)
     x = torch.cat((k.rms_norm(e, w.enorm, eps), k.rms_norm(hidden.to(e.dtype), w.hnorm, eps)), dim=-1)
@@ -116,7 +120,9 @@ def mtp_forward(
     cos_sin = model.rope.cos_sin(batch.positions, model.dtype)
     h, delta = yield from model.decoder_layers(h, [(w.index, w.layer)], cos_sin, latent_cache, batch)
     rows = batch.logits_index
-    _, last = k.add_rms_norm(h[rows], delta[rows], w.head_norm, eps)
+    out, last = k.add_rms_norm(h[rows], delta[rows], w.head_norm, eps)
+    if batch.keep_hidden:
+        batch.hidden = out
     return k.linear(last, w.head).float()
 
 
