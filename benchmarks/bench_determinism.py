@@ -13,12 +13,19 @@
 `--cluster` adds the same over the API of a real local cluster (2 attention workers), once with
 and once without the flag: the prompts one at a time, then concurrently on 1 expert worker, on 3,
 after a live re-placement (3 -> 2 workers), and with an attention worker SIGKILLed mid-stream;
-each answer compared with LocalEngine's answer to that prompt alone (deterministic), by tokens
-and by the float bits of its logprobs; and the cluster's decode rate at batch 1 and 32 (batch x
-new tokens over the wall time of the batch's requests, prefill included) with and without.
+for a checkpoint with an MTP module (train_small.py --mtp), also concurrently on a cluster that
+speculates (one draft token per step); each answer compared with LocalEngine's answer to that
+prompt alone (deterministic, no speculation), by tokens and by the float bits of its logprobs; and
+the cluster's decode rate at batch 1 and 32 (batch x new tokens over the wall time of the batch's
+requests, prefill included) with and without, and the attention workers' step seconds in it and
+the part of them spent waiting for the routed experts.
+
+The prompts: random token ids (8-64 of them), or for a trained checkpoint with its held-out text
+pinned beside it (train_small.py) `--prompts` 64-token windows of that text.
 
     python -m benchmarks.bench_determinism [--model DIR | --preset small] [--threads 2] [--repeats 3]
                                            [--cluster] [--out benchmarks/results/determinism.json]
+    python -m benchmarks.bench_determinism --model build/small-trained-mtp --cluster  # (train_small --mtp)
 
 `--preset tiny-v32` / `tiny-v4` (generated checkpoints, like `small`) measures the V3.2 indexer's and
 DeepSeek-V4's deterministic paths (written to benchmarks/results/determinism_<preset>.json).
@@ -35,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_mtp import held_out_prompts
+from benchmarks.train_small import HELD_OUT_FILE
 from services.engine.engine import EngineConfig, LocalEngine
 from services.engine.sampling import SamplingParams
 from services.presets import default_model_dir
@@ -135,6 +144,7 @@ def cluster_runs(model: str, prompts: list[list[int]], reference: list, determin
     import openai
     import ray
 
+    from services.model.config import ModelConfig
     from services.settings import BALANCER_NAME
     from tests.clusters import tiny_cluster
     from tests.faults import scenario
@@ -164,7 +174,13 @@ def cluster_runs(model: str, prompts: list[list[int]], reference: list, determin
         return {"answers": len(got), "tokens_differ": sum(list(t) != r[0] for (t, _), r in zip(got, reference, strict=True)),
                 "logprobs_differ": sum(list(lp) != r[1] for (_, lp), r in zip(got, reference, strict=True))}  # fmt: skip
 
-    runs, rates = {}, {}
+    runs, rates, waits = {}, {}, {}
+    if ModelConfig.from_dir(model).num_nextn_predict_layers:  # (an MTP module: a cluster that speculates)
+        with tiny_cluster(model, attention_workers=2, expert_workers=1, balancer_period_s=0, max_num_seqs=64,
+                          deterministic=deterministic, speculative_tokens=1) as cluster:  # fmt: skip
+            runs["concurrent, speculating (1 draft token)"] = differing(
+                asyncio.run(ask(cluster.url, prompts, True))
+            )
     with tiny_cluster(model, attention_workers=2, expert_workers=1, balancer_period_s=0, max_num_seqs=64,
                       deterministic=deterministic) as cluster:  # fmt: skip
         url, ns = cluster.url, cluster.cfg.namespace
@@ -178,14 +194,21 @@ def cluster_runs(model: str, prompts: list[list[int]], reference: list, determin
         kill = scenario.kill(lambda: scenario.actor_pid("moe-attn-0", ns))
         runs["concurrent, an attention worker killed"] = differing(asyncio.run(ask(url, prompts, True, kill)))
         scenario.wait_healed(ns, expert_workers=2)
+        workers = list(cluster.attention.values())  # (a restarted one: the same handle)
         for batch in (1, 32):
             picked = [prompts[i % len(prompts)] for i in range(batch)]
+            before = ray.get([a.stats.remote() for a in workers])
             t0 = time.perf_counter()
             asyncio.run(ask(url, picked, True))
             rates[str(batch)] = round(batch * NEW_TOKENS / (time.perf_counter() - t0), 1)
+            after = ray.get([a.stats.remote() for a in workers])
+            spent = {k: sum(a["times"][k] - b["times"][k] for a, b in zip(after, before, strict=True))
+                     for k in ("step_s", "expert_wait_s")}  # fmt: skip
+            waits[str(batch)] = {"attention_step_s": round(spent["step_s"], 3),
+                                 "expert_wait_s": round(spent["expert_wait_s"], 3)}  # fmt: skip
     total = {k: sum(r[k] for r in runs.values()) for k in ("answers", "tokens_differ", "logprobs_differ")}
     print("cluster", "deterministic" if deterministic else "default", total, rates, flush=True)
-    return {"runs": runs, "total": total, "decode_tok_s": rates}
+    return {"runs": runs, "total": total, "decode_tok_s": rates, "step_seconds": waits}
 
 
 def main() -> None:
@@ -194,7 +217,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small", help="the generated preset checkpoint run without --model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="1,8,32", help='the cost rows\' batches ("": none)')
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cluster", action="store_true", help="also over the API of a local cluster")
@@ -209,13 +232,16 @@ def main() -> None:
     engines = {False: engine(False), True: engine(True)}
     vocab = engines[False].cfg.vocab_size
     cost = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    for batch in [int(b) for b in args.batches.split(",") if b]:  # ("": no cost rows)
         row = {"batch": batch, **decode_tok_s(engines, batch, vocab, args.repeats)}
         row["ratio_median"] = row["deterministic"]["median_tok_s"] / row["default"]["median_tok_s"]
         row["ratio_best"] = row["deterministic"]["best_tok_s"] / row["default"]["best_tok_s"]
         print(json.dumps(row))
         cost.append(row)
-    prompts = make_prompts(args.prompts, vocab, seed=7)
+    held_out = args.model and (Path(model) / HELD_OUT_FILE).is_file()
+    prompts = (
+        held_out_prompts(Path(model), args.prompts) if held_out else make_prompts(args.prompts, vocab, seed=7)
+    )
     same = {}
     for mode, e in engines.items():
         same["deterministic" if mode else "default"] = identity(e, prompts, args.rounds)
@@ -235,6 +261,7 @@ def main() -> None:
             "deterministic": engines[True].kernels.summary(),
         },
         "decode_cost": cost,
+        "prompts": "held-out text (64-token windows)" if held_out else "random token ids (8-64)",
         "sequential_vs_concurrent": {"prompts": args.prompts, **same},
     }
     if args.cluster:
@@ -246,7 +273,7 @@ def main() -> None:
                 1e-9, result["cluster"]["default"]["decode_tok_s"][str(batch)]
             )
             result["cluster"][f"ratio_batch_{batch}"] = round(ratio, 3)
-    suffix = "" if args.preset == "small" else f"_{args.preset}"
+    suffix = "" if args.preset == "small" or args.model else f"_{args.preset}"
     out = Path(args.out or f"benchmarks/results/determinism{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -17,7 +17,12 @@ mtp=True)`) and batch size:
 
     python -m benchmarks.bench_mtp [--presets tiny,small] [--batches 1,8] [--threads 2] [--repeats 5]
                                    [--new-tokens 64] [--out benchmarks/results/mtp.json]
+                                   [--speculative-tokens 1,2,3] [--no-oracles]
                                    [--trained build/small-trained-mtp] [--trained-batches 1,8,32]
+
+With `--speculative-tokens 1,2,3` each batch has a row per k (the module chained for k > 1), all
+measured in the same turns as one plain engine: acceptance per draft position, mean acceptance
+length, decode tok/s and speedup over plain, side by side.
 """
 
 from __future__ import annotations
@@ -51,15 +56,15 @@ def greedy(n: int) -> SamplingParams:
 
 
 def oracle(engine: LocalEngine, reference: dict[tuple, list[int]], rate: float, seed: int = 0) -> None:
-    """Replace a share `rate` of the engine's drafts by the token plain decoding emits there."""
+    """Replace a share `rate` of the engine's drafts by the tokens plain decoding emits there."""
     rng, original = random.Random(seed), engine.spec.draft
 
     def draft(parts, *args):
         original(parts, *args)
         for seq in (c.seq for part in parts for c in part):
-            ref = reference.get(tuple(seq.prompt_ids), [])
-            if seq.draft and len(seq.output_ids) < len(ref) and rng.random() < rate:
-                seq.draft = [ref[len(seq.output_ids)]]
+            ref = reference.get(tuple(seq.prompt_ids), [])[len(seq.output_ids) :]
+            if seq.draft and ref and rng.random() < rate:
+                seq.draft = ref[: len(seq.draft)] + seq.draft[len(ref) :]
 
     engine.spec.draft = draft
 
@@ -73,12 +78,21 @@ def decode_seconds(engine: LocalEngine, batch: list[list[int]], new_tokens: int)
     return time.perf_counter() - t - one
 
 
-def identity(model: Path, batch: list[list[int]], new_tokens: int, deterministic: bool) -> dict:
-    def run(k: int) -> tuple[list[list[int]], dict | None]:
-        e = LocalEngine(EngineConfig(model=str(model), speculative_tokens=k, deterministic=deterministic))
+def speculating(model: Path, k: int, **kw) -> EngineConfig:
+    """An engine config drafting k tokens in every step (the batch-size gate never turns it off)."""
+    return EngineConfig(
+        model=str(model), speculative_tokens=k, speculative_disable_by_batch_size=1 << 20, **kw
+    )
+
+
+def identity(model: Path, batch: list[list[int]], new_tokens: int, deterministic: bool, k: int) -> dict:
+    def run(spec: int) -> tuple[list[list[int]], dict | None]:
+        cfg = speculating(model, spec, deterministic=deterministic) if spec else \
+            EngineConfig(model=str(model), deterministic=deterministic)  # fmt: skip
+        e = LocalEngine(cfg)
         return [c.token_ids for c in e.generate(batch, greedy(new_tokens))], e.stats()["spec_decode"]
 
-    (plain, _), (spec, stats) = run(0), run(1)
+    (plain, _), (spec, stats) = run(0), run(k)
     differ = sum(a != b for a, b in zip(plain, spec, strict=True))
     return {"deterministic": deterministic, "answers": len(batch), "answers_differing": differ,
             "identical": differ == 0, "acceptance_rate": stats["acceptance_rate"]}  # fmt: skip
@@ -94,46 +108,70 @@ def held_out_prompts(model: Path, batch: int) -> list[list[int]]:
     return [ids[i * step : i * step + PROMPT_LEN] for i in range(batch)]
 
 
-def bench(model: Path, batch: list[list[int]], args) -> dict:
-    batch_size = len(batch)
-    ident = [identity(model, batch, args.new_tokens, d) for d in (True, False)]
-    assert ident[0]["identical"], ident[0]  # (the contract: deterministic kernels, token for token)
-    engines = {
-        "plain": LocalEngine(EngineConfig(model=str(model), num_threads=args.threads)),
-        "mtp": LocalEngine(EngineConfig(model=str(model), num_threads=args.threads, speculative_tokens=1)),
-    }
-    reference = {tuple(p): c.token_ids for p, c in zip(batch, engines["plain"].generate(batch, greedy(args.new_tokens)),
-                                                        strict=True)}  # fmt: skip
-    for name, rate in (("oracle_half", 0.5), ("oracle", 1.0)):
-        engines[name] = LocalEngine(
-            EngineConfig(model=str(model), num_threads=args.threads, speculative_tokens=1)
-        )
-        oracle(engines[name], reference, rate)
+def acceptance(spec: dict, was: dict) -> dict:
+    """What a run drafted and accepted (the difference of two `spec_decode` stats): the rate, per
+    draft position (accepted there / drafts: vLLM's per-position acceptance) and the mean acceptance
+    length (tokens a verify step emits: 1 + accepted / drafts)."""
+    drafts = spec["num_drafts"] - was.get("num_drafts", 0)
+    tokens = spec["num_draft_tokens"] - was.get("num_draft_tokens", 0)
+    accepted = spec["num_accepted_tokens"] - was.get("num_accepted_tokens", 0)
+    before = was.get("num_accepted_tokens_per_pos") or [0] * len(spec["num_accepted_tokens_per_pos"])
+    per_position = [a - b for a, b in zip(spec["num_accepted_tokens_per_pos"], before, strict=True)]
+    return {"acceptance_rate": accepted / max(1, tokens),
+            "acceptance_per_position": [a / max(1, drafts) for a in per_position],
+            "mean_acceptance_length": 1 + accepted / max(1, drafts)}  # fmt: skip
+
+
+def bench(model: Path, batch: list[list[int]], args) -> list[dict]:
+    """One row per speculative_tokens k in `args.speculative_tokens` (the same plain engine's
+    measure in each: every engine takes its turn within each repeat)."""
+    batch_size, ks = len(batch), [int(x) for x in str(args.speculative_tokens).split(",")]
+    idents = {k: [identity(model, batch, args.new_tokens, d, k) for d in (True, False)] for k in ks}
+    for ident in idents.values():
+        assert ident[0]["identical"], ident[0]  # (the contract: deterministic kernels, token for token)
+    engines = {"plain": LocalEngine(EngineConfig(model=str(model), num_threads=args.threads))}
+    plain_answers = engines["plain"].generate(batch, greedy(args.new_tokens))
+    reference = {tuple(p): c.token_ids for p, c in zip(batch, plain_answers, strict=True)}
+    kinds = ("mtp", "oracle_half", "oracle") if args.oracles else ("mtp",)
+    for k in ks:
+        for kind in kinds:
+            engines[(kind, k)] = LocalEngine(speculating(model, k, num_threads=args.threads))
+            if kind != "mtp":
+                oracle(engines[(kind, k)], reference, 0.5 if kind == "oracle_half" else 1.0)
+    # the default gate (`auto`: measured per batch size), for the first k: what a user gets
+    engines[("auto", ks[0])] = LocalEngine(
+        EngineConfig(model=str(model), speculative_tokens=ks[0], num_threads=args.threads)
+    )
     for e in engines.values():  # warm-up
         e.generate(batch, greedy(4))
     before = {n: dict(e.stats()["spec_decode"] or {}) for n, e in engines.items()}
-    tps: dict[str, list[float]] = {n: [] for n in engines}
+    tps: dict = {n: [] for n in engines}
     for _ in range(args.repeats):
         for name, e in engines.items():  # (in turns: the machine's noise shared alike)
             tps[name].append(batch_size * (args.new_tokens - 1) / decode_seconds(e, batch, args.new_tokens))
-    row = {"batch": batch_size, "identity": ident}
-    for name, e in engines.items():
-        spec, was = e.stats()["spec_decode"], before[name]
-        accepted = None
-        if spec:
-            drafts = spec["num_draft_tokens"] - was.get("num_draft_tokens", 0)
-            accepted = (spec["num_accepted_tokens"] - was.get("num_accepted_tokens", 0)) / max(1, drafts)
-        row[name] = {"decode_tok_s_median": statistics.median(tps[name]), "decode_tok_s_best": max(tps[name]),
-                     "decode_tok_s_all": tps[name], "acceptance_rate": accepted}  # fmt: skip
-    for name in ("mtp", "oracle_half", "oracle"):
-        row[name]["speedup_median"] = row[name]["decode_tok_s_median"] / row["plain"]["decode_tok_s_median"]
-        row[name]["speedup_best"] = row[name]["decode_tok_s_best"] / row["plain"]["decode_tok_s_best"]
-    return row
+
+    def measure(name) -> dict:
+        out = {"decode_tok_s_median": statistics.median(tps[name]), "decode_tok_s_best": max(tps[name]),
+               "decode_tok_s_all": tps[name]}  # fmt: skip
+        spec = engines[name].stats()["spec_decode"]
+        if spec is None:
+            return {**out, "acceptance_rate": None}
+        plain = measure("plain")
+        gate = {"gate": spec["by_batch_size_summary"]} if name[0] == "auto" else {}
+        return {**out, **acceptance(spec, before[name]), **gate,
+                "speedup_median": out["decode_tok_s_median"] / plain["decode_tok_s_median"],
+                "speedup_best": out["decode_tok_s_best"] / plain["decode_tok_s_best"]}  # fmt: skip
+
+    return [{"batch": batch_size, "speculative_tokens": k, "identity": idents[k], "plain": measure("plain"),
+             **{kind: measure((kind, k)) for kind in kinds + (("auto",) if k == ks[0] else ())}}
+            for k in ks]  # fmt: skip
 
 
-def cluster_rows(model: Path, batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
+def cluster_rows(
+    model: Path, batches: list[int], new_tokens: int, repeats: int, ks: tuple[int, ...] = (1,)
+) -> list[dict]:
     """The real cluster (1 attention worker, 2 expert workers, shared memory, `--deterministic`
-    off) on `model` without and with speculation, one cluster each: greedy streams of held-out
+    off) on `model` without and with speculation (k of `ks` drafts, in every step), one cluster each: greedy streams of held-out
     prompts over the official client, per batch: decode tok/s (tokens after the first over the
     time from the first to the last, summed over the batch's streams; median and best of
     `repeats`), the answers that differ from the plain cluster's, the acceptance rate and the share
@@ -167,10 +205,10 @@ def cluster_rows(model: Path, batches: list[int], new_tokens: int, repeats: int)
         return [t for t, _ in answers], tok_s
 
     rows, plain = [], {}
-    for k in (0, 1):
+    for k in (0, *ks):
         cfg = ClusterConfig(model=str(model), served_model_name="small", port=free_port(), attention_workers=1,
                             expert_workers=2, expert_transport="shm", balancer_period_s=0, max_num_seqs=64,
-                            speculative_tokens=k)  # fmt: skip
+                            speculative_tokens=k, speculative_disable_by_batch_size=1 << 20)  # fmt: skip
         cluster = Cluster.start(cfg)
         try:
             attention = next(iter(cluster.attention.values()))
@@ -215,6 +253,15 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/mtp.json")
     ap.add_argument("--trained", default=None, metavar="DIR",
                     help="also: a checkpoint of train_small.py --mtp, prompted with its held-out text")  # fmt: skip
+    ap.add_argument("--speculative-tokens", default="1", metavar="K,K",
+                    help="draft tokens per step compared side by side with plain decoding, e.g. 1,2,3 (the MTP "
+                         "module chained past 1): a row per k")  # fmt: skip
+    ap.add_argument(
+        "--no-oracles",
+        dest="oracles",
+        action="store_false",
+        help="skip the oracle / oracle_half engines (each k: one engine instead of three)",
+    )
     ap.add_argument("--trained-batches", default="1,8,32")
     ap.add_argument("--trained-new-tokens", type=int, default=128)
     ap.add_argument("--cluster-batches", default="",
@@ -231,18 +278,20 @@ def main() -> None:
         for preset in filter(None, args.presets.split(",")):
             model = init_model(Path(tmp) / preset, preset, seed=0, mtp=True)
             vocab = ModelConfig.from_dir(model).vocab_size
-            for b in (int(x) for x in args.batches.split(",")):
-                report({"preset": preset, **bench(model, prompts(b, vocab), args)})
+            for b in (int(x) for x in filter(None, args.batches.split(","))):
+                for row in bench(model, prompts(b, vocab), args):
+                    report({"preset": preset, **row})
     trained, cluster = None, None
     if args.trained and args.cluster_batches:
         batches = [int(x) for x in args.cluster_batches.split(",")]
-        cluster = cluster_rows(Path(args.trained), batches, args.trained_new_tokens, args.repeats)
+        ks = tuple(int(x) for x in str(args.speculative_tokens).split(","))
+        cluster = cluster_rows(Path(args.trained), batches, args.trained_new_tokens, args.repeats, ks)
     if args.trained:
         trained = json.loads((Path(args.trained) / "training.json").read_text())
         for b in (int(x) for x in filter(None, args.trained_batches.split(","))):
             targs = argparse.Namespace(**{**vars(args), "new_tokens": args.trained_new_tokens})
-            report({"preset": "small, trained (train_small.py --mtp)", "prompts": "held-out text",
-                    **bench(Path(args.trained), held_out_prompts(Path(args.trained), b), targs)})  # fmt: skip
+            for row in bench(Path(args.trained), held_out_prompts(Path(args.trained), b), targs):
+                report({"preset": "small, trained (train_small.py --mtp)", "prompts": "held-out text", **row})
     out = {
         "benchmark": "mtp_speculative_decoding_local_engine",
         "issue": 54,
@@ -253,7 +302,7 @@ def main() -> None:
         "prompt_len": PROMPT_LEN,
         "threads": args.threads,
         "repeats": args.repeats,
-        "speculative_tokens": 1,
+        "speculative_tokens": [int(x) for x in str(args.speculative_tokens).split(",")],
         "kernels": "default (speed, acceptance); identity also under deterministic",
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "torch": torch.__version__,
@@ -271,8 +320,13 @@ def main() -> None:
             "module prompted with the held-out text it never trained on",
             "oracle / oracle_half: each draft (or about half) replaced by the token plain decoding emits there "
             "(acceptance ~1.0 / ~0.5): the ceiling of this engine's verify step, not a drafter",
-            "a verify step runs 2 rows per sequence: at small batch a MoE layer then reads about twice the "
-            "experts (different tokens route to different experts), and the MTP layer is one more MoE layer",
+            "a verify step runs 1 + k rows per sequence: at small batch a MoE layer then reads up to 1 + k times "
+            "the experts (different tokens route to different experts), and the MTP layer is one more MoE layer, "
+            "run k times per step (chained past the first draft)",
+            "mtp / oracle engines draft in every step (speculative_disable_by_batch_size huge); `auto` (the first "
+            "k only) is the default gate, which turns speculation off in a batch-size bucket where it emits fewer "
+            "tokens per second (its first repeat includes the measuring: see `gate`); acceptance_per_position: "
+            "accepted at draft position i / drafts",
         ],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
