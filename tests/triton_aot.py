@@ -117,6 +117,30 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
             yield f"fp8_linear {name} tokens={tokens}", linear(tokens, out, inp)
     yield "fp8_linear float32 bias", linear(8, 1536, 7168, dtype=torch.float32, bias=True)
 
+    # --deterministic's batch-invariant launches (kernels/deterministic.py): one configuration
+    # whatever the batch, so one case each covers every batch size
+    q, cache, lens = torch.empty(2, heads, latent + rope, dtype=bf16), torch.empty(8, 64, 1, latent + rope, dtype=bf16), torch.tensor([100, 300])  # fmt: skip
+    table = torch.zeros(2, 64, dtype=torch.int64)
+    yield (
+        "mla bfloat16 deterministic wide tiles",
+        lambda: triton_mla.mla_decode(q, cache, table, lens, latent, 0.1, deterministic=True),
+    )
+    x, w, s = torch.empty(4, 7168, dtype=bf16), torch.empty(1536, 7168, dtype=fp8), torch.empty(12, 56)
+    yield (
+        "fp8_linear deterministic q_a",
+        lambda: triton_linear.fp8_linear(x, w, s, (128, 128), deterministic=True),
+    )
+    slot, weight = torch.randint(0, 32, (4, 8)), torch.rand(4, 8)
+    w13, w2 = torch.empty(32, 4096, 7168, dtype=bf16), torch.empty(32, 7168, 2048, dtype=bf16)
+    yield "moe bf16 deterministic", lambda: triton_moe.fused_moe(x, slot, weight, w13, w2, deterministic=True)
+    for dtype in (bf16, torch.float16, torch.float32):
+        xs, ws = torch.empty(4, 7168, dtype=dtype), torch.empty(1536, 7168, dtype=dtype)
+        yield f"linear deterministic {str(dtype)[6:]}", lambda xs=xs, ws=ws: triton_linear.linear(xs, ws)
+    xs, ws = torch.empty(4, 7168), torch.empty(1536, 7168, dtype=bf16)  # (bf16 weights under fp32)
+    yield "linear deterministic float32 bf16 weights", lambda: triton_linear.linear(xs, ws)
+    q_nope, kv_b = torch.empty(heads, 4, 128, dtype=bf16), torch.empty(heads, latent, 128, dtype=bf16)
+    yield "absorb deterministic bfloat16", lambda: triton_linear.batched_linear(q_nope, kv_b)
+
 
 def record_launches(call: Callable[[], object], arch: int) -> list[tuple[object, tuple, dict]]:
     """The (JITFunction, args, kwargs) of every launch `call` makes for an sm_<arch> GPU (its
