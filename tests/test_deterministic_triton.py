@@ -26,6 +26,7 @@ from services.model.kv_cache import BLOCK_SIZE
 from services.presets import PRESETS
 
 from .staggered import run_staggered
+from .test_triton_kernels import mla_decode_reference, paged_context
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALLOW = "triton,torch"  # (on CPU tensors: the interpreter, asked for by name)
@@ -174,17 +175,9 @@ def test_router_rows_do_not_depend_on_the_batch():
 
 # ---- MLA ------------------------------------------------------------------------------------
 def _paged(lens, width, seed):
-    """A cache [blocks, 64, 1, width] and a shuffled block table [B, max_blocks] (int32)."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // BLOCK_SIZE) for n in lens]
-    cache = torch.randn(sum(need) + 2, BLOCK_SIZE, 1, width, generator=g)
-    order = torch.randperm(cache.shape[0], generator=g)
-    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(need):
-        table[b, :n] = order[used : used + n].to(torch.int32)
-        used += n
-    return cache.to(DEVICE), table.to(DEVICE), torch.tensor(lens, device=DEVICE)
+    """test_triton_kernels.paged_context's cache and block table, fp32, two spare blocks."""
+    spare = sum(-(-n // BLOCK_SIZE) for n in lens) + 2
+    return paged_context(lens, width, torch.float32, DEVICE, seed=seed, num_blocks=spare)
 
 
 def test_mla_decode_row_alone_equals_the_row_beside_longer_and_shorter_ones():
@@ -200,8 +193,6 @@ def test_mla_decode_row_alone_equals_the_row_beside_longer_and_shorter_ones():
         got = decode(batch)
         for j, b in enumerate(batch):
             assert torch.equal(got[j : j + 1], alone[b]), (batch, b)
-    from .test_triton_kernels import mla_decode_reference
-
     want = mla_decode_reference(q, cache, table, lens_t, C, scale)
     torch.testing.assert_close(torch.cat(alone), want, rtol=1e-4, atol=1e-5)
     if DEVICE == "cpu":  # without the flag the 1,100-row one is cut by the batch (the interpreter's
@@ -223,8 +214,6 @@ def test_mla_decode_bounds_a_long_rows_splits(monkeypatch):
     whole = triton_mla.mla_decode(q, cache, table, lens_t, C, 0.2, deterministic=True)
     monkeypatch.setattr(triton_mla, "DETERMINISTIC_MID_BYTES", 1)  # (one row per launch)
     assert torch.equal(triton_mla.mla_decode(q, cache, table, lens_t, C, 0.2, deterministic=True), whole)
-    from .test_triton_kernels import mla_decode_reference
-
     torch.testing.assert_close(
         whole, mla_decode_reference(q, cache, table, lens_t, C, 0.2), rtol=1e-4, atol=1e-5
     )

@@ -433,36 +433,36 @@ class DeterministicImpls:
         in fixed KEY_TILE-row GEMM tiles, each score's heads summed along its row (the einsums'
         products are shaped by the batch's queries and longest context). The C++ kernel sums each
         score in one order already (attention.cpp: index_scores)."""
-        Q, Hi, Di = q.shape
-        L = keys.shape[-2]
-        out = torch.full((Q, L), float("-inf"), dtype=torch.float32, device=q.device)
-        for i, n in enumerate(lens.tolist()):
-            n = min(n, L)
-            if n == 0:
-                continue
-            ki = (keys if keys.dim() == 2 else keys[i])[:n].float()
-            qi = q[i].float().clone()  # [Hi, Di]
-            dots = _tiles(lambda t, qi=qi: torch_ops.linear(t, qi), ki, KEY_TILE)  # [n, Hi]
-            out[i, :n] = (torch.relu(dots * Di**-0.5) * w[i]).sum(-1)
-        return out
+
+        def dots(ki: torch.Tensor, qi: torch.Tensor) -> torch.Tensor:
+            qi = qi.clone()  # (a fresh copy: MKL's sums can depend on an operand's alignment)
+            return _tiles(lambda t: torch_ops.linear(t, qi), ki, KEY_TILE)
+
+        return _index_scores_by_query(q, w, keys, lens, dots)
 
     def index_scores_triton(
         self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor
     ) -> torch.Tensor:
         """`index_scores_torch` with each query's dots on the Triton linear (batch-invariant in
-        its keys) instead of fixed torch GEMM tiles; the heads' sum over that query's own [n, Hi]
-        scores."""
-        Q, Hi, Di = q.shape
-        L = keys.shape[-2]
-        out = torch.full((Q, L), float("-inf"), dtype=torch.float32, device=q.device)
-        for i, n in enumerate(lens.tolist()):
-            n = min(n, L)
-            if n == 0:
-                continue
-            ki = (keys if keys.dim() == 2 else keys[i])[:n].float()
-            dots = self.gpu.linear(ki, q[i].float())  # [n, Hi]
-            out[i, :n] = (torch.relu(dots * Di**-0.5) * w[i]).sum(-1)
-        return out
+        its keys) instead of fixed torch GEMM tiles."""
+        return _index_scores_by_query(q, w, keys, lens, self.gpu.linear)
+
+
+def _index_scores_by_query(q, w, keys, lens, dots) -> torch.Tensor:
+    """torch_ops.index_scores one query at a time: q [Q, Hi, Di], w [Q, Hi], keys [L, Di] (shared)
+    or [Q, L, Di], lens [Q] -> [Q, L] fp32 (-inf past each query's lens[i] keys). dots(ki [n, Di]
+    fp32, qi [Hi, Di] fp32) -> [n, Hi]: the query's dots with its keys, batch-invariant; each
+    score the heads' sum over that query's own [n, Hi] dots."""
+    Q, Hi, Di = q.shape
+    L = keys.shape[-2]
+    out = torch.full((Q, L), float("-inf"), dtype=torch.float32, device=q.device)
+    for i, n in enumerate(lens.tolist()):
+        n = min(n, L)
+        if n == 0:
+            continue
+        ki = (keys if keys.dim() == 2 else keys[i])[:n].float()
+        out[i, :n] = (torch.relu(dots(ki, q[i].float()) * Di**-0.5) * w[i]).sum(-1)
+    return out
 
 
 def bind(k, cfg, cpp, gpu=None, guard=None) -> None:
