@@ -368,18 +368,7 @@ class CppKernels:
         one call: x [T, H] fp32, w a weights.MLAWeights (linears fp32 / bf16, or all kept FP8 in
         one block shape), cos_sin [T, R/2] each, cache [blocks, 64, 1, C+R] fp32, table [T,
         max_blocks] / lens [T] int64 (batch.DecodeRows); the rows of this step are written at
-        slot_mapping [T]; eps of the latent norms. Size rule: chunks of at most MAX_ROWS rows
-        (each a call: its linears on the 8-row path, here faster per row than one call's larger
-        tiles: 7.3 against 9.1 ms per step at 32 rows; a sequence's verify rows stay in order, so
-        a row's earlier positions are in the cache before it attends)."""
-        T = x.shape[0]
-        if T > MAX_ROWS:
-            cos, sin = cos_sin
-            return torch.cat([
-                self.mla_decode_layer(x[s], w, (cos[s], sin[s]), cache, slot_mapping[s], table[s], lens[s], cfg,
-                                      eps)
-                for s in (slice(i, i + MAX_ROWS) for i in range(0, T, MAX_ROWS))
-            ])  # fmt: skip
+        slot_mapping [T]; eps of the latent norms."""
         C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         linears = (w.q_a, w.q_b, w.q_proj, w.kv_a, w.o)
         cos, sin = cos_sin

@@ -25,8 +25,8 @@ worker, then over workers. What is used instead (CPU only; chosen once, by `bind
   tiles); decode as chosen (the C++ kernel: each (row, head) over its own context in order; the
   torch path here row by row, over exactly its context); prefill on the decode kernel, each query
   a decode row of its own causal length, so a token attends with the same arithmetic in a prompt
-  chunk as in a decode step. The fused decode layer (C++) runs on chunks of MAX_ROWS rows (its
-  own size rule): its arithmetic is then that of these single kernels, bit for bit.
+  chunk as in a decode step. The fused decode layer (C++) runs on chunks of MAX_ROWS rows: its
+  arithmetic is then that of these single kernels, bit for bit.
 - norms, rope, the router: row-local already (chosen as usual), but for torch's sigmoid and SiLU
   (the router's and the MLPs' on the torch path), which compute a tensor's last elements on a
   scalar path of other bits: `sigmoid` / `silu` here instead.
@@ -447,6 +447,25 @@ class DeterministicImpls:
         its keys) instead of fixed torch GEMM tiles."""
         return _index_scores_by_query(q, w, keys, lens, self.gpu.linear)
 
+    def fused_decode_layer(self, fused):
+        """The C++ decode layer on <= ROWS-row chunks (its sums are those of the single kernels
+        here there; each decode row is a sequence of its own, so chunks share no cache row)."""
+
+        def run(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps):
+            T = x.shape[0]
+            if T <= ROWS:
+                return fused(x, w, cos_sin, cache, slot_mapping, table, lens, cfg, eps)
+            cos, sin = cos_sin
+            parts = []
+            for i in range(0, T, ROWS):
+                s = slice(i, i + ROWS)
+                parts.append(fused(x[s].contiguous(), w, (cos[s].contiguous(), sin[s].contiguous()), cache,
+                                   slot_mapping[s].contiguous(), table[s].contiguous(), lens[s].contiguous(), cfg,
+                                   eps))  # fmt: skip
+            return torch.cat(parts)
+
+        return run
+
 
 def _index_scores_by_query(q, w, keys, lens, dots) -> torch.Tensor:
     """torch_ops.index_scores one query at a time: q [Q, Hi, Di], w [Q, Hi], keys [L, Di] (shared)
@@ -502,7 +521,7 @@ def bind(k, cfg, cpp, gpu=None, guard=None) -> None:
         H, N, V = cfg.hidden_size, cfg.num_attention_heads, cfg.v_head_dim
         widths = (H, cfg.q_lora_rank or 0, N * V, cfg.kv_lora_rank)
         if all(w % 8 == 0 for w in widths) and names.get("linear") == "cpp" and on_cpp("absorb"):
-            k._bind("mla_decode_layer", "cpp", (cpp.mla_decode_layer,))  # (on <= ROWS-row chunks itself)
+            k._bind("mla_decode_layer", "cpp", (d.fused_decode_layer(cpp.mla_decode_layer),))
         else:  # (its linears would not be this module's)
             k._bind("mla_decode_layer", "unfused", (None,))
 
