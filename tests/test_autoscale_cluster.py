@@ -86,13 +86,15 @@ def _pinned_shrink_decision(cluster, deadline_s: float = 150.0) -> dict:
 
 def test_the_pool_grows_under_load_and_shrinks_when_idle(tiny_model):
     want = _local_tokens(tiny_model)
+    # (the autoscaler ticks every 2 s: an upscale delay of 0 grows at the first tick that wants it, a
+    # downscale delay of 2 s shrinks at the second idle tick in a row)
     settings = dict(expert_workers=1, min_expert_workers=1, max_expert_workers=3, expert_target_utilization=0.01,
-                    expert_upscale_delay_s=1.0, expert_downscale_delay_s=4.0, balancer_period_s=0)  # fmt: skip
+                    expert_upscale_delay_s=0.0, expert_downscale_delay_s=2.0, balancer_period_s=0)  # fmt: skip
     with tiny_cluster(tiny_model, **settings) as cluster:
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
         with _load(client, 3) as (results, errors):
             started = time.monotonic()
-            _wait(cluster, 2, "grow")  # within the upscale delay (1 s) plus one re-plan
+            _wait(cluster, 2, "grow")  # within a tick or two (busy fractions need two) plus one re-plan
             _wait(cluster, 3, "grow")  # one step at a time, up to the max
             grown_s = time.monotonic() - started
             served = len(results)
@@ -141,7 +143,7 @@ def test_the_attention_pool_grows_on_queues_and_drains_when_idle(tiny_model):
     drains one worker and stops it. Every request completes with LocalEngine's tokens."""
     want = _local_tokens(tiny_model)
     settings = dict(attention_workers=1, min_attention_workers=1, max_attention_workers=2, max_num_seqs=1,
-                    attention_queue_threshold=2, attention_upscale_delay_s=1.0, attention_downscale_delay_s=4.0,
+                    attention_queue_threshold=2, attention_upscale_delay_s=0.0, attention_downscale_delay_s=2.0,
                     expert_workers=1, balancer_period_s=0)  # fmt: skip
     with tiny_cluster(tiny_model, **settings) as cluster:
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
