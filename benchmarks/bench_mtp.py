@@ -19,6 +19,7 @@ mtp=True)`) and batch size:
                                    [--new-tokens 64] [--out benchmarks/results/mtp.json]
                                    [--speculative-tokens 1,2,3] [--no-oracles]
                                    [--trained build/small-trained-mtp] [--trained-batches 1,8,32]
+                                   [--cluster-identity tiny,tiny-v4] [--merge]
 
 With `--speculative-tokens 1,2,3` each batch has a row per k (the module chained for k > 1), all
 measured in the same turns as one plain engine: acceptance per draft position, mean acceptance
@@ -28,6 +29,7 @@ length, decode tok/s and speedup over plain, side by side.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import random
@@ -44,6 +46,7 @@ from services.model.config import ModelConfig
 from services.presets import init_model
 
 PROMPT_LEN = 64
+BIAS = {56: 6.0}  # (cluster_identity: about a third of random weights' drafts accepted)
 
 
 def prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -243,6 +246,54 @@ def cluster_rows(
     return rows
 
 
+def cluster_identity(model: Path, preset: str, k: int, batch: list[list[int]], new_tokens: int) -> dict:
+    """Greedy answers over the API of a real cluster speculating k tokens in every step (1 attention
+    worker, 2 expert workers, shared memory, `--deterministic`), the batch sent at once, against
+    LocalEngine's without speculation (deterministic kernels). Random weights draft badly, so every
+    other request carries a logit bias (BIAS), which the drafts take as the target does: some
+    drafts right, some wrong, so both verify paths run."""
+    import asyncio
+
+    import openai
+    import ray
+
+    from services.cluster import Cluster, ClusterConfig
+    from services.net import free_port
+
+    params = [
+        dataclasses.replace(greedy(new_tokens), logit_bias=BIAS if i % 2 else {}) for i in range(len(batch))
+    ]
+    engine = LocalEngine(EngineConfig(model=str(model), deterministic=True))
+    plain = [c.token_ids for c in engine.generate(batch, params)]
+
+    async def run(url: str) -> list[list[int]]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+
+        async def one(i, prompt):
+            extra = {"ignore_eos": True, "return_token_ids": True} | ({"logit_bias": BIAS} if i % 2 else {})
+            r = await client.completions.create(model=preset, prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                                extra_body=extra)  # fmt: skip
+            return list(r.choices[0].model_extra["token_ids"])
+
+        try:
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(batch)])
+        finally:
+            await client.close()
+
+    cfg = ClusterConfig(model=str(model), served_model_name=preset, port=free_port(), attention_workers=1,
+                        expert_workers=2, expert_transport="shm", balancer_period_s=0, deterministic=True,
+                        speculative_tokens=k, speculative_disable_by_batch_size=1 << 20)  # fmt: skip
+    cluster = Cluster.start(cfg)
+    try:
+        answers = asyncio.run(run(cluster.url))
+        spec = ray.get(next(iter(cluster.attention.values())).stats.remote())["spec_decode"]
+    finally:
+        cluster.stop()
+    differ = sum(a != b for a, b in zip(answers, plain, strict=True))
+    return {"preset": preset, "speculative_tokens": k, "answers": len(batch), "answers_differing": differ,
+            "identical": differ == 0, "num_drafts": spec["num_drafts"], "acceptance_rate": spec["acceptance_rate"]}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="tiny,small")
@@ -266,6 +317,13 @@ def main() -> None:
     ap.add_argument("--trained-new-tokens", type=int, default=128)
     ap.add_argument("--cluster-batches", default="",
                     help="also: the trained model on the real cluster over shared memory at these batches")  # fmt: skip
+    ap.add_argument("--cluster-identity", default="", metavar="PRESETS",
+                    help="also: greedy identity over a real deterministic cluster's API on these generated "
+                         "presets (e.g. tiny,tiny-v4), each k of --speculative-tokens")  # fmt: skip
+    ap.add_argument("--merge", action="store_true",
+                    help="update --out in place: this run's presets' rows replace theirs, its cluster results "
+                         "replace the file's, its settings are appended to `merged_runs`; the rest of the file "
+                         "is kept")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = []
@@ -281,6 +339,14 @@ def main() -> None:
             for b in (int(x) for x in filter(None, args.batches.split(","))):
                 for row in bench(model, prompts(b, vocab), args):
                     report({"preset": preset, **row})
+    identity_rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in filter(None, args.cluster_identity.split(",")):
+            model = init_model(Path(tmp) / preset, preset, seed=0, mtp=True)
+            for k in (int(x) for x in str(args.speculative_tokens).split(",")):
+                vocab = ModelConfig.from_dir(model).vocab_size
+                identity_rows.append(cluster_identity(model, preset, k, prompts(8, vocab), args.new_tokens))
+                print(json.dumps(identity_rows[-1]), flush=True)
     trained, cluster = None, None
     if args.trained and args.cluster_batches:
         batches = [int(x) for x in args.cluster_batches.split(",")]
@@ -308,6 +374,7 @@ def main() -> None:
         "torch": torch.__version__,
         "rows": results,
         "cluster": cluster,
+        "cluster_identity": identity_rows or None,
         "trained_model": None
         if trained is None
         else {
@@ -329,6 +396,16 @@ def main() -> None:
             "accepted at draft position i / drafts",
         ],
     }
+    if args.merge and Path(args.out).is_file():
+        was = json.loads(Path(args.out).read_text())
+        ran = {r["preset"] for r in results}
+        merged = {
+            k: out[k] for k in ("new_tokens", "threads", "repeats", "speculative_tokens", "machine", "torch")
+        }
+        merged |= {"presets": sorted(ran), "cluster_identity_presets": args.cluster_identity or None}
+        out = {**was, "rows": [r for r in was["rows"] if r["preset"] not in ran] + results,
+               "merged_runs": was.get("merged_runs", []) + [merged],
+               **{key: out[key] for key in ("cluster", "cluster_identity", "trained_model") if out[key] is not None}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -329,7 +329,9 @@ def random_weights_v4(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     tests/hf_oracle.py's scales: linears (and the mHC `*_fn`) N(0, 1/fan_in), the LM head x4,
     norms and mHC scales 1 + 0.2 N, attention sinks, mHC bases and the compressors' gate bias
     (`ape`) 0.5 N, router bias 0.1 N, and per token id `num_experts_per_tok` distinct experts
-    (`tid2eid`) in the hash-routed layers."""
+    (`tid2eid`) in the hash-routed layers. With `num_nextn_predict_layers` the MTP modules
+    (DeepSeek's MTPBlock: `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`, `hc_head_{fn,base,scale}`
+    and a sliding-window V4 block with routed experts) follow as `model.layers.{n + j}.*`."""
     cfg = ModelConfig.from_hf(hf)
     g = torch.Generator().manual_seed(seed)
     linear, norm = _initialisers(g)
@@ -357,9 +359,17 @@ def random_weights_v4(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         w[prefix + "ape"] = normal(ratio, width, std=0.5)
         w[prefix + "norm.weight"] = norm(dim)
 
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
         p = f"model.layers.{i}."
         a = p + "attn."
+        if i >= cfg.num_hidden_layers:  # an MTP module (DeepSeek's MTPBlock): its own tensors, then a block
+            for name in ("e_proj", "h_proj"):
+                w[f"{p}{name}.weight"] = linear(H, H)
+            for name in ("enorm", "hnorm", "norm"):
+                w[f"{p}{name}.weight"] = norm(H)
+            w[p + "hc_head_fn"] = linear(M, M * H)
+            w[p + "hc_head_base"] = normal(M, std=0.5)
+            w[p + "hc_head_scale"] = norm(1)
         w[p + "attn_norm.weight"] = norm(H)
         w[p + "ffn_norm.weight"] = norm(H)
         for hc in ("hc_attn", "hc_ffn"):  # pre (M), post (M) and comb (M x M) mixes
@@ -374,7 +384,7 @@ def random_weights_v4(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         w[a + "wo_a.weight"] = linear(G * O, N * D // G)
         w[a + "wo_b.weight"] = linear(H, G * O)
         w[a + "attn_sink"] = normal(N, std=0.5)
-        kind = cfg.layer_types[i]
+        kind = cfg.attention_type(i)
         if kind != "sliding_attention":
             csa = kind == "compressed_sparse_attention"
             compressor(a + "compressor.", cfg.compress_ratio(i), D, overlap=csa)
@@ -503,8 +513,6 @@ def init_model(
     out.mkdir(parents=True, exist_ok=True)
     hf = {**PRESETS[preset], **({"num_nextn_predict_layers": 1} if mtp else {}), **(overrides or {}),
           "torch_dtype": dtype}  # fmt: skip
-    if hf.get("model_type") == "deepseek_v4" and mtp:
-        raise ValueError("MTP modules for DeepSeek-V4 presets: not yet")
     if hf.get("model_type") == "deepseek_v4" and (dtype, device) != ("float32", "cpu"):
         raise ValueError("V4 presets are drawn in float32 on the CPU")
     weights = random_weights(hf, seed, getattr(torch, dtype), device)

@@ -251,10 +251,6 @@ class AttentionSettings:
             raise ValueError("kv_cache_gib must be > 0")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: auto or fp8")
-        if shared.speculative_tokens and self.tp > 1:
-            raise ValueError(
-                "speculative_tokens with attention_tp > 1 (attention tensor parallelism): not yet"
-            )
         if self.keep_fp8_linears and self.tp > 1:
             raise ValueError(
                 "keep_fp8_linears with attention_tp > 1 (attention tensor parallelism): not supported yet"

@@ -89,17 +89,26 @@ def test_a_store_serves_the_mtp_layer_only_in_versions_that_name_it(mtp_model):
     assert sum(slots[2][3][1]) == 3  # (its pairs counted)
 
 
-def test_remote_experts_serve_the_mtp_pass_and_greedy_tokens_stay(mtp_model):
-    """An engine over real gRPC expert servers (in this process, no Ray): its verify steps and MTP
-    passes go through them; tokens are LocalEngine's without speculation; the step's load counts
-    the MTP layer after the main ones; the servers computed the MTP layer's experts."""
+@pytest.fixture(scope="module", params=["tiny", "tiny-v4"])
+def any_mtp_model(request, mtp_model, tmp_path_factory):
+    """The tiny V3 preset's MTP model, and the tiny V4 preset with DeepSeek's MTPBlock."""
+    if request.param == "tiny":
+        return mtp_model
+    return init_model(tmp_path_factory.mktemp("tiny-v4-mtp"), "tiny-v4", seed=0, mtp=True)
+
+
+def test_remote_experts_serve_the_mtp_pass_and_greedy_tokens_stay(any_mtp_model):
+    """An engine over real gRPC expert servers (in this process, no Ray), V3 and V4: its verify
+    steps and MTP passes go through them; tokens are LocalEngine's without speculation; the step's
+    load counts the MTP layer after the main ones; the servers computed the MTP layer's experts."""
+    mtp_model = any_mtp_model
     want = _reference(mtp_model, PROMPTS)
     cfg = served_experts(ModelConfig.from_dir(mtp_model), True)
     servers = [ExpertServer(ExpertWorkerConfig(model=str(mtp_model), deterministic=True)) for _ in range(2)]
     try:
         workers = tuple(s.start() for s in servers)
         plain = Placement.round_robin(cfg.num_moe_layers - 1, cfg.n_routed_experts, workers, 8)
-        with pytest.raises(ValueError, match="placement has 2 MoE layers, model has 3"):
+        with pytest.raises(ValueError, match=f"placement has {cfg.num_moe_layers - 1} MoE layers, model has"):
             RemoteExperts(cfg, plain)
         placement = Placement.round_robin(cfg.num_moe_layers, cfg.n_routed_experts, workers, 8)
         load_placement(placement, {w: w for w in workers}, cfg.moe_layers)
@@ -134,7 +143,7 @@ def test_remote_experts_serve_the_mtp_pass_and_greedy_tokens_stay(mtp_model):
             for v in ExpertClient(w).stats().versions
             for ls in v.layers
         }
-        assert set(layers) == {1, 2, 3} and layers[3] > 0
+        assert set(layers) == set(cfg.moe_layers) and layers[cfg.mtp_layers[0]] > 0
     finally:
         for s in servers:
             s.stop(0)

@@ -388,3 +388,23 @@ def test_flags_speculative_config_and_metrics(mtp_model):
     assert f'vllm:spec_decode_num_drafts{{worker="w0"}} {float(spec["num_drafts"])}' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos{position="0",worker="w0"}' in text
     assert "vllm:spec_decode_num_draft_tokens" in text and "vllm:spec_decode_num_accepted_tokens{" in text
+
+
+def test_v32s_mtp_layer_with_its_indexer_keeps_greedy_tokens(tmp_path):
+    """DeepSeek-V3.2: the MTP layer has its own lightning indexer (its keys in its cache slot's rows);
+    contexts past index_topk, so the layer's attention is top-k sparse. Greedy tokens identical, the
+    drafts accepted or not (half replaced by the true next tokens)."""
+    model = init_model(tmp_path / "v32", "tiny-v32", seed=0, mtp=True, tokenizer=False)
+    cfg = ModelConfig.from_dir(model)
+    assert f"model.layers.{cfg.mtp_layers[0]}.self_attn.indexer.wk.weight" in set(
+        CheckpointReader(model).names()
+    )
+    prompts = _prompts(6, seed=6, lo=cfg.index_topk, hi=cfg.index_topk + 60)
+    requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    reference = _run(_engine(model, 0), requests, stagger=2)
+    for k in (1, 2):
+        engine = _engine(model, k)
+        _oracle_drafts(engine, reference, 0.6)
+        assert _run(engine, requests, stagger=2) == reference
+        spec = engine.stats()["spec_decode"]
+        assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]

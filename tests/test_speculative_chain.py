@@ -179,7 +179,6 @@ def test_chained_passes_go_to_remote_experts_and_count_in_the_tally(mtp_model, m
     choices in the MTP layer's row."""
     from services.dataplane.placement import Placement
     from services.dataplane.remote_experts import RemoteExperts
-    from services.engine import speculative
     from services.engine.engine import Engine, EngineConfig, load_engine
     from services.experts.client import load_placement
     from services.experts.server import ExpertServer, ExpertWorkerConfig
@@ -192,13 +191,6 @@ def test_chained_passes_go_to_remote_experts_and_count_in_the_tally(mtp_model, m
     requests = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     reference = _run(_engine(mtp_model, 0), requests)
     mtp_rows, passes = [], []
-    original = speculative.mtp_forward
-
-    def mtp_forward(model, w, batch, hidden, kv):
-        mtp_rows.append(len(batch.input_ids))
-        return (yield from original(model, w, batch, hidden, kv))
-
-    monkeypatch.setattr(speculative, "mtp_forward", mtp_forward)
     cfg = served_experts(ModelConfig.from_dir(mtp_model), True)
     servers = [ExpertServer(ExpertWorkerConfig(model=str(mtp_model), deterministic=True)) for _ in range(2)]
     try:
@@ -209,6 +201,13 @@ def test_chained_passes_go_to_remote_experts_and_count_in_the_tally(mtp_model, m
         mcfg, model, experts, tokenizer = load_engine(
             engine_cfg, lambda m, r, d: RemoteExperts(cfg, placement)
         )
+        original = model.mtp_forward
+
+        def mtp_forward(w, batch, hidden, kv):  # (counts each pass's rows)
+            mtp_rows.append(len(batch.input_ids))
+            return (yield from original(w, batch, hidden, kv))
+
+        model.mtp_forward = mtp_forward
         engine = Engine(mcfg, model, experts, engine_cfg, tokenizer)
         got = {rid: [] for rid, _, _ in requests}
         for rid, p, sp in requests:

@@ -40,8 +40,9 @@ class _FailsFirst:
         return self.inner.combine(msg)
 
 
-def _tp_run(engine_cfg: EngineConfig, tp: int, prompts, failures: int = 0):
-    """Generate with rank 0 here and tp-1 follower processes; (outputs, logits, follower steps)."""
+def _tp_run(engine_cfg: EngineConfig, tp: int, prompts, failures: int = 0, prepare=None):
+    """Generate with rank 0 here and tp-1 follower processes; (outputs, logits, follower steps).
+    prepare(engine): called on rank 0's engine before it runs."""
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(tp - 1) as pool:
@@ -49,8 +50,10 @@ def _tp_run(engine_cfg: EngineConfig, tp: int, prompts, failures: int = 0):
         cfg, model, experts, tokenizer = load_engine(engine_cfg)
         group = TPGroup(0, tp, init_method)
         try:
-            experts, on_batches = lead(group, model, _FailsFirst(experts, failures))
-            engine = Engine(cfg, model, experts, engine_cfg, tokenizer, on_batches)
+            experts, on_batches, on_mtp_pass = lead(group, model, _FailsFirst(experts, failures))
+            engine = Engine(cfg, model, experts, engine_cfg, tokenizer, on_batches, on_mtp_pass)
+            if prepare is not None:
+                prepare(engine)
             done = run_requests(engine, prompts, GREEDY, retry_failed_steps=True)
             assert experts.inner.n == 0  # every planned failure happened
             group.stop()
@@ -114,3 +117,44 @@ def test_tp2_deepseek_v4_equals_one_process(tmp_path, kv_cache_dtype):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(got_logits, want_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4 if kv_cache_dtype == "auto" else 5e-3)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v4"])
+def test_tp2_speculating_equals_one_process_without(tmp_path, preset):
+    """Speculative decoding (2 draft tokens, chained) on 2 ranks, V3 and V4: every MTP pass runs on
+    both ranks (their heads split, the routed results shared); a random head of each step's drafts
+    replaced by the true next tokens, so steps accept some and reject the next. Greedy tokens equal
+    one process's without speculation."""
+    import dataclasses
+    import random
+
+    from services.presets import init_model
+
+    path = init_model(tmp_path / preset, preset, seed=0, mtp=True, tokenizer=False)
+    engine_cfg = EngineConfig(model=str(path), max_num_batched_tokens=64, num_kv_blocks=64, speculative_tokens=2,
+                              speculative_disable_by_batch_size=1 << 20)  # fmt: skip
+    prompts = _prompts()[:4]
+    want, _ = generate_with_logits(
+        LocalEngine(dataclasses.replace(engine_cfg, speculative_tokens=0)), prompts, GREEDY
+    )
+    reference = {tuple(p): o.token_ids for p, o in zip(prompts, want, strict=True)}
+    rng, stats = random.Random(0), {}
+
+    def oracle(engine):
+        original = engine.spec.draft
+
+        def draft(parts, *args):
+            original(parts, *args)
+            for seq in (c.seq for part in parts for c in part):
+                ref = reference[tuple(seq.prompt_ids)][len(seq.output_ids) :]
+                if seq.draft and ref and rng.random() < 0.8:
+                    n = rng.randint(1, len(seq.draft))
+                    seq.draft = ref[:n] + seq.draft[n:]
+            stats.update(engine.stats()["spec_decode"])
+
+        engine.spec.draft = draft
+
+    got, _, steps = _tp_run(engine_cfg, 2, prompts, prepare=oracle)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert steps[0] < GREEDY.max_tokens  # (the follower ran fewer steps than tokens: drafts were accepted)

@@ -14,7 +14,9 @@ layout (token ids, positions, cache slots, block tables; `broadcast_step`), then
 the same forward. Exactly one rank (0) dispatches to the expert workers; at each MoE layer it
 broadcasts the routed result ([T, H], after a flag saying whether the experts answered) and the
 other ranks continue with it (`LeaderExperts` / `FollowerExperts`). A step whose experts failed
-is abandoned on every rank in step, and rank 0 retries it like any failed step.
+is abandoned on every rank in step, and rank 0 retries it like any failed step. With speculative
+decoding rank 0 also broadcasts each MTP pass (its batch and the rows of the hidden states it reads:
+`broadcast_mtp_pass`), which every rank runs after the step, its heads split like the main layers'.
 
 torch.distributed with gloo (CPU) or NCCL (CUDA): the collectives run in the same order on every
 rank because every rank runs the same forward over the same micro-batches.
@@ -35,7 +37,9 @@ from services.model.messages import ExpertCombine, ExpertDispatch, run_interleav
 
 log = logging.getLogger(__name__)
 
-_STOP = -1  # micro-batch count that tells followers to stop
+# what a broadcast carries (its first value): a step's micro-batches, an MTP pass (speculative
+# decoding: the first after a step, or a chained one), or the end
+_STEP, _MTP_PASS, _MTP_CHAINED, _STOP = 0, 1, 2, -1
 
 
 class StepAborted(RuntimeError):
@@ -61,7 +65,14 @@ class TPGroup:
     # ---- the step layout ----------------------------------------------------------------
     def broadcast_step(self, batches: list[StepBatch]) -> None:
         """(rank 0) Send the micro-batches every rank runs this step."""
-        self._send(pack_batches(batches))
+        self._send(torch.cat((torch.tensor([_STEP]), pack_batches(batches))))
+
+    def broadcast_mtp_pass(self, batch: StepBatch, rows: torch.Tensor, chained: bool) -> None:
+        """(rank 0) Send an MTP pass every rank runs (speculative decoding): its batch, and the rows
+        [n] of its input states: of the last step's micro-batches' `hidden`, concatenated (the
+        first pass), or of the last pass's (`chained`)."""
+        head = torch.tensor([_MTP_CHAINED if chained else _MTP_PASS, rows.numel()])
+        self._send(torch.cat((head, rows.to("cpu", torch.long), pack_batches([batch]))))
 
     def stop(self) -> None:
         """(rank 0) Tell the followers to leave their loop."""
@@ -71,15 +82,21 @@ class TPGroup:
         dist.broadcast(torch.tensor([packed.numel()], dtype=torch.long, device=self.comm_device), src=0)
         dist.broadcast(packed.to(self.comm_device), src=0)
 
-    def recv_step(self) -> list[StepBatch] | None:
-        """(followers) The next step's micro-batches; None when rank 0 stops the group."""
+    def recv_step(self) -> tuple[int, list[StepBatch], torch.Tensor | None] | None:
+        """(followers) What rank 0 runs next: (_STEP, its micro-batches, None) or (_MTP_PASS /
+        _MTP_CHAINED, [its batch], its input rows); None when rank 0 stops the group."""
         size = torch.empty(1, dtype=torch.long, device=self.comm_device)
         dist.broadcast(size, src=0)
         packed = torch.empty(int(size), dtype=torch.long, device=self.comm_device)
         dist.broadcast(packed, src=0)
-        if int(packed[0]) == _STOP:
+        packed = packed.cpu()
+        kind = int(packed[0])
+        if kind == _STOP:
             return None
-        return unpack_batches(packed.cpu(), self.device)
+        if kind == _STEP:
+            return kind, unpack_batches(packed[1:], self.device), None
+        n = int(packed[1])
+        return kind, unpack_batches(packed[2 + n :], self.device), packed[2 : 2 + n].to(self.device)
 
     # ---- the routed experts' result -----------------------------------------------------
     def send_routed(self, routed: torch.Tensor | None) -> None:
@@ -147,13 +164,14 @@ _FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table", 
 
 def pack_batches(batches: list[StepBatch]) -> torch.Tensor:
     """Micro-batches -> one int64 tensor: [n, then per batch T, B, max_blocks, n_logits, has a
-    state table (V4), query_lens (B), then its tensors flattened in _FIELDS order, then the
-    state table if it has one]."""
+    state table (V4), decode_upto, keep_hidden, query_lens (B), then its tensors flattened in
+    _FIELDS order, then the state table if it has one]."""
     parts = [torch.tensor([len(batches)])]
     for b in batches:
         B, max_blocks = b.block_table.shape
         states = [] if b.state_table is None else [b.state_table]
-        head = [b.input_ids.numel(), B, max_blocks, b.logits_index.numel(), len(states), *b.query_lens]
+        head = [b.input_ids.numel(), B, max_blocks, b.logits_index.numel(), len(states), b.decode_upto,
+                int(b.keep_hidden), *b.query_lens]  # fmt: skip
         parts.append(torch.tensor(head))
         parts += [t.reshape(-1).to("cpu", torch.long) for t in [getattr(b, f) for f in _FIELDS] + states]
     return torch.cat(parts)
@@ -164,9 +182,9 @@ def unpack_batches(packed: torch.Tensor, device: torch.device) -> list[StepBatch
     values = packed.tolist()
     n, pos, batches = values[0], 1, []
     for _ in range(n):
-        T, B, max_blocks, n_logits, has_states = values[pos : pos + 5]
-        query_lens = values[pos + 5 : pos + 5 + B]
-        pos += 5 + B
+        T, B, max_blocks, n_logits, has_states, decode_upto, keep_hidden = values[pos : pos + 7]
+        query_lens = values[pos + 7 : pos + 7 + B]
+        pos += 7 + B
         sizes = (T, T, T, B, B * max_blocks, n_logits) + (B * max_blocks,) * has_states
         tensors = []
         for size in sizes:
@@ -183,6 +201,8 @@ def unpack_batches(packed: torch.Tensor, device: torch.device) -> list[StepBatch
                 block_table=table.view(B, max_blocks).to(device, torch.int32),
                 logits_index=logits_index.to(device),
                 state_table=states[0].view(B, max_blocks).to(device, torch.int32) if states else None,
+                decode_upto=decode_upto,
+                keep_hidden=bool(keep_hidden),
             )
         )
     return batches
@@ -200,24 +220,39 @@ class Follower:
         self.model, self.rank = model, rank
 
     def run(self) -> int:
-        """Run every step rank 0 broadcasts until it stops the group; the number of steps run."""
-        experts, steps = FollowerExperts(self.group), 0
-        while (batches := self.group.recv_step()) is not None:
-            for b in batches:  # only rank 0 samples: no LM head here
-                b.logits_index = b.logits_index[:0]
+        """Run every step (and MTP pass) rank 0 broadcasts until it stops the group; the number of
+        steps run. An MTP pass reads rows of the last step's hidden states (or of the last pass's),
+        which this rank computed alike."""
+        experts, steps, hidden, mtp_hidden = FollowerExperts(self.group), 0, None, None
+        while (message := self.group.recv_step()) is not None:
+            kind, batches, rows = message
             try:
-                run_interleaved([self.model.forward(b, self.cache.kv) for b in batches], experts)
-                steps += 1
+                if kind == _STEP:
+                    hidden = None
+                    for b in batches:  # only rank 0 samples: no LM head here
+                        b.logits_index = b.logits_index[:0]
+                    run_interleaved([self.model.forward(b, self.cache.kv) for b in batches], experts)
+                    steps += 1
+                    if batches[0].keep_hidden:
+                        hidden = torch.cat([b.hidden for b in batches])
+                else:  # (its logits rows kept: they are the rows a chained pass reads)
+                    (batch,) = batches
+                    source = mtp_hidden if kind == _MTP_CHAINED else hidden
+                    mtp_hidden = None
+                    step = self.model.mtp_forward(self.model.mtp[0], batch, source[rows], self.cache.kv)
+                    run_interleaved([step], experts)
+                    mtp_hidden = batch.hidden
             except StepAborted:
                 continue
         return steps
 
 
-def lead(group: TPGroup, model, experts) -> tuple[LeaderExperts, Callable[[list[StepBatch]], None]]:
+def lead(group: TPGroup, model, experts) -> tuple[LeaderExperts, Callable[[list[StepBatch]], None], Callable]:
     """Make `model` rank 0 of `group`: its slice of the heads, the expert backend that shares the
-    routed results, and the Engine's `on_batches` hook that broadcasts each step."""
+    routed results, and the Engine's `on_batches` and `on_mtp_pass` hooks that broadcast each step
+    and each MTP pass."""
     model.shard_attention(0, group.world_size, group.all_reduce)
-    return LeaderExperts(experts, group), group.broadcast_step
+    return LeaderExperts(experts, group), group.broadcast_step, group.broadcast_mtp_pass
 
 
 def run_follower(engine_cfg: EngineConfig, rank: int, tp: int, init_method: str) -> int:

@@ -389,11 +389,11 @@ class AttentionWorker:
         )
         mcfg, model, experts, tokenizer = load_engine(cfg.engine, make_experts)
         self.ranks: RankGroup | None = None
-        on_batches = None
+        on_batches = on_mtp_pass = None
         if cfg.tp > 1:  # rank 0 of a tensor-parallel group (tensor_parallel.py)
             self.ranks = RankGroup(cfg.engine, cfg.tp, cfg.gpus)
-            experts, on_batches = lead(self.ranks.group, model, experts)
-        engine = Engine(mcfg, model, experts, cfg.engine, tokenizer, on_batches)
+            experts, on_batches, on_mtp_pass = lead(self.ranks.group, model, experts)
+        engine = Engine(mcfg, model, experts, cfg.engine, tokenizer, on_batches, on_mtp_pass)
         reporter = None
         if cfg.shared.redis_url:
             served = served_experts(mcfg, engine.spec is not None)  # (the MTP pass's routed choices too)

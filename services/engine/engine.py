@@ -67,9 +67,11 @@ class Engine:
         engine_cfg: EngineConfig,
         tokenizer: Tokenizer | None = None,
         on_batches: Callable[[list[StepBatch]], None] | None = None,
+        on_mtp_pass: Callable[[StepBatch, torch.Tensor, bool], None] | None = None,
     ):
         """on_batches: called with each step's micro-batches before the model runs them (attention
-        tensor parallelism broadcasts them to the other ranks)."""
+        tensor parallelism broadcasts them to the other ranks); on_mtp_pass: the same for each
+        MTP pass of speculative decoding (`Speculator.on_pass`)."""
         self.cfg, self.model, self.experts, self.engine_cfg = cfg, model, experts, engine_cfg
         self.tokenizer, self.on_batches = tokenizer, on_batches
         # the kernels, chosen once (load_engine's, given to the model, where chosen for this config)
@@ -89,7 +91,9 @@ class Engine:
         if engine_cfg.speculative_tokens:  # (its MoE layer's experts: in process, or on the expert workers)
             self.spec = Speculator(model, experts, self.cache.kv, engine_cfg.speculative_tokens, self.max_model_len,
                                    self._matchers, self.scheduler.grow_blocks,
-                                   engine_cfg.speculative_disable_by_batch_size)  # fmt: skip
+                                   engine_cfg.speculative_disable_by_batch_size,
+                                   self.scheduler.allocator.block_states if cfg.is_v4 else None)  # fmt: skip
+            self.spec.on_pass = on_mtp_pass
         self.graphs: DecodeGraphs | None = None  # in-process experts: whole decode steps
         self.segment_graphs: list[SegmentedDecodeGraphs] = []  # remote experts: one per micro-batch
         if engine_cfg.cuda_graphs and model.device.type == "cuda" and on_batches is None:
@@ -459,9 +463,9 @@ def load_engine(
     # the kernels, chosen once (building the C++ CPU kernels now, once per machine, not mid-request)
     kernels = engine_cfg.select_kernels(cfg)
     reader = CheckpointReader.for_config(model_dir, cfg)
-    mtp = engine_cfg.speculative_tokens > 0 and not cfg.is_v4  # (the drafter: its layer and experts)
+    mtp = engine_cfg.speculative_tokens > 0  # (the drafter: its layer and experts)
     if cfg.is_v4:  # (the same forward(batch, cache) contract)
-        model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device, kernels=kernels)
+        model = DeepseekV4.load(reader, cfg, dtype, engine_cfg.device, kernels=kernels, mtp=mtp)
     else:
         model = DeepseekV3.load(reader, cfg, dtype, engine_cfg.device, weight_dtype=weight_dtype,
                                 keep_fp8=engine_cfg.keep_fp8_linears, kernels=kernels, mtp=mtp)  # fmt: skip

@@ -157,7 +157,8 @@ class EngineConfig:
         set; otherwise what max_num_seqs full-length sequences want (their entries; their
         lookback's state blocks plus a max_num_batched_tokens prefill, twice over for prefix
         hits), scaled down together to fit kv_cache_gib. Too little for one sequence: an error."""
-        per_block, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype), self.fp8_cache(cfg))
+        per_block, per_state = V4Cache.bytes_per_block(cfg, parse_dtype(self.dtype), self.fp8_cache(cfg),
+                                                       self.cache_layers(cfg))  # fmt: skip
         per_seq = V4Cache.state_blocks_per_seq(cfg, max_model_len)
         want = (
             self.num_kv_blocks or self.max_num_seqs * blocks_needed(max_model_len),
@@ -184,7 +185,9 @@ class EngineConfig:
         max_model_len = self.scheduler_config(cfg).max_model_len
         if cfg.is_v4:
             sizes = self._v4_sizes(cfg, max_model_len)
-            return V4Cache(cfg, *sizes, model.dtype, model.device, self.fp8_cache(cfg))
+            return V4Cache(
+                cfg, *sizes, model.dtype, model.device, self.fp8_cache(cfg), self.cache_layers(cfg)
+            )
         blocks = self.kv_blocks(cfg, max_model_len)
         return PagedLatentCache(self.cache_layers(cfg), blocks, cfg.cache_dim, model.dtype, model.device,
                                 self.fp8_dims(cfg))  # fmt: skip

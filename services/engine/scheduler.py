@@ -16,7 +16,8 @@ registered under its chained hash for later requests. Shared blocks are never wr
 
 DeepSeek-V4 (`state_start` set): a sequence also holds *state blocks* (its recent tokens' window
 state, kv_cache.V4Cache) for the blocks from `state_start(num_computed)` on, taken as chunks
-reach new blocks and released once its tokens move past them. A prefill chunk is cut to the
+reach new blocks and released once its tokens move past them (at the next step's scheduling: the
+MTP module's pass after a step still reads the windows of the step's rows). A prefill chunk is cut to the
 state blocks there are room for (a decode preempts like for blocks), and a prefix hit counts only
 up to the last block whose lookback still has its state blocks attached.
 """
@@ -251,6 +252,9 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         self._prompt_rows_left = PROMPT_LOGPROBS_CHUNK  # (this step's rows of prompt-logprob logits)
         chunks: list[Chunk] = []
+        if self.state_start is not None:  # (after the last step's MTP pass, which read its chunks' windows)
+            for seq in self.running:
+                self._release_state(seq)
 
         # 1. decodes (one token each, with its drafts where speculating), allocating a block every
         # 64 tokens; preempt if needed. Drafts take only budget that leaves every decode its token.
@@ -359,16 +363,17 @@ class Scheduler:
         return True
 
     def grow_blocks(self, seq: Sequence, num_tokens: int) -> bool:
-        """Give seq the blocks to hold num_tokens now, from free blocks only (no one is
-        preempted): the MTP module's chained passes write its latent rows at drafted positions
-        before the next step schedules them. False where too few blocks are free (or DeepSeek-V4's
-        state blocks would be needed)."""
+        """Give seq the blocks (DeepSeek-V4: and state blocks) to hold num_tokens now, from free
+        ones only (no one is preempted): the MTP module's chained passes write its rows at drafted
+        positions before the next step schedules them. False where too few are free."""
         need = max(0, blocks_needed(num_tokens) - len(seq.block_ids))
-        if not need:
+        states = 0 if self.state_start is None else max(0, blocks_needed(num_tokens) - seq.state_blocks.stop)
+        if not need and not states:
             return True
-        if self.state_start is not None or not self.allocator.can_allocate(need):
+        if not self.allocator.can_allocate(need) or states > self.allocator.num_free_states:
             return False
         seq.block_ids += self.allocator.allocate(need)
+        self._hold_state(seq, num_tokens)
         return True
 
     # ---- DeepSeek-V4 state blocks -------------------------------------------------------
@@ -451,8 +456,6 @@ class Scheduler:
             seq.num_computed += c.num_tokens - len(c.draft) + accepted
             if self.allocator.caching:
                 self._register_full_blocks(seq)
-            if self.state_start is not None:
-                self._release_state(seq)
             if new:
                 out.append(seq)
             if reason:

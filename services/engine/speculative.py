@@ -40,8 +40,13 @@ step may speculate again.
 Refused, falling back to plain decoding for that request: structured outputs (a grammar would have
 to be advanced speculatively). Penalties, logit bias, min_tokens, stop tokens and strings,
 max_tokens, logprobs, prompt logprobs, preemption (drafts are dropped and drafted again after the
-recompute), prefix caching and chunked prefill compose. Not yet: DeepSeek-V4, CUDA graphs,
-attention tensor parallelism.
+recompute), prefix caching and chunked prefill compose, and attention tensor parallelism (every
+rank runs each pass: `on_pass`). Not yet: CUDA graphs.
+
+The model runs the module (`model.mtp_forward`): DeepSeek-V3 / V3.2's layer (model/mtp.py) over the
+main model's final-normed states, DeepSeek-V4's MTPBlock (deepseek_v4.py) over its hyper-connection
+streams; `batch.hidden` holds whichever the model keeps. V4's passes address its state blocks
+(`block_states`); a rejected draft's rows need no rollback (its position is computed again).
 
 In the cluster (an attention worker's engine over `RemoteExperts`) nothing here changes: a verify
 chunk's 1 + k rows go through each MoE layer's one dispatch with the step's other rows, and the MTP
@@ -62,7 +67,6 @@ import torch
 from services.model.batch import StepBatch
 from services.model.kv_cache import BLOCK_SIZE
 from services.model.messages import ExpertTally, run_interleaved
-from services.model.mtp import mtp_forward
 
 from .sampling import TokenLogprobs, draw, processed_logits, sampling_probs, token_logprobs
 from .scheduler import Chunk, SeqStatus, Sequence
@@ -126,8 +130,6 @@ def speculative_tokens(flag: int | None, config: str | dict | None) -> int:
 def check_speculation(cfg, k: int) -> None:
     """ValueError where the model (a ModelConfig) cannot speculate `k` tokens per step: what an engine
     refuses at start, checked by the launcher before it starts anything."""
-    if cfg.is_v4:
-        raise ValueError("speculative decoding: DeepSeek-V4's MTP layers are not supported yet")
     if cfg.num_nextn_predict_layers < 1:
         raise ValueError("speculative decoding needs the checkpoint's MTP module (num_nextn_predict_layers >= 1 "
                          "and its weights); 0 declared")  # fmt: skip
@@ -209,14 +211,19 @@ class Speculator:
     grow_blocks(seq, num_tokens) -> bool: the scheduler's `grow_blocks` (blocks for the chained
     passes' rows, from free ones); disable_by_batch_size: the gate's setting (0: auto)."""
 
-    def __init__(self, model, experts, cache_kv: torch.Tensor, k: int, max_model_len: int, grammar_ids: set,
-                 grow_blocks: Callable[[Sequence, int], bool], disable_by_batch_size: int = 0):  # fmt: skip
+    def __init__(self, model, experts, cache_kv, k: int, max_model_len: int, grammar_ids: set,
+                 grow_blocks: Callable[[Sequence, int], bool], disable_by_batch_size: int = 0,
+                 block_states: torch.Tensor | None = None):  # fmt: skip
         check_speculation(model.cfg, k)
         if not model.mtp:
             raise ValueError(f"speculative decoding needs the checkpoint's MTP module (num_nextn_predict_layers >= 1 "
                              f"and its weights); {model.cfg.num_nextn_predict_layers} declared")  # fmt: skip
         self.model, self.experts, self.kv, self.k = model, experts, cache_kv, k
         self.max_model_len, self.grammar_ids, self.grow_blocks = max_model_len, grammar_ids, grow_blocks
+        self.block_states = block_states  # (DeepSeek-V4: the allocator's, for the passes' state tables)
+        # attention tensor parallelism: called with each pass's batch and input rows before it runs
+        # (tensor_parallel.TPGroup.broadcast_mtp_pass), so that every rank runs it
+        self.on_pass: Callable[[StepBatch, torch.Tensor, bool], None] | None = None
         self.stats = SpecStats(accepted_per_position=[0] * k)
         self.gate = SpeculationGate(disable_by_batch_size)
         self._refused: set[str] = set()
@@ -315,6 +322,7 @@ class Speculator:
 
     def _draft(self, parts, batches, tally, history_of, held_of, speculate: bool) -> None:
         rows, hidden, drafting = [], [], []  # drafting: (seq, how many drafts)
+        at, offset = [], 0  # the rows read, in the step's batches' `hidden` concatenated
         for part, batch in zip(parts, batches, strict=True):
             for b, c in enumerate(part):
                 seq = c.seq
@@ -328,14 +336,20 @@ class Speculator:
                 rows.append((seq.token_slice(c.start + 1, c.start + 1 + m), c.start, seq.block_ids, want))
                 s0 = batch.query_starts[b]
                 hidden.append(batch.hidden[s0 : s0 + m])
+                at += range(offset + s0, offset + s0 + m)
                 if want:
                     drafting.append((seq, n))
+            offset += len(batch.input_ids)
         if not rows:
             return
         model = self.model
         chained = any(n > 1 for _, n in drafting)
-        batch = StepBatch.build(rows, model.device, decode_upto=1 + self.k, keep_hidden=chained)
-        step = mtp_forward(model, model.mtp[0], batch, torch.cat(hidden), self.kv)
+        batch = StepBatch.build(
+            rows, model.device, self.block_states, decode_upto=1 + self.k, keep_hidden=chained
+        )
+        if self.on_pass is not None:
+            self.on_pass(batch, torch.tensor(at), False)
+        step = model.mtp_forward(model.mtp[0], batch, torch.cat(hidden), self.kv)
         # (its MoE layer's load counted in the step's tally, after the main model's layers)
         logits = run_interleaved([step], self.experts, tally)[0]
         if not drafting:
@@ -351,8 +365,11 @@ class Speculator:
             seqs = [seq for seq, _ in alive]
             # at position num_tokens - 2 + j: the draft before as input, the last pass's output state
             chain = StepBatch.build([([s.draft[-1]], s.num_tokens - 2 + j, s.block_ids, True) for s in seqs],
-                                    model.device, decode_upto=1 + self.k, keep_hidden=True)  # fmt: skip
-            step = mtp_forward(model, model.mtp[0], chain, state[keep], self.kv)
+                                    model.device, self.block_states, decode_upto=1 + self.k,
+                                    keep_hidden=True)  # fmt: skip
+            if self.on_pass is not None:
+                self.on_pass(chain, torch.tensor(keep), True)
+            step = model.mtp_forward(model.mtp[0], chain, state[keep], self.kv)
             logits = run_interleaved([step], self.experts, tally)[0]
             self._pick(seqs, logits, history_of, held_of, probs)
             state = chain.hidden

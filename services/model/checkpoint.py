@@ -45,13 +45,21 @@ class CheckpointReader:
                 with safe_open(f, framework="pt") as h:
                     for name in h.keys():  # noqa: SIM118 (safe_open has no __iter__)
                         self._file_of[name] = f
+        self._stored: dict[str, str] = {}  # a name read under another (for_config's aliases) -> as stored
         self._handles: dict[Path, object] = {}
         self.bytes_read = 0
         self.names_read: list[str] = []  # every tensor read, in order (for accounting and tests)
 
     @classmethod
     def for_config(cls, model_dir: str | Path, cfg: ModelConfig) -> CheckpointReader:
-        return cls(model_dir, cfg.fp8_block_size, cfg.is_v4)
+        reader = cls(model_dir, cfg.fp8_block_size, cfg.is_v4)
+        if cfg.is_v4:  # DeepSeek's V4 release keeps MTP module j as `mtp.{j}.*`: read as its layer's
+            for name in [n for n in reader._file_of if n.startswith("mtp.")]:
+                j, rest = name[len("mtp.") :].split(".", 1)
+                alias = f"model.layers.{cfg.num_hidden_layers + int(j)}.{rest}"
+                reader._file_of.setdefault(alias, reader._file_of[name])
+                reader._stored[alias] = name
+        return reader
 
     def names(self) -> Iterable[str]:
         return self._file_of.keys()
@@ -71,7 +79,7 @@ class CheckpointReader:
             path = self._file_of[name]
         except KeyError:
             raise KeyError(f"tensor {name!r} not in checkpoint {self.model_dir}") from None
-        t = self._handle(path).get_tensor(name)
+        t = self._handle(path).get_tensor(self._stored.get(name, name))
         self.bytes_read += t.numel() * t.element_size()
         self.names_read.append(name)
         return t

@@ -212,9 +212,14 @@ class ModelConfig:
             raise ValueError("a DeepSeek-V4 cache has no uniform row width (see kv_cache.V4Cache)")
         return self.latent_dim + (self.index_head_dim if self.has_indexer else 0)
 
+    def attention_type(self, layer: int) -> str:
+        """DeepSeek-V4: decoder layer `layer`'s attention (a `layer_types` entry); an MTP module's
+        (`mtp_layers`) is sliding-window only, as DeepSeek's MTPBlock builds it (no compressor)."""
+        return self.layer_types[layer] if layer < self.num_hidden_layers else "sliding_attention"
+
     def compress_ratio(self, layer: int) -> int:
         """DeepSeek-V4: source tokens per compressed KV entry of `layer` (0: sliding only)."""
-        kind = self.layer_types[layer]
+        kind = self.attention_type(layer)
         if kind == "compressed_sparse_attention":
             return self.compress_ratio_csa
         return self.compress_ratio_hca if kind == "heavily_compressed_attention" else 0
@@ -263,8 +268,9 @@ class ModelConfig:
         return scale
 
     def is_hash_layer(self, layer: int) -> bool:
-        """DeepSeek-V4: the layer's experts come from the token id (`ffn.gate.tid2eid`)."""
-        return bool(self.mlp_layer_types) and self.mlp_layer_types[layer] == "hash_moe"
+        """DeepSeek-V4: the layer's experts come from the token id (`ffn.gate.tid2eid`); an MTP
+        module's are routed by its gate."""
+        return layer < len(self.mlp_layer_types) and self.mlp_layer_types[layer] == "hash_moe"
 
     def is_moe_layer(self, layer: int) -> bool:
         return (

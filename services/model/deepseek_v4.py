@@ -96,6 +96,40 @@ def _load_layer(reader: CheckpointReader, cfg: ModelConfig, i: int, dtype: torch
     )
 
 
+@dataclass
+class V4MTPWeights:
+    """A DeepSeek-V4 multi-token-prediction module (DeepSeek's `MTPBlock`): a full V4 block at
+    decoder-layer index `index` (sliding-window attention, `ModelConfig.attention_type`; a routed
+    MoE layer) with its own input projections and its own stream-collapsing head; the embedding
+    and `head.weight` are the main model's."""
+
+    index: int  # num_hidden_layers + j: its cache slot, its experts' layer
+    enorm: torch.Tensor  # [H] fp32
+    hnorm: torch.Tensor  # [H] fp32
+    e_proj: torch.Tensor  # [H, H]
+    h_proj: torch.Tensor  # [H, H]
+    norm: torch.Tensor  # [H] fp32 (before the shared head)
+    hc_head: HyperConnection  # hc_head_{fn [M, M*H], base [M], scale [1]}
+    layer: V4LayerWeights
+
+
+def _load_mtp(reader: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype) -> list[V4MTPWeights]:
+    """The checkpoint's MTP modules under `model.layers.{num_hidden_layers + j}.` (DeepSeek's own
+    release names them `mtp.{j}.`: CheckpointReader.for_config reads those under the same names).
+    ValueError where the config declares a module the checkpoint lacks."""
+    out, f32 = [], torch.float32
+    for i in cfg.mtp_layers:
+        p = f"model.layers.{i}."
+        if p + "e_proj.weight" not in reader:
+            raise ValueError(f"num_nextn_predict_layers={cfg.num_nextn_predict_layers} but the checkpoint has no "
+                             f"{p}e_proj.weight (its MTP weights were dropped)")  # fmt: skip
+        head = HyperConnection(*(reader.get(f"{p}hc_head_{k}", f32) for k in ("fn", "base", "scale")))
+        out.append(V4MTPWeights(i, reader.get(p + "enorm.weight", f32), reader.get(p + "hnorm.weight", f32),
+                                reader.get(p + "e_proj.weight", dtype), reader.get(p + "h_proj.weight", dtype),
+                                reader.get(p + "norm.weight", f32), head, _load_layer(reader, cfg, i, dtype)))  # fmt: skip
+    return out
+
+
 def _move(obj, device: torch.device) -> None:
     """Move every tensor field of a weights dataclass (and the ones nested in it) to `device`."""
     for k, v in vars(obj).items():
@@ -212,11 +246,12 @@ class DeepseekV4:
         # as DeepseekV3's: whether the expert backend adds a token's experts in expert order; else,
         # with deterministic kernels, one row per (token, choice), added here in that order
         self.experts_sum_in_order = False
+        self.mtp: list[V4MTPWeights] = []  # the MTP modules, where loaded (load(mtp=True))
 
     def shard_attention(self, rank: int, tp: int, reduce) -> None:
         """Keep rank `rank` of `tp`'s heads and output groups in every layer (v4_attention.shard_heads;
         the cache is replicated); `reduce` sums the ranks' partial attention outputs."""
-        for layer in self.layers:
+        for layer in [*self.layers, *(m.layer for m in self.mtp)]:
             layer.attn = shard_heads(layer.attn, self.cfg, rank, tp)
         self.attn_reduce = reduce
 
@@ -229,9 +264,11 @@ class DeepseekV4:
         device: torch.device | str = "cpu",
         progress=None,
         kernels: Kernels | None = None,
+        mtp: bool = False,
     ) -> DeepseekV4:
         """Read the attention-side weights; no routed-expert tensor is touched. kernels: what the
-        model computes with (None: select_kernels' default for `device`)."""
+        model computes with (None: select_kernels' default for `device`). mtp: also the
+        checkpoint's multi-token-prediction modules (`V4MTPWeights`), for speculative decoding."""
         kernels = kernels if kernels is not None else select_kernels(device, dtype, cfg)
         layers = load_layers(_load_layer, reader, cfg, dtype, progress)
         f32 = torch.float32
@@ -239,12 +276,14 @@ class DeepseekV4:
         model = cls(cfg, reader.get("model.embed_tokens.weight", dtype), layers, head,
                     reader.get("model.norm.weight", f32), reader.get("head.weight", dtype), dtype,
                     kernels=kernels)  # fmt: skip
+        if mtp:
+            model.mtp = _load_mtp(reader, cfg, dtype)
         return model.to(device)
 
     def to(self, device: torch.device | str) -> DeepseekV4:
         device = torch.device(device)
         if device != self.device:
-            for obj in (*self.layers, self.hc_head):
+            for obj in (*self.layers, self.hc_head, *self.mtp):
                 _move(obj, device)
             self.embed, self.norm, self.head = (t.to(device) for t in (self.embed, self.norm, self.head))
             self.device = device
@@ -254,34 +293,70 @@ class DeepseekV4:
 
     def forward(self, batch: StepBatch, cache: list[tuple[Rows, Rows | None]]) -> StepGen:
         """One step. cache: per layer (state, entries) (kv_cache.V4Cache.kv, v4_attention.py). Yields
-        expert messages at every layer; returns fp32 logits [len(batch.logits_index), vocab]."""
-        cfg, k = self.cfg, self.kernels
-        linear = k.linear if k.deterministic else F.linear
-        ids = batch.input_ids
-        x = F.embedding(ids, self.embed)
-        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, M, H]
+        expert messages at every layer; returns fp32 logits [len(batch.logits_index), vocab]. With
+        `batch.keep_hidden` (speculative decoding) it also sets `batch.hidden` [T, M, H]: every
+        row's residual streams before `hc_head`, which the MTP module reads (`mtp_forward`)."""
+        x = F.embedding(batch.input_ids, self.embed)
+        h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, M, H]
         cos_sin = {name: rope.cos_sin(batch.positions) for name, rope in self.ropes.items()}
         for i, layer in enumerate(self.layers):
-            post, comb, x = hc_pre(h, layer.hc_attn, cfg, k)
-            x = rms_norm_f32(x, layer.attn_norm, cfg.rms_norm_eps)
-            attn = v4_attention(x, layer.attn, cfg, self.ropes, cos_sin, cache[i], batch, k)
-            if self.attn_reduce is not None:
-                attn = self.attn_reduce(attn)
-            h = hc_post(h, attn, post, comb, k)
+            h = yield from self.block(h, i, layer, cache[i], batch, cos_sin)
+        if batch.keep_hidden:
+            batch.hidden = h
+        return self._logits(h[batch.logits_index], self.hc_head, self.norm)
 
-            post, comb, x = hc_pre(h, layer.hc_ffn, cfg, k)
-            x = rms_norm_f32(x, layer.ffn_norm, cfg.rms_norm_eps)
-            topk_idx, topk_weight = route_v4(x, ids, layer, cfg, k)
-            per_choice = k.deterministic and not self.experts_sum_in_order  # (summed below, in expert order)
-            dispatch = expand_dispatch if per_choice else ExpertDispatch.routed
-            handle = yield dispatch(i, i, x, topk_idx, topk_weight, cfg.n_routed_experts)
-            shared = linear(self._swiglu(linear(x, layer.w1), linear(x, layer.w3)), layer.w2)
-            routed = yield ExpertCombine(handle)
-            if per_choice:
-                routed = sum_choices(routed, topk_idx)
-            h = hc_post(h, routed + shared, post, comb, k)
-        last = hc_head(h[batch.logits_index], self.hc_head, cfg, k)
-        return linear(rms_norm_f32(last, self.norm, cfg.rms_norm_eps), self.head).float()
+    def mtp_forward(self, w: V4MTPWeights, batch: StepBatch, hidden: torch.Tensor, cache) -> StepGen:
+        """One pass of MTP module `w` (DeepSeek's MTPBlock) over `batch`, whose rows are positions p
+        with input_ids token p + 1, and `hidden` [T, M, H] the main model's streams at p (`forward`'s
+        `batch.hidden`): streams = e_proj(enorm(embed(token p + 1))) + h_proj(hnorm(hidden)) (per
+        stream), then the module's block (its state rows at p in cache[w.index]), its own
+        `hc_head`, `norm` and the shared head. Returns fp32 logits [len(batch.logits_index), vocab]
+        of token p + 2; with `batch.keep_hidden` sets `batch.hidden` [len(logits_index), M, H]: its
+        output streams there, what a chained pass at p + 1 reads (mtp.py)."""
+        eps, k = self.cfg.rms_norm_eps, self.kernels
+        linear = k.linear if k.deterministic else F.linear
+        e = linear(rms_norm_f32(F.embedding(batch.input_ids, self.embed), w.enorm, eps), w.e_proj)
+        h = linear(rms_norm_f32(hidden.to(e.dtype), w.hnorm, eps), w.h_proj) + e.unsqueeze(1)
+        cos_sin = {name: rope.cos_sin(batch.positions) for name, rope in self.ropes.items()}
+        h = yield from self.block(h, w.index, w.layer, cache[w.index], batch, cos_sin)
+        h = h[batch.logits_index]
+        if batch.keep_hidden:
+            batch.hidden = h
+        return self._logits(h, w.hc_head, w.norm)
+
+    def block(
+        self, h: torch.Tensor, i: int, layer: V4LayerWeights, cache, batch: StepBatch, cos_sin
+    ) -> StepGen:
+        """Decoder layer i (`layer`, its cache (state, entries)) over the streams h [T, M, H]: attention
+        and the MoE block, each between its hyper-connections; yields the routed experts' messages
+        (named by layer index i); returns the new streams."""
+        cfg, k = self.cfg, self.kernels
+        linear = k.linear if k.deterministic else F.linear
+        post, comb, x = hc_pre(h, layer.hc_attn, cfg, k)
+        x = rms_norm_f32(x, layer.attn_norm, cfg.rms_norm_eps)
+        attn = v4_attention(x, layer.attn, cfg, self.ropes, cos_sin, cache, batch, k)
+        if self.attn_reduce is not None:
+            attn = self.attn_reduce(attn)
+        h = hc_post(h, attn, post, comb, k)
+
+        post, comb, x = hc_pre(h, layer.hc_ffn, cfg, k)
+        x = rms_norm_f32(x, layer.ffn_norm, cfg.rms_norm_eps)
+        topk_idx, topk_weight = route_v4(x, batch.input_ids, layer, cfg, k)
+        per_choice = k.deterministic and not self.experts_sum_in_order  # (summed below, in expert order)
+        dispatch = expand_dispatch if per_choice else ExpertDispatch.routed
+        handle = yield dispatch(i, i, x, topk_idx, topk_weight, cfg.n_routed_experts)  # (every V4 layer: MoE)
+        shared = linear(self._swiglu(linear(x, layer.w1), linear(x, layer.w3)), layer.w2)
+        routed = yield ExpertCombine(handle)
+        if per_choice:
+            routed = sum_choices(routed, topk_idx)
+        return hc_post(h, routed + shared, post, comb, k)
+
+    def _logits(self, h: torch.Tensor, head: HyperConnection, norm: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of streams h [n, M, H]: collapsed by `head`, normed by `norm`, the LM head."""
+        k = self.kernels
+        linear = k.linear if k.deterministic else F.linear
+        last = hc_head(h, head, self.cfg, k)
+        return linear(rms_norm_f32(last, norm, self.cfg.rms_norm_eps), self.head).float()
 
     def _swiglu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The shared expert's activation (torch_ops.swiglu_act; deterministic kernels: its SiLU

@@ -315,13 +315,14 @@ class V4Cache:
         last token (`v4_attention.entry_rows`), addressed through the block table.
     """
 
-    def __init__(
-        self, cfg, num_blocks: int, num_state_blocks: int, dtype: torch.dtype, device="cpu", fp8: bool = False
-    ):
+    def __init__(self, cfg, num_blocks: int, num_state_blocks: int, dtype: torch.dtype, device="cpu",
+                 fp8: bool = False, layers: int | None = None):  # fmt: skip
+        """layers: the layers with a slot (default the decoder layers; speculative decoding adds
+        the MTP modules', sliding-window layers at index num_hidden_layers + j)."""
         self.num_blocks, self.num_state_blocks = num_blocks, num_state_blocks
         self.kv = []
-        for i, kind in enumerate(cfg.layer_types):
-            layer = []
+        for i in range(cfg.num_hidden_layers if layers is None else layers):
+            kind, layer = cfg.attention_type(i), []
             layout = _v4_layout(cfg, i, kind, dtype, fp8)  # state rows, then entries
             for (n, f), blocks in zip(layout, (num_state_blocks, num_blocks)[: len(layout)], strict=True):
                 if fp8:
@@ -335,11 +336,13 @@ class V4Cache:
         return sum(rows.data.nbytes for layer in self.kv for rows in layer if rows is not None)
 
     @staticmethod
-    def bytes_per_block(cfg, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int]:
-        """(bytes of one block's entries, bytes of one state block), all layers."""
+    def bytes_per_block(
+        cfg, dtype: torch.dtype, fp8: bool = False, layers: int | None = None
+    ) -> tuple[int, int]:
+        """(bytes of one block's entries, bytes of one state block), all `layers` (as __init__'s)."""
         sizes = [0, 0]  # state, entries
-        for i, kind in enumerate(cfg.layer_types):
-            for k, (n, f) in enumerate(_v4_layout(cfg, i, kind, dtype, fp8)):
+        for i in range(cfg.num_hidden_layers if layers is None else layers):
+            for k, (n, f) in enumerate(_v4_layout(cfg, i, cfg.attention_type(i), dtype, fp8)):
                 sizes[k] += PackedRows.block_bytes(f, n) if fp8 else n * f * dtype.itemsize
         return sizes[1], sizes[0]
 

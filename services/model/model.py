@@ -34,7 +34,7 @@ from .kernels.select import Kernels, select_kernels
 from .kv_cache import BLOCK_SIZE, dequantize_index_keys, fp8_latent_bytes
 from .layers import Rope
 from .messages import ExpertCombine, ExpertDispatch, StepGen
-from .mtp import MTPWeights, load_mtp
+from .mtp import MTPWeights, load_mtp, mtp_forward
 from .weights import LayerWeights, MLAWeights, load_layer, load_layers, shard_heads
 
 NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, DeepSeek)
@@ -304,6 +304,10 @@ class DeepseekV3:
         rows = batch.logits_index
         _, last = add_rms_norm(k, h[rows], None if delta is None else delta[rows], self.norm, eps)
         return k.linear(last, self.lm_head).float()
+
+    def mtp_forward(self, w: MTPWeights, batch: StepBatch, hidden: torch.Tensor, latent_cache) -> StepGen:
+        """One pass of MTP module `w` (mtp.py `mtp_forward`; DeepseekV4 has its own)."""
+        return mtp_forward(self, w, batch, hidden, latent_cache)
 
     def decoder_layers(self, h: torch.Tensor, layers, cos_sin, latent_cache: torch.Tensor, batch: StepBatch):
         """The residual stream h [T, H] through `layers` ((decoder-layer index, LayerWeights) pairs:

@@ -153,7 +153,7 @@ class V4AttentionWeights:
 
     @classmethod
     def load(cls, get, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> V4AttentionWeights:
-        a, kind, D = f"model.layers.{layer}.attn.", cfg.layer_types[layer], cfg.head_dim
+        a, kind, D = f"model.layers.{layer}.attn.", cfg.attention_type(layer), cfg.head_dim
         f32 = torch.float32
         w = cls(kind, get(a + "wq_a.weight", dtype), get(a + "q_norm.weight", f32), get(a + "wq_b.weight", dtype),
                 get(a + "wkv.weight", dtype), get(a + "norm.weight", f32), get(a + "wo_a.weight", dtype),
@@ -506,7 +506,7 @@ def v4_attention(
                 keys, visible = _decode_context(w, cfg, rows, entries, batch, d, q_idx, idx_weights, k)
                 out[d.rows] = _attend(q[d.rows, None], keys, visible, w.sinks)[:, 0]
         for b, n in enumerate(batch.query_lens):  # prefill chunks one sequence at a time
-            if n > 1:
+            if n > batch.decode_upto:  # (shorter ones are decode rows: a verify chunk's, say)
                 _prefill(w, cfg, rows, entries, batch, b, q, q_idx, idx_weights, out, k)
 
     out = rope_tail(out, cos, -sin)  # undo the rope the values (= keys) carried
