@@ -19,7 +19,11 @@ mtp=True)`) and batch size:
                                    [--new-tokens 64] [--out benchmarks/results/mtp.json]
                                    [--speculative-tokens 1,2,3] [--no-oracles]
                                    [--trained build/small-trained-mtp] [--trained-batches 1,8,32]
+                                   [--batch1-prompts 8] [--cluster-batches 1,8]
                                    [--cluster-identity tiny,tiny-v4] [--merge]
+
+The trained model at batch 1 (LocalEngine and the cluster) runs `--batch1-prompts` (8) held-out
+prompts, each alone, one after another: one prompt's acceptance is one text's.
 
 With `--speculative-tokens 1,2,3` each batch has a row per k (the module chained for k > 1), all
 measured in the same turns as one plain engine: acceptance per draft position, mean acceptance
@@ -72,13 +76,23 @@ def oracle(engine: LocalEngine, reference: dict[tuple, list[int]], rate: float, 
     engine.spec.draft = draft
 
 
-def decode_seconds(engine: LocalEngine, batch: list[list[int]], new_tokens: int) -> float:
-    t = time.perf_counter()
-    engine.generate(batch, greedy(1))
-    one = time.perf_counter() - t
-    t = time.perf_counter()
-    engine.generate(batch, greedy(new_tokens))
-    return time.perf_counter() - t - one
+def decode_seconds(engine: LocalEngine, groups: list[list[list[int]]], new_tokens: int) -> float:
+    """Decode seconds of each group of prompts run together (a batch), the groups one after another:
+    time(new_tokens) - time(1 token), summed."""
+    total = 0.0
+    for batch in groups:
+        t = time.perf_counter()
+        engine.generate(batch, greedy(1))
+        one = time.perf_counter() - t
+        t = time.perf_counter()
+        engine.generate(batch, greedy(new_tokens))
+        total += time.perf_counter() - t - one
+    return total
+
+
+def generate(engine: LocalEngine, groups: list[list[list[int]]], params) -> list:
+    """Completions of every group's prompts, each group run as one batch, in order."""
+    return [c for batch in groups for c in engine.generate(batch, params)]
 
 
 def speculating(model: Path, k: int, **kw) -> EngineConfig:
@@ -88,16 +102,18 @@ def speculating(model: Path, k: int, **kw) -> EngineConfig:
     )
 
 
-def identity(model: Path, batch: list[list[int]], new_tokens: int, deterministic: bool, k: int) -> dict:
+def identity(
+    model: Path, groups: list[list[list[int]]], new_tokens: int, deterministic: bool, k: int
+) -> dict:
     def run(spec: int) -> tuple[list[list[int]], dict | None]:
         cfg = speculating(model, spec, deterministic=deterministic) if spec else \
             EngineConfig(model=str(model), deterministic=deterministic)  # fmt: skip
         e = LocalEngine(cfg)
-        return [c.token_ids for c in e.generate(batch, greedy(new_tokens))], e.stats()["spec_decode"]
+        return [c.token_ids for c in generate(e, groups, greedy(new_tokens))], e.stats()["spec_decode"]
 
     (plain, _), (spec, stats) = run(0), run(k)
     differ = sum(a != b for a, b in zip(plain, spec, strict=True))
-    return {"deterministic": deterministic, "answers": len(batch), "answers_differing": differ,
+    return {"deterministic": deterministic, "answers": len(plain), "answers_differing": differ,
             "identical": differ == 0, "acceptance_rate": stats["acceptance_rate"]}  # fmt: skip
 
 
@@ -125,15 +141,17 @@ def acceptance(spec: dict, was: dict) -> dict:
             "mean_acceptance_length": 1 + accepted / max(1, drafts)}  # fmt: skip
 
 
-def bench(model: Path, batch: list[list[int]], args) -> list[dict]:
+def bench(model: Path, groups: list[list[list[int]]], args) -> list[dict]:
     """One row per speculative_tokens k in `args.speculative_tokens` (the same plain engine's
-    measure in each: every engine takes its turn within each repeat)."""
-    batch_size, ks = len(batch), [int(x) for x in str(args.speculative_tokens).split(",")]
-    idents = {k: [identity(model, batch, args.new_tokens, d, k) for d in (True, False)] for k in ks}
+    measure in each: every engine takes its turn within each repeat). groups: the prompts, each
+    group run as one batch, the groups one after another (batch 1: several prompts, each alone)."""
+    batch_size, ks = len(groups[0]), [int(x) for x in str(args.speculative_tokens).split(",")]
+    batch = [p for g in groups for p in g]
+    idents = {k: [identity(model, groups, args.new_tokens, d, k) for d in (True, False)] for k in ks}
     for ident in idents.values():
         assert ident[0]["identical"], ident[0]  # (the contract: deterministic kernels, token for token)
     engines = {"plain": LocalEngine(EngineConfig(model=str(model), num_threads=args.threads))}
-    plain_answers = engines["plain"].generate(batch, greedy(args.new_tokens))
+    plain_answers = generate(engines["plain"], groups, greedy(args.new_tokens))
     reference = {tuple(p): c.token_ids for p, c in zip(batch, plain_answers, strict=True)}
     kinds = ("mtp", "oracle_half", "oracle") if args.oracles else ("mtp",)
     for k in ks:
@@ -146,12 +164,12 @@ def bench(model: Path, batch: list[list[int]], args) -> list[dict]:
         EngineConfig(model=str(model), speculative_tokens=ks[0], num_threads=args.threads)
     )
     for e in engines.values():  # warm-up
-        e.generate(batch, greedy(4))
+        e.generate(groups[0], greedy(4))
     before = {n: dict(e.stats()["spec_decode"] or {}) for n, e in engines.items()}
     tps: dict = {n: [] for n in engines}
     for _ in range(args.repeats):
         for name, e in engines.items():  # (in turns: the machine's noise shared alike)
-            tps[name].append(batch_size * (args.new_tokens - 1) / decode_seconds(e, batch, args.new_tokens))
+            tps[name].append(len(batch) * (args.new_tokens - 1) / decode_seconds(e, groups, args.new_tokens))
 
     def measure(name) -> dict:
         out = {"decode_tok_s_median": statistics.median(tps[name]), "decode_tok_s_best": max(tps[name]),
@@ -171,7 +189,12 @@ def bench(model: Path, batch: list[list[int]], args) -> list[dict]:
 
 
 def cluster_rows(
-    model: Path, batches: list[int], new_tokens: int, repeats: int, ks: tuple[int, ...] = (1,)
+    model: Path,
+    batches: list[int],
+    new_tokens: int,
+    repeats: int,
+    ks: tuple[int, ...] = (1,),
+    batch1_prompts: int = 1,
 ) -> list[dict]:
     """The real cluster (1 attention worker, 2 expert workers, shared memory, `--deterministic`
     off) on `model` without and with speculation (k of `ks` drafts, in every step), one cluster each: greedy streams of held-out
@@ -201,10 +224,16 @@ def cluster_rows(
         return tokens, times[-1] - times[0]
 
     async def run(url: str, batch: list[list[int]]) -> tuple[list[list[int]], float]:
+        """Batch > 1: the prompts at once, each stream's own decode rate summed; batch 1 (one prompt
+        per group): each alone, one after another, the tokens over the seconds."""
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
-        answers = await asyncio.gather(*[stream(client, p) for p in batch])
+        if alone:
+            answers = [await stream(client, p) for p in batch]
+            tok_s = sum(len(t) - 1 for t, _ in answers) / sum(s for _, s in answers)
+        else:
+            answers = await asyncio.gather(*[stream(client, p) for p in batch])
+            tok_s = sum((len(t) - 1) / s for t, s in answers)
         await client.close()
-        tok_s = sum((len(t) - 1) / s for t, s in answers)  # (each stream's own decode rate, summed)
         return [t for t, _ in answers], tok_s
 
     rows, plain = [], {}
@@ -215,9 +244,11 @@ def cluster_rows(
         cluster = Cluster.start(cfg)
         try:
             attention = next(iter(cluster.attention.values()))
+            alone = False
             asyncio.run(run(cluster.url, held_out_prompts(model, 1)))  # (warm-up)
             for b in batches:
-                batch = held_out_prompts(model, b)
+                alone = b == 1
+                batch = held_out_prompts(model, b if b > 1 else batch1_prompts)
                 before = ray.get(attention.stats.remote())
                 results = [asyncio.run(run(cluster.url, batch)) for _ in range(repeats)]
                 after = ray.get(attention.stats.remote())
@@ -228,7 +259,7 @@ def cluster_rows(
                 step_s = after["times"]["step_s"] - before["times"]["step_s"]
                 wait_s = after["times"]["expert_wait_s"] - before["times"]["expert_wait_s"]
                 rows.append({
-                    "speculative_tokens": k, "batch": b,
+                    "speculative_tokens": k, "batch": b, "prompts": len(batch),
                     "decode_tok_s_median": statistics.median(rates), "decode_tok_s_best": max(rates),
                     "decode_tok_s_all": rates,
                     "answers_differing_from_plain": sum(a != p for a, p in zip(answers, plain[b], strict=True)),
@@ -314,6 +345,9 @@ def main() -> None:
         help="skip the oracle / oracle_half engines (each k: one engine instead of three)",
     )
     ap.add_argument("--trained-batches", default="1,8,32")
+    ap.add_argument("--batch1-prompts", type=int, default=8,
+                    help="the trained model at batch 1 (LocalEngine and cluster): this many held-out prompts, "
+                         "each run alone, one after another (one prompt's acceptance is one text's)")  # fmt: skip
     ap.add_argument("--trained-new-tokens", type=int, default=128)
     ap.add_argument("--cluster-batches", default="",
                     help="also: the trained model on the real cluster over shared memory at these batches")  # fmt: skip
@@ -337,7 +371,7 @@ def main() -> None:
             model = init_model(Path(tmp) / preset, preset, seed=0, mtp=True)
             vocab = ModelConfig.from_dir(model).vocab_size
             for b in (int(x) for x in filter(None, args.batches.split(","))):
-                for row in bench(model, prompts(b, vocab), args):
+                for row in bench(model, [prompts(b, vocab)], args):
                     report({"preset": preset, **row})
     identity_rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -351,13 +385,17 @@ def main() -> None:
     if args.trained and args.cluster_batches:
         batches = [int(x) for x in args.cluster_batches.split(",")]
         ks = tuple(int(x) for x in str(args.speculative_tokens).split(","))
-        cluster = cluster_rows(Path(args.trained), batches, args.trained_new_tokens, args.repeats, ks)
+        cluster = cluster_rows(Path(args.trained), batches, args.trained_new_tokens, args.repeats, ks,
+                               args.batch1_prompts)  # fmt: skip
     if args.trained:
         trained = json.loads((Path(args.trained) / "training.json").read_text())
         for b in (int(x) for x in filter(None, args.trained_batches.split(","))):
             targs = argparse.Namespace(**{**vars(args), "new_tokens": args.trained_new_tokens})
-            for row in bench(Path(args.trained), held_out_prompts(Path(args.trained), b), targs):
-                report({"preset": "small, trained (train_small.py --mtp)", "prompts": "held-out text", **row})
+            held_out = held_out_prompts(Path(args.trained), b if b > 1 else args.batch1_prompts)
+            groups = [held_out] if b > 1 else [[p] for p in held_out]
+            for row in bench(Path(args.trained), groups, targs):
+                report({"preset": "small, trained (train_small.py --mtp)", "prompts": "held-out text",
+                        "num_prompts": len(held_out), **row})  # fmt: skip
     out = {
         "benchmark": "mtp_speculative_decoding_local_engine",
         "issue": 54,

@@ -64,13 +64,17 @@ def _tp_run(engine_cfg: EngineConfig, tp: int, prompts, failures: int = 0, prepa
 
 
 def test_step_layout_survives_the_wire():
-    a = StepBatch.build([([5, 6, 7], 0, [3], True), ([9], 64, [1, 2], True)])
+    a = StepBatch.build([([5, 6, 7], 0, [3], True), ([9], 64, [1, 2], True)], decode_upto=3, keep_hidden=True)
     b = StepBatch.build(
         [([1, 2], 5, [7], False)], block_states=torch.arange(10, 20, dtype=torch.int32)
     )  # V4's
     assert a.state_table is None and b.state_table.tolist() == [[17]]
     for got, want in zip(unpack_batches(pack_batches([a, b]), torch.device("cpu")), [a, b], strict=True):
-        assert got.query_lens == want.query_lens
+        assert (got.query_lens, got.decode_upto, got.keep_hidden) == (
+            want.query_lens,
+            want.decode_upto,
+            want.keep_hidden,
+        )
         for field in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table", "logits_index"):
             assert torch.equal(getattr(got, field), getattr(want, field)), field
         assert (got.state_table is None) == (want.state_table is None)
