@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,21 @@ def _start_worker(model_dir) -> tuple[subprocess.Popen, str]:
     return proc, proc.stdout.readline().strip()
 
 
+def _freeze(pid: int, deadline_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and wait until every thread of it is stopped: kill() only queues the signal, and
+    on a loaded VM a thread running on another vCPU can serve one more call before it stops."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + deadline_s
+    while True:
+        states = [
+            (t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()
+        ]
+        if all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped after {deadline_s} s: {states}"
+        time.sleep(0.01)
+
+
 def test_a_frozen_worker_is_found_in_about_a_second_and_its_pairs_go_to_the_replica(tiny_model):
     cfg = ModelConfig.from_dir(tiny_model)
     E = cfg.n_routed_experts
@@ -74,7 +90,7 @@ def test_a_frozen_worker_is_found_in_about_a_second_and_its_pairs_go_to_the_repl
         learned = experts.deadlines.timeout_s(6)  # (the floor, or 4 x p99 on a loaded machine)
         assert 1.0 <= learned < 30.0 and experts.stats.resent_pairs == 0
         frozen = workers[0][0]
-        os.kill(frozen.pid, signal.SIGSTOP)
+        _freeze(frozen.pid)
         try:
             started = time.monotonic()
             got = experts.combine(ExpertCombine(experts.dispatch(msg)))
