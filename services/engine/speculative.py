@@ -321,7 +321,7 @@ class Speculator:
             self._draft_s = time.perf_counter() - t0
 
     def _draft(self, parts, batches, tally, history_of, held_of, speculate: bool) -> None:
-        rows, hidden, drafting = [], [], []  # drafting: (seq, how many drafts)
+        rows, drafting = [], []  # drafting: (seq, how many drafts)
         at, offset = [], 0  # the rows read, in the step's batches' `hidden` concatenated
         for part, batch in zip(parts, batches, strict=True):
             for b, c in enumerate(part):
@@ -335,7 +335,6 @@ class Speculator:
                 want = n > 0 and speculate
                 rows.append((seq.token_slice(c.start + 1, c.start + 1 + m), c.start, seq.block_ids, want))
                 s0 = batch.query_starts[b]
-                hidden.append(batch.hidden[s0 : s0 + m])
                 at += range(offset + s0, offset + s0 + m)
                 if want:
                     drafting.append((seq, n))
@@ -347,9 +346,11 @@ class Speculator:
         batch = StepBatch.build(
             rows, model.device, self.block_states, decode_upto=1 + self.k, keep_hidden=chained
         )
+        at = torch.tensor(at)
         if self.on_pass is not None:
-            self.on_pass(batch, torch.tensor(at), False)
-        step = model.mtp_forward(model.mtp[0], batch, torch.cat(hidden), self.kv)
+            self.on_pass(batch, at, False)
+        hidden = torch.cat([b.hidden for b in batches])[at.to(model.device)]
+        step = model.mtp_forward(model.mtp[0], batch, hidden, self.kv)
         # (its MoE layer's load counted in the step's tally, after the main model's layers)
         logits = run_interleaved([step], self.experts, tally)[0]
         if not drafting:

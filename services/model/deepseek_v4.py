@@ -314,7 +314,7 @@ class DeepseekV4:
         of token p + 2; with `batch.keep_hidden` sets `batch.hidden` [len(logits_index), M, H]: its
         output streams there, what a chained pass at p + 1 reads (mtp.py)."""
         eps, k = self.cfg.rms_norm_eps, self.kernels
-        linear = k.linear if k.deterministic else F.linear
+        linear, _ = _ops(k)
         e = linear(rms_norm_f32(F.embedding(batch.input_ids, self.embed), w.enorm, eps), w.e_proj)
         h = linear(rms_norm_f32(hidden.to(e.dtype), w.hnorm, eps), w.h_proj) + e.unsqueeze(1)
         cos_sin = {name: rope.cos_sin(batch.positions) for name, rope in self.ropes.items()}
@@ -331,7 +331,7 @@ class DeepseekV4:
         and the MoE block, each between its hyper-connections; yields the routed experts' messages
         (named by layer index i); returns the new streams."""
         cfg, k = self.cfg, self.kernels
-        linear = k.linear if k.deterministic else F.linear
+        linear, _ = _ops(k)
         post, comb, x = hc_pre(h, layer.hc_attn, cfg, k)
         x = rms_norm_f32(x, layer.attn_norm, cfg.rms_norm_eps)
         attn = v4_attention(x, layer.attn, cfg, self.ropes, cos_sin, cache, batch, k)
@@ -354,7 +354,7 @@ class DeepseekV4:
     def _logits(self, h: torch.Tensor, head: HyperConnection, norm: torch.Tensor) -> torch.Tensor:
         """fp32 logits of streams h [n, M, H]: collapsed by `head`, normed by `norm`, the LM head."""
         k = self.kernels
-        linear = k.linear if k.deterministic else F.linear
+        linear, _ = _ops(k)
         last = hc_head(h, head, self.cfg, k)
         return linear(rms_norm_f32(last, norm, self.cfg.rms_norm_eps), self.head).float()
 
