@@ -230,3 +230,42 @@ def test_chained_passes_go_to_remote_experts_and_count_in_the_tally(mtp_model, m
     finally:
         for s in servers:
             s.stop(0)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v32", "tiny-v4"])
+def test_a_step_that_does_not_speculate_writes_the_modules_rows_alone(preset, tmp_path):
+    """After a step the gate keeps plain, the module only writes its cache rows (no MoE layer, no
+    head: `mtp_cache_rows`), and they are the rows a full pass writes: the drafts a later
+    speculating step makes are, bit for bit under --deterministic, those of an engine that ran the
+    full pass after every step (V3, V3.2 with its indexer keys, V4's state rows). Greedy tokens are
+    plain decoding's."""
+    model = init_model(tmp_path / preset, preset, seed=0, mtp=True, tokenizer=False)
+    requests = [(f"r{i}", p, SamplingParams(**PLAIN)) for i, p in enumerate(_prompts(4, seed=8, lo=20, hi=80))]
+    reference = _run(_engine(model, 0), requests)
+
+    def drafting(engine) -> tuple[dict, list]:
+        drafts, passes, original = {}, [], engine.spec.draft
+
+        def draft(parts, *args):
+            original(parts, *args)
+            for seq in (c.seq for part in parts for c in part if c.seq.draft):
+                drafts[seq.request_id, len(seq.output_ids)] = list(seq.draft)
+
+        for name in ("mtp_forward", "mtp_cache_rows"):
+            method = getattr(engine.model, name)
+            setattr(engine.model, name, lambda *a, name=name, method=method: passes.append(name) or method(*a))
+        engine.spec.draft = draft
+        return drafts, passes
+
+    always = _engine(model, 1, **ALWAYS)
+    always_drafts, always_passes = drafting(always)
+    assert _run(always, requests) == reference
+    flipping = _engine(model, 1)
+    choices = itertools.cycle([True, False, False, True, False])
+    flipping.spec.gate.speculate = lambda n: next(choices)
+    drafts, passes = drafting(flipping)
+    assert _run(flipping, requests) == reference
+    common = drafts.keys() & always_drafts.keys()
+    assert len(common) >= 20 and all(drafts[key] == always_drafts[key] for key in common)
+    assert passes.count("mtp_cache_rows") > passes.count("mtp_forward") / 2  # (the plain steps')
+    assert always_passes.count("mtp_cache_rows") <= len(requests)  # (only where no sequence may draft)

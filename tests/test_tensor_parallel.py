@@ -128,7 +128,7 @@ def test_tp2_speculating_equals_one_process_without(tmp_path, preset):
     """Speculative decoding (2 draft tokens, chained) on 2 ranks, V3 and V4: every MTP pass runs on
     both ranks (their heads split, the routed results shared); a random head of each step's drafts
     replaced by the true next tokens, so steps accept some and reject the next. Greedy tokens equal
-    one process's without speculation."""
+    one process's without speculation, and the module's own drafts one speculating process's."""
     import dataclasses
     import random
 
@@ -142,15 +142,19 @@ def test_tp2_speculating_equals_one_process_without(tmp_path, preset):
         LocalEngine(dataclasses.replace(engine_cfg, speculative_tokens=0)), prompts, GREEDY
     )
     reference = {tuple(p): o.token_ids for p, o in zip(prompts, want, strict=True)}
-    rng, stats = random.Random(0), {}
+    rng, stats, drafted = random.Random(0), {}, []
 
     def oracle(engine):
+        rng.seed(0)
+        drafted.clear()
         original = engine.spec.draft
 
         def draft(parts, *args):
             original(parts, *args)
             for seq in (c.seq for part in parts for c in part):
                 ref = reference[tuple(seq.prompt_ids)][len(seq.output_ids) :]
+                if seq.draft:
+                    drafted.append((prompts.index(seq.prompt_ids), len(seq.output_ids), list(seq.draft)))
                 if seq.draft and ref and rng.random() < 0.8:
                     n = rng.randint(1, len(seq.draft))
                     seq.draft = ref[:n] + seq.draft[n:]
@@ -158,7 +162,12 @@ def test_tp2_speculating_equals_one_process_without(tmp_path, preset):
 
         engine.spec.draft = draft
 
+    one = LocalEngine(engine_cfg)
+    oracle(one)
+    run_requests(one, prompts, GREEDY)
+    one_process = list(drafted)
     got, _, steps = _tp_run(engine_cfg, 2, prompts, prepare=oracle)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     assert steps[0] < GREEDY.max_tokens  # (the follower ran fewer steps than tokens: drafts were accepted)
+    assert drafted == one_process  # (the module's heads split over the ranks too)

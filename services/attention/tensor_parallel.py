@@ -38,8 +38,8 @@ from services.model.messages import ExpertCombine, ExpertDispatch, run_interleav
 log = logging.getLogger(__name__)
 
 # what a broadcast carries (its first value): a step's micro-batches, an MTP pass (speculative
-# decoding: the first after a step, or a chained one), or the end
-_STEP, _MTP_PASS, _MTP_CHAINED, _STOP = 0, 1, 2, -1
+# decoding: the first after a step, a chained one, or the module's cache rows only), or the end
+_STEP, _MTP_PASS, _MTP_CHAINED, _MTP_ROWS, _STOP = 0, 1, 2, 3, -1
 
 
 class StepAborted(RuntimeError):
@@ -67,11 +67,15 @@ class TPGroup:
         """(rank 0) Send the micro-batches every rank runs this step."""
         self._send(torch.cat((torch.tensor([_STEP]), pack_batches(batches))))
 
-    def broadcast_mtp_pass(self, batch: StepBatch, rows: torch.Tensor, chained: bool) -> None:
+    def broadcast_mtp_pass(
+        self, batch: StepBatch, rows: torch.Tensor, chained: bool, cache_only: bool
+    ) -> None:
         """(rank 0) Send an MTP pass every rank runs (speculative decoding): its batch, and the rows
         [n] of its input states: of the last step's micro-batches' `hidden`, concatenated (the
-        first pass), or of the last pass's (`chained`)."""
-        head = torch.tensor([_MTP_CHAINED if chained else _MTP_PASS, rows.numel()])
+        first pass), or of the last pass's (`chained`). `cache_only`: a first pass that writes the
+        module's cache rows only (`mtp_cache_rows`)."""
+        kind = _MTP_CHAINED if chained else _MTP_ROWS if cache_only else _MTP_PASS
+        head = torch.tensor([kind, rows.numel()])
         self._send(torch.cat((head, rows.to("cpu", torch.long), pack_batches([batch]))))
 
     def stop(self) -> None:
@@ -84,7 +88,7 @@ class TPGroup:
 
     def recv_step(self) -> tuple[int, list[StepBatch], torch.Tensor | None] | None:
         """(followers) What rank 0 runs next: (_STEP, its micro-batches, None) or (_MTP_PASS /
-        _MTP_CHAINED, [its batch], its input rows); None when rank 0 stops the group."""
+        _MTP_CHAINED / _MTP_ROWS, [its batch], its input rows); None when rank 0 stops the group."""
         size = torch.empty(1, dtype=torch.long, device=self.comm_device)
         dist.broadcast(size, src=0)
         packed = torch.empty(int(size), dtype=torch.long, device=self.comm_device)
@@ -235,6 +239,8 @@ class Follower:
                     steps += 1
                     if batches[0].keep_hidden:
                         hidden = torch.cat([b.hidden for b in batches])
+                elif kind == _MTP_ROWS:
+                    self.model.mtp_cache_rows(self.model.mtp[0], batches[0], hidden[rows], self.cache.kv)
                 else:  # (its logits rows kept: they are the rows a chained pass reads)
                     (batch,) = batches
                     source = mtp_hidden if kind == _MTP_CHAINED else hidden

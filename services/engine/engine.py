@@ -67,7 +67,7 @@ class Engine:
         engine_cfg: EngineConfig,
         tokenizer: Tokenizer | None = None,
         on_batches: Callable[[list[StepBatch]], None] | None = None,
-        on_mtp_pass: Callable[[StepBatch, torch.Tensor, bool], None] | None = None,
+        on_mtp_pass: Callable[[StepBatch, torch.Tensor, bool, bool], None] | None = None,
     ):
         """on_batches: called with each step's micro-batches before the model runs them (attention
         tensor parallelism broadcasts them to the other ranks); on_mtp_pass: the same for each

@@ -33,9 +33,12 @@ fewer; a sampled request's drafts each come with their distribution ([k, V] `dra
 position processed with the drafts before it counted as output, as verification processes p.
 
 Whether a step speculates at all is the `SpeculationGate`'s (spec_gate.py: vLLM's
-`disable_by_batch_size`, or `auto`: measured per batch-size bucket). A step that does not still
-runs the module's first pass without its head, so the module's cache stays complete and any later
-step may speculate again.
+`disable_by_batch_size`, or `auto`: measured per batch-size bucket). After a step that drafts for
+none of its sequences (the gate said no, or none may) the module only writes its cache rows at the
+computed positions (`model.mtp_cache_rows`: the same rows, from two small projections, without its
+attention, its MoE layer's expert round trip or its head), so its cache stays complete and any
+later step may speculate again at full acceptance, while a plain step costs little over plain
+decoding without the module.
 
 Refused, falling back to plain decoding for that request: structured outputs (a grammar would have
 to be advanced speculatively). Penalties, logit bias, min_tokens, stop tokens and strings,
@@ -221,9 +224,10 @@ class Speculator:
         self.model, self.experts, self.kv, self.k = model, experts, cache_kv, k
         self.max_model_len, self.grammar_ids, self.grow_blocks = max_model_len, grammar_ids, grow_blocks
         self.block_states = block_states  # (DeepSeek-V4: the allocator's, for the passes' state tables)
-        # attention tensor parallelism: called with each pass's batch and input rows before it runs
+        # attention tensor parallelism: called with each pass's batch, input rows, whether it is
+        # chained and whether it writes the cache rows only, before it runs
         # (tensor_parallel.TPGroup.broadcast_mtp_pass), so that every rank runs it
-        self.on_pass: Callable[[StepBatch, torch.Tensor, bool], None] | None = None
+        self.on_pass: Callable[[StepBatch, torch.Tensor, bool, bool], None] | None = None
         self.stats = SpecStats(accepted_per_position=[0] * k)
         self.gate = SpeculationGate(disable_by_batch_size)
         self._refused: set[str] = set()
@@ -348,13 +352,14 @@ class Speculator:
         )
         at = torch.tensor(at)
         if self.on_pass is not None:
-            self.on_pass(batch, at, False)
+            self.on_pass(batch, at, False, not drafting)
         hidden = torch.cat([b.hidden for b in batches])[at.to(model.device)]
+        if not drafting:  # (nothing to draft: only the module's cache rows, no expert round trip)
+            model.mtp_cache_rows(model.mtp[0], batch, hidden, self.kv)
+            return
         step = model.mtp_forward(model.mtp[0], batch, hidden, self.kv)
         # (its MoE layer's load counted in the step's tally, after the main model's layers)
         logits = run_interleaved([step], self.experts, tally)[0]
-        if not drafting:
-            return
         for seq, _ in drafting:
             seq.draft, seq.draft_probs = [], None
         probs: dict[int, list[torch.Tensor]] = {id(seq): [] for seq, _ in drafting}
@@ -369,7 +374,7 @@ class Speculator:
                                     model.device, self.block_states, decode_upto=1 + self.k,
                                     keep_hidden=True)  # fmt: skip
             if self.on_pass is not None:
-                self.on_pass(chain, torch.tensor(keep), True)
+                self.on_pass(chain, torch.tensor(keep), True, False)
             step = model.mtp_forward(model.mtp[0], chain, state[keep], self.kv)
             logits = run_interleaved([step], self.experts, tally)[0]
             self._pick(seqs, logits, history_of, held_of, probs)

@@ -45,7 +45,15 @@ from .kernels.deterministic import expand_dispatch, sum_choices
 from .kernels.select import Kernels, select_kernels
 from .kernels.torch_ops import swiglu_act
 from .messages import ExpertCombine, ExpertDispatch, StepGen
-from .v4_attention import Rows, V4AttentionWeights, V4Rope, rms_norm_f32, shard_heads, v4_attention
+from .v4_attention import (
+    Rows,
+    V4AttentionWeights,
+    V4Rope,
+    rms_norm_f32,
+    shard_heads,
+    v4_attention,
+    write_state_rows,
+)
 from .weights import load_layers
 
 
@@ -313,16 +321,30 @@ class DeepseekV4:
         `hc_head`, `norm` and the shared head. Returns fp32 logits [len(batch.logits_index), vocab]
         of token p + 2; with `batch.keep_hidden` sets `batch.hidden` [len(logits_index), M, H]: its
         output streams there, what a chained pass at p + 1 reads (mtp.py)."""
-        eps, k = self.cfg.rms_norm_eps, self.kernels
-        linear, _ = _ops(k)
-        e = linear(rms_norm_f32(F.embedding(batch.input_ids, self.embed), w.enorm, eps), w.e_proj)
-        h = linear(rms_norm_f32(hidden.to(e.dtype), w.hnorm, eps), w.h_proj) + e.unsqueeze(1)
-        cos_sin = {name: rope.cos_sin(batch.positions) for name, rope in self.ropes.items()}
+        h, cos_sin = self._mtp_input(w, batch, hidden)
         h = yield from self.block(h, w.index, w.layer, cache[w.index], batch, cos_sin)
         h = h[batch.logits_index]
         if batch.keep_hidden:
             batch.hidden = h
         return self._logits(h, w.hc_head, w.norm)
+
+    def mtp_cache_rows(self, w: V4MTPWeights, batch: StepBatch, hidden: torch.Tensor, cache) -> None:
+        """Only what a pass of MTP module `w` (`mtp_forward`, same arguments) leaves in the cache:
+        its block's state rows (v4_attention.write_state_rows of its attention input), bit for bit,
+        without its attention, its MoE layer (no expert round trip) or its head. A decode step that
+        does not speculate runs this, so the module's rows stay complete for a later one that does."""
+        h, cos_sin = self._mtp_input(w, batch, hidden)
+        _, _, x = hc_pre(h, w.layer.hc_attn, self.cfg, self.kernels)
+        x = rms_norm_f32(x, w.layer.attn_norm, self.cfg.rms_norm_eps)
+        write_state_rows(x, w.layer.attn, self.cfg, self.ropes, cos_sin, cache[w.index], batch, self.kernels)
+
+    def _mtp_input(self, w: V4MTPWeights, batch: StepBatch, hidden: torch.Tensor):
+        """The module's streams [T, M, H] before its block (`mtp_forward`), and the ropes' cos / sin."""
+        eps = self.cfg.rms_norm_eps
+        linear, _ = _ops(self.kernels)
+        e = linear(rms_norm_f32(F.embedding(batch.input_ids, self.embed), w.enorm, eps), w.e_proj)
+        h = linear(rms_norm_f32(hidden.to(e.dtype), w.hnorm, eps), w.h_proj) + e.unsqueeze(1)
+        return h, {name: rope.cos_sin(batch.positions) for name, rope in self.ropes.items()}
 
     def block(
         self, h: torch.Tensor, i: int, layer: V4LayerWeights, cache, batch: StepBatch, cos_sin

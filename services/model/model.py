@@ -34,7 +34,7 @@ from .kernels.select import Kernels, select_kernels
 from .kv_cache import BLOCK_SIZE, dequantize_index_keys, fp8_latent_bytes
 from .layers import Rope
 from .messages import ExpertCombine, ExpertDispatch, StepGen
-from .mtp import MTPWeights, load_mtp, mtp_forward
+from .mtp import MTPWeights, load_mtp, module_input, mtp_forward
 from .weights import LayerWeights, MLAWeights, load_layer, load_layers, shard_heads
 
 NORM_EPS_LATENT = 1e-6  # q_a_layernorm / kv_a_layernorm always use 1e-6 (HF, DeepSeek)
@@ -98,15 +98,10 @@ def mla_forward(
         q = linear(q_lora, w.q_b)
     q = q.view(T, -1, D + R)
     N = q.shape[1]
-    cos, sin = cos_sin
-    kv = linear(x, w.kv_a, w.kv_a_bias)
-    W, index, index_key = cache.shape[-1], None, None
-    if w.indexer is not None:  # V3.2: cache the indexer keys too; score the context for our queries
-        index_key = index_keys(x, w.indexer, cos_sin, k)
+    W, index = cache.shape[-1], None
+    if w.indexer is not None:  # V3.2: score the context for our queries
         index = IndexQueries.build(x, q_lora, w.indexer, cfg, cos_sin, k)
-    # the latent norm, both ropes and the cache write (FP8 rows: kv_cache.quantize_latent_rows)
-    q_pe = k.latent_to_cache(kv, q[..., D:], w.kv_a_norm, cos, sin, batch.slot_mapping, cache, NORM_EPS_LATENT,
-                             index_key)  # fmt: skip
+    q_pe = write_latent_rows(x, w, k, cos_sin, cache, batch, q[..., D:])
     q_nope = q[..., :D]
 
     kv_b = w.kv_b.view(N, D + V, C)
@@ -146,6 +141,28 @@ def mla_forward(
         out[s0 : s0 + n] = o.to(x.dtype)
 
     return linear(out.view(T, N * V), w.o, w.o_bias)
+
+
+def write_latent_rows(
+    x: torch.Tensor,
+    w: MLAWeights,
+    k: Kernels,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    cache: torch.Tensor,
+    batch: StepBatch,
+    q_pe: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An MLA layer's cache rows for x [T, H] (its normed input), written at batch.slot_mapping into
+    `cache`: kv_a, the latent norm and rope, for V3.2 the indexer key (FP8 rows:
+    kv_cache.quantize_latent_rows). Returns q_pe [T, N, R] roped in the same kernel call (None: no
+    queries, only the rows: a [T, 1, R] stand-in is roped)."""
+    cos, sin = cos_sin
+    kv = k.linear(x, w.kv_a, w.kv_a_bias)
+    if q_pe is None:
+        q_pe = kv.new_zeros(x.shape[0], 1, cos.shape[-1] * 2)
+    index_key = index_keys(x, w.indexer, cos_sin, k) if w.indexer is not None else None
+    return k.latent_to_cache(kv, q_pe, w.kv_a_norm, cos, sin, batch.slot_mapping, cache, NORM_EPS_LATENT,
+                             index_key)  # fmt: skip
 
 
 SPARSE_PREFILL_BYTES = 32 << 20  # V3.2 prefill: a query tile's index scores or gathered rows
@@ -211,8 +228,8 @@ class DeepseekV3:
     def shard_attention(self, rank: int, tp: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Keep only rank `rank` of `tp`'s slice of every layer's heads (the latent projections
         stay whole: every rank holds the full latent cache); `reduce` sums the ranks' partial
-        attention outputs."""
-        for layer in self.layers:
+        attention outputs. The MTP modules' layers too."""
+        for layer in [*self.layers, *(m.layer for m in self.mtp)]:
             layer.attn = shard_heads(layer.attn, self.cfg, rank, tp)
         self.attn_reduce = reduce
 
@@ -308,6 +325,18 @@ class DeepseekV3:
     def mtp_forward(self, w: MTPWeights, batch: StepBatch, hidden: torch.Tensor, latent_cache) -> StepGen:
         """One pass of MTP module `w` (mtp.py `mtp_forward`; DeepseekV4 has its own)."""
         return mtp_forward(self, w, batch, hidden, latent_cache)
+
+    def mtp_cache_rows(self, w: MTPWeights, batch: StepBatch, hidden: torch.Tensor, latent_cache) -> None:
+        """Only what a pass of MTP module `w` (`mtp_forward`, same arguments) leaves in the cache:
+        its latent rows (kv_a of its first sublayer's normed input; V3.2: with the indexer key),
+        bit for bit, without its attention, its MoE layer (no expert round trip) or its head. A
+        decode step that does not speculate runs this, so the module's rows stay complete for a
+        later one that does."""
+        x = self.kernels.rms_norm(
+            module_input(self, w, batch, hidden), w.layer.input_norm, self.cfg.rms_norm_eps
+        )
+        cos_sin = self.rope.cos_sin(batch.positions, self.dtype)
+        write_latent_rows(x, w.layer.attn, self.kernels, cos_sin, latent_cache[w.index], batch)
 
     def decoder_layers(self, h: torch.Tensor, layers, cos_sin, latent_cache: torch.Tensor, batch: StepBatch):
         """The residual stream h [T, H] through `layers` ((decoder-layer index, LayerWeights) pairs:

@@ -114,9 +114,7 @@ def mtp_forward(
     H]: the module's output state at those rows before `shared_head` (its residual stream), what
     a chained pass at p + 1 reads in place of the main model's state (more than one draft token)."""
     k, eps = model.kernels, model.cfg.rms_norm_eps
-    e = F.embedding(batch.input_ids, model.embed).masked_fill((batch.positions == 0)[:, None], 0.0)
-    x = torch.cat((k.rms_norm(e, w.enorm, eps), k.rms_norm(hidden.to(e.dtype), w.hnorm, eps)), dim=-1)
-    h = k.linear(x, w.eh_proj)
+    h = module_input(model, w, batch, hidden)
     cos_sin = model.rope.cos_sin(batch.positions, model.dtype)
     h, delta = yield from model.decoder_layers(h, [(w.index, w.layer)], cos_sin, latent_cache, batch)
     rows = batch.logits_index
@@ -124,6 +122,16 @@ def mtp_forward(
     if batch.keep_hidden:
         batch.hidden = out
     return k.linear(last, w.head).float()
+
+
+def module_input(model, w: MTPWeights, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+    """The module's residual stream [T, H] before its decoder layer:
+    eh_proj(cat(enorm(embed(token p + 1)), hnorm(h(p)))), for `batch` and `hidden` as `mtp_forward`
+    takes them."""
+    k, eps = model.kernels, model.cfg.rms_norm_eps
+    e = F.embedding(batch.input_ids, model.embed).masked_fill((batch.positions == 0)[:, None], 0.0)
+    x = torch.cat((k.rms_norm(e, w.enorm, eps), k.rms_norm(hidden.to(e.dtype), w.hnorm, eps)), dim=-1)
+    return k.linear(x, w.eh_proj)
 
 
 def mtp_moe_layers(cfg: ModelConfig) -> list[int]:

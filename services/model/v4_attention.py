@@ -456,6 +456,32 @@ def _attend_each(w, cfg, cache, batch: StepBatch, q, q_idx, idx_weights, out: to
             out[t] = torch.mm(probs, ctx)
 
 
+def write_state_rows(
+    x: torch.Tensor,
+    w: V4AttentionWeights,
+    cfg: ModelConfig,
+    ropes: dict[str, V4Rope],
+    cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    cache: tuple[Rows, Rows | None],
+    batch: StepBatch,
+    k,
+) -> None:
+    """What a V4 attention layer leaves in its cache for x [T, H] (its normed input), arguments as
+    `v4_attention`'s: each token's state row (its roped, normed kv [D], then its compressors'
+    states) at batch.state_slot_mapping, and the compressed entries of the windows the step
+    completes."""
+    det = bool(k.deterministic)
+    linear = k.linear if det else F.linear
+    cos, sin = cos_sin["main" if w.kind == SLIDING else "compress"]
+    kv = rope_tail(rms_norm_f32(linear(x, w.wkv), w.kv_norm, cfg.rms_norm_eps), cos, sin)  # [T, D]
+    compressors = [c for c in (w.compressor, w.indexer and w.indexer.compressor) if c is not None]
+    new = torch.cat([kv] + [col for c in compressors for col in _compressor_states(c, x, linear)], dim=-1)
+    rows, entries = cache
+    rows.write(batch.state_slot_mapping, slice(0, None), new)
+    for c in compressors:
+        emit_entries(c, rows, entries, batch, ropes["compress"], cfg.rms_norm_eps, stable=det)
+
+
 def v4_attention(
     x: torch.Tensor,
     w: V4AttentionWeights,
@@ -483,14 +509,8 @@ def v4_attention(
     q_lora = rms_norm_f32(linear(x, w.wq_a), w.q_norm, eps)
     q = rope_tail(rms_norm_f32(linear(q_lora, w.wq_b).view(T, -1, D), None, eps), cos, sin)  # [T, N, D]
     N = q.shape[1]
-    kv = rope_tail(rms_norm_f32(linear(x, w.wkv), w.kv_norm, eps), cos, sin)  # [T, D]
-
-    compressors = [c for c in (w.compressor, w.indexer and w.indexer.compressor) if c is not None]
-    new = torch.cat([kv] + [col for c in compressors for col in _compressor_states(c, x, linear)], dim=-1)
+    write_state_rows(x, w, cfg, ropes, cos_sin, cache, batch, k)
     rows, entries = cache
-    rows.write(batch.state_slot_mapping, slice(0, None), new)
-    for c in compressors:
-        emit_entries(c, rows, entries, batch, ropes["compress"], eps, stable=det)
     q_idx = idx_weights = None
     if w.indexer is not None:
         Hi = w.indexer.weights_proj.shape[0]
