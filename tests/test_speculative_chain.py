@@ -240,7 +240,9 @@ def test_a_step_that_does_not_speculate_writes_the_modules_rows_alone(preset, tm
     full pass after every step (V3, V3.2 with its indexer keys, V4's state rows). Greedy tokens are
     plain decoding's."""
     model = init_model(tmp_path / preset, preset, seed=0, mtp=True, tokenizer=False)
-    requests = [(f"r{i}", p, SamplingParams(**PLAIN)) for i, p in enumerate(_prompts(4, seed=8, lo=20, hi=80))]
+    requests = [
+        (f"r{i}", p, SamplingParams(**PLAIN)) for i, p in enumerate(_prompts(4, seed=8, lo=20, hi=80))
+    ]
     reference = _run(_engine(model, 0), requests)
 
     def drafting(engine) -> tuple[dict, list]:
@@ -253,7 +255,9 @@ def test_a_step_that_does_not_speculate_writes_the_modules_rows_alone(preset, tm
 
         for name in ("mtp_forward", "mtp_cache_rows"):
             method = getattr(engine.model, name)
-            setattr(engine.model, name, lambda *a, name=name, method=method: passes.append(name) or method(*a))
+            setattr(
+                engine.model, name, lambda *a, name=name, method=method: passes.append(name) or method(*a)
+            )
         engine.spec.draft = draft
         return drafts, passes
 
