@@ -195,13 +195,16 @@ def cluster_rows(
     repeats: int,
     ks: tuple[int, ...] = (1,),
     batch1_prompts: int = 1,
+    rounds: int = 1,
 ) -> list[dict]:
     """The real cluster (1 attention worker, 2 expert workers, shared memory, `--deterministic`
-    off) on `model` without and with speculation (k of `ks` drafts, in every step), one cluster each: greedy streams of held-out
-    prompts over the official client, per batch: decode tok/s (tokens after the first over the
-    time from the first to the last, summed over the batch's streams; median and best of
-    `repeats`), the answers that differ from the plain cluster's, the acceptance rate and the share
-    of the attention worker's step spent waiting for routed experts."""
+    off) on `model` without and with speculation (k of `ks` drafts, in every step), one cluster
+    each, started in turn `rounds` times: greedy streams of held-out prompts over the official
+    client, per batch: decode tok/s (tokens after the first over the time from the first to the
+    last, summed over the batch's streams; `repeats` per round, median and best of all), the
+    speedup over plain per round (medians of the round's repeats) and its median, the answers
+    that differ from the plain cluster's, the acceptance rate and the share of the attention
+    worker's step spent waiting for routed experts."""
     import asyncio
 
     import openai
@@ -236,44 +239,57 @@ def cluster_rows(
         await client.close()
         return [t for t, _ in answers], tok_s
 
-    rows, plain = [], {}
-    for k in (0, *ks):
-        cfg = ClusterConfig(model=str(model), served_model_name="small", port=free_port(), attention_workers=1,
-                            expert_workers=2, expert_transport="shm", balancer_period_s=0, max_num_seqs=64,
-                            speculative_tokens=k, speculative_disable_by_batch_size=1 << 20)  # fmt: skip
-        cluster = Cluster.start(cfg)
-        try:
-            attention = next(iter(cluster.attention.values()))
-            alone = False
-            asyncio.run(run(cluster.url, held_out_prompts(model, 1)))  # (warm-up)
-            for b in batches:
-                alone = b == 1
-                batch = held_out_prompts(model, b if b > 1 else batch1_prompts)
-                before = ray.get(attention.stats.remote())
-                results = [asyncio.run(run(cluster.url, batch)) for _ in range(repeats)]
-                after = ray.get(attention.stats.remote())
-                answers, rates = results[0][0], [r for _, r in results]
-                plain.setdefault(b, answers)
-                spec, was = after.get("spec_decode") or {}, before.get("spec_decode") or {}
-                drafts = spec.get("num_draft_tokens", 0) - was.get("num_draft_tokens", 0)
-                step_s = after["times"]["step_s"] - before["times"]["step_s"]
-                wait_s = after["times"]["expert_wait_s"] - before["times"]["expert_wait_s"]
-                rows.append({
-                    "speculative_tokens": k, "batch": b, "prompts": len(batch),
-                    "decode_tok_s_median": statistics.median(rates), "decode_tok_s_best": max(rates),
-                    "decode_tok_s_all": rates,
-                    "answers_differing_from_plain": sum(a != p for a, p in zip(answers, plain[b], strict=True)),
-                    "acceptance_rate": (spec.get("num_accepted_tokens", 0) - was.get("num_accepted_tokens", 0))
-                    / drafts if drafts else None,
-                    "expert_wait_share": wait_s / step_s if step_s else None,
-                })  # fmt: skip
-                print(json.dumps(rows[-1])[:400], flush=True)
-        finally:
-            cluster.stop()
-    for row in rows:
-        base = next(r for r in rows if r["batch"] == row["batch"] and r["speculative_tokens"] == 0)
-        row["speedup_median"] = row["decode_tok_s_median"] / base["decode_tok_s_median"]
-        row["speedup_best"] = row["decode_tok_s_best"] / base["decode_tok_s_best"]
+    acc: dict[tuple[int, int], dict] = {}  # (k, batch) -> what its clusters measured, by round
+    for r in range(rounds):
+        for k in (0, *ks):
+            cfg = ClusterConfig(model=str(model), served_model_name="small", port=free_port(), attention_workers=1,
+                                expert_workers=2, expert_transport="shm", balancer_period_s=0, max_num_seqs=64,
+                                speculative_tokens=k, speculative_disable_by_batch_size=1 << 20)  # fmt: skip
+            cluster = Cluster.start(cfg)
+            try:
+                attention = next(iter(cluster.attention.values()))
+                alone = False
+                asyncio.run(run(cluster.url, held_out_prompts(model, 1)))  # (warm-up)
+                for b in batches:
+                    alone = b == 1
+                    batch = held_out_prompts(model, b if b > 1 else batch1_prompts)
+                    before = ray.get(attention.stats.remote())
+                    results = [asyncio.run(run(cluster.url, batch)) for _ in range(repeats)]
+                    after = ray.get(attention.stats.remote())
+                    spec, was = after.get("spec_decode") or {}, before.get("spec_decode") or {}
+                    a = acc.setdefault((k, b), {"prompts": len(batch), "rates": [], "differing": 0, "drafts": 0,
+                                                "accepted": 0, "step_s": 0.0, "wait_s": 0.0})  # fmt: skip
+                    a["rates"].append([rate for _, rate in results])
+                    plain = acc[0, b].setdefault("answers", results[0][0])
+                    a["differing"] = max(
+                        a["differing"], sum(x != y for x, y in zip(results[0][0], plain, strict=True))
+                    )
+                    a["drafts"] += spec.get("num_draft_tokens", 0) - was.get("num_draft_tokens", 0)
+                    a["accepted"] += spec.get("num_accepted_tokens", 0) - was.get("num_accepted_tokens", 0)
+                    a["step_s"] += after["times"]["step_s"] - before["times"]["step_s"]
+                    a["wait_s"] += after["times"]["expert_wait_s"] - before["times"]["expert_wait_s"]
+                    print(json.dumps({"round": r, "speculative_tokens": k, "batch": b, "tok_s": a["rates"][-1]}),
+                          flush=True)  # fmt: skip
+            finally:
+                cluster.stop()
+    rows = []
+    for (k, b), a in acc.items():
+        base = acc[0, b]
+        rates, base_rates = sum(a["rates"], []), sum(base["rates"], [])
+        by_round = [
+            statistics.median(x) / statistics.median(y)
+            for x, y in zip(a["rates"], base["rates"], strict=True)
+        ]
+        rows.append({
+            "speculative_tokens": k, "batch": b, "prompts": a["prompts"],
+            "decode_tok_s_median": statistics.median(rates), "decode_tok_s_best": max(rates),
+            "decode_tok_s_all": rates, "answers_differing_from_plain": a["differing"],
+            "acceptance_rate": a["accepted"] / a["drafts"] if a["drafts"] else None,
+            "expert_wait_share": a["wait_s"] / a["step_s"] if a["step_s"] else None,
+            "speedup_median": statistics.median(rates) / statistics.median(base_rates),
+            "speedup_best": max(rates) / max(base_rates),
+            "speedup_by_round": by_round, "speedup_round_median": statistics.median(by_round),
+        })  # fmt: skip
     return rows
 
 
@@ -351,6 +367,9 @@ def main() -> None:
     ap.add_argument("--trained-new-tokens", type=int, default=128)
     ap.add_argument("--cluster-batches", default="",
                     help="also: the trained model on the real cluster over shared memory at these batches")  # fmt: skip
+    ap.add_argument("--cluster-rounds", type=int, default=1,
+                    help="the clusters (plain, then each k) started this many times in turn, --repeats each time: "
+                         "a ratio per round, paired in time (this machine's speed drifts)")  # fmt: skip
     ap.add_argument("--cluster-identity", default="", metavar="PRESETS",
                     help="also: greedy identity over a real deterministic cluster's API on these generated "
                          "presets (e.g. tiny,tiny-v4), each k of --speculative-tokens")  # fmt: skip
@@ -386,7 +405,7 @@ def main() -> None:
         batches = [int(x) for x in args.cluster_batches.split(",")]
         ks = tuple(int(x) for x in str(args.speculative_tokens).split(","))
         cluster = cluster_rows(Path(args.trained), batches, args.trained_new_tokens, args.repeats, ks,
-                               args.batch1_prompts)  # fmt: skip
+                               args.batch1_prompts, args.cluster_rounds)  # fmt: skip
     if args.trained:
         trained = json.loads((Path(args.trained) / "training.json").read_text())
         for b in (int(x) for x in filter(None, args.trained_batches.split(","))):

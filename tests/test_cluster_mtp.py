@@ -112,7 +112,12 @@ def test_remote_experts_serve_the_mtp_pass_and_greedy_tokens_stay(any_mtp_model)
             RemoteExperts(cfg, plain)
         placement = Placement.round_robin(cfg.num_moe_layers, cfg.n_routed_experts, workers, 8)
         load_placement(placement, {w: w for w in workers}, cfg.moe_layers)
-        engine_cfg = EngineConfig(model=str(mtp_model), deterministic=True, speculative_tokens=1)
+        engine_cfg = EngineConfig(
+            model=str(mtp_model),
+            deterministic=True,
+            speculative_tokens=1,
+            speculative_disable_by_batch_size=1 << 20,
+        )  # (every step drafts)
         mcfg, model, experts, tokenizer = load_engine(
             engine_cfg, lambda m, r, d: RemoteExperts(cfg, placement)
         )
@@ -152,8 +157,9 @@ def test_remote_experts_serve_the_mtp_pass_and_greedy_tokens_stay(any_mtp_model)
 # ---- a real cluster -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(mtp_model):
+    """(Every step drafts: the gate's choice is not what these tests are about.)"""
     with tiny_cluster(mtp_model, attention_workers=2, expert_workers=2, balancer_period_s=0, max_num_seqs=32,
-                      deterministic=True, speculative_tokens=1) as c:  # fmt: skip
+                      deterministic=True, speculative_tokens=1, speculative_disable_by_batch_size=1 << 20) as c:  # fmt: skip
         yield c
 
 

@@ -91,7 +91,7 @@ def test_stops_and_max_tokens_cut_a_step_of_k_drafts(mtp_model):
 
 def test_a_sequence_near_its_end_drafts_fewer(mtp_model):
     """num_drafts: up to k, below the tokens left to generate and to the context's end."""
-    engine = _engine(mtp_model, 3, max_model_len=64)
+    engine = _engine(mtp_model, 3, max_model_len=64, **ALWAYS)
     seen = []
     original = engine.spec.draft
 

@@ -8,8 +8,10 @@ for the next step, whether that step speculates:
 - `disable_above=N` (N > 0): speculate while at most N sequences run, never above; nothing measured.
 - `auto` (`disable_above=0`): per batch-size bucket (the power of two at or above the number of
   running sequences: 1, 2, 4, 8, ...) it keeps the last `window` decode steps' seconds and tokens
-  emitted per sequence, for speculating steps and for plain ones. Until each side has
-  `min_samples`, one decision in `probe_every` is a plain step (the others speculate); after that
+  emitted per sequence, for speculating steps and for plain ones (a plain step's seconds include
+  the MTP module's cache rows, all it runs then: engine/speculative.py). Until each side has
+  `min_samples`, one decision in `probe_every` is a plain step (the others speculate: a bucket is
+  decided after about min_samples * probe_every steps); after that
   a bucket speculates while its speculating steps emit at least as many tokens per sequence and
   second as its plain ones, and one decision in `refresh_every` takes the other side, so a bucket's
   choice follows the load. A change of a bucket's choice is logged.
@@ -55,7 +57,7 @@ class SpeculationGate:
     def __init__(
         self,
         disable_above: int = 0,
-        probe_every: int = 16,
+        probe_every: int = 4,
         min_samples: int = 4,
         refresh_every: int = 256,
         window: int = 32,
