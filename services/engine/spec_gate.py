@@ -11,10 +11,11 @@ for the next step, whether that step speculates:
   emitted per sequence, for speculating steps and for plain ones (a plain step's seconds include
   the MTP module's cache rows, all it runs then: engine/speculative.py). Until each side has
   `min_samples`, one decision in `probe_every` is a plain step (the others speculate: a bucket is
-  decided after about min_samples * probe_every steps); after that
-  a bucket speculates while its speculating steps emit at least as many tokens per sequence and
-  second as its plain ones, and one decision in `refresh_every` takes the other side, so a bucket's
-  choice follows the load. A change of a bucket's choice is logged.
+  decided after about min_samples * probe_every steps); after that a bucket speculates while its
+  speculating steps emit at least as many tokens per sequence and second as its plain ones, and
+  every `refresh_every` decisions it takes the other side for `min_samples` steps in a row (a
+  burst: enough fresh samples to move that side's measure), so a bucket's choice follows the load
+  and an early decision made on unlucky steps is revisited. A change of a bucket's choice is logged.
 
 Pure Python, no model: the engine records each pure decode step (`record`) and asks `speculate`.
 Greedy tokens do not depend on it: plain and speculative steps are interchangeable.
@@ -42,6 +43,7 @@ class BucketTimes:
     plain: deque = field(default_factory=deque)
     decisions: int = 0  # times `speculate` was asked for this bucket
     on: bool = True  # the bucket's choice once both sides are measured
+    burst: int = 0  # decisions left that take the other side (refreshing its measure)
 
     @staticmethod
     def rate(samples: deque) -> float | None:
@@ -58,7 +60,7 @@ class SpeculationGate:
         self,
         disable_above: int = 0,
         probe_every: int = 4,
-        min_samples: int = 4,
+        min_samples: int = 8,
         refresh_every: int = 256,
         window: int = 32,
     ):
@@ -91,7 +93,10 @@ class SpeculationGate:
         if not self.measured(times):
             return n % self.probe_every != self.probe_every - 1  # (a plain step now and then)
         if n % self.refresh_every == self.refresh_every - 1:
-            return not times.on  # (the other side, to keep its measure current)
+            times.burst = self.min_samples  # (the other side for a while, to keep its measure current)
+        if times.burst:
+            times.burst -= 1
+            return not times.on
         return times.on
 
     def record(self, batch_size: int, speculated: bool, seconds: float, tokens_per_seq: float) -> None:
@@ -104,7 +109,7 @@ class SpeculationGate:
         spec, plain = times.rate(times.speculating), times.rate(times.plain)
         on = spec >= plain
         if on != times.on:
-            times.on = on
+            times.on, times.burst = on, 0  # (a burst that changed the choice has done its work)
             lo = bucket_of(batch_size) // 2 + 1
             log.info("speculative decoding %s at %d-%d running sequences: %.1f tokens/s per sequence "
                      "speculating, %.1f plain", "on" if on else "off", lo, bucket_of(batch_size), spec,

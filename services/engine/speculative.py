@@ -232,6 +232,7 @@ class Speculator:
         self.gate = SpeculationGate(disable_by_batch_size)
         self._refused: set[str] = set()
         self._draft_s = 0.0  # seconds of the last MTP pass (the cost of the next step's drafts)
+        self._after_decode = False  # whether the last step was a pure decode step (its pass: decode rows)
 
     def num_drafts(self, seq: Sequence) -> int:
         """Drafts seq may get for its next step: up to k, fewer than the tokens it has left to
@@ -251,11 +252,15 @@ class Speculator:
 
     def record_step(self, chunks: list[Chunk], num_emitted: int, seconds: float) -> None:
         """A step's measure for the gate, where it was a pure decode step (every chunk one token,
-        or a verify chunk): its seconds with the MTP pass that drafted for it, and the tokens it
-        emitted per sequence; whether any chunk verified drafts says which side it counts on."""
-        if chunks and all(c.wants_logits and c.num_tokens == 1 + len(c.draft) for c in chunks):
+        or a verify chunk) after another: its seconds with the MTP pass that drafted for it, and the
+        tokens it emitted per sequence; whether any chunk verified drafts says which side it counts
+        on. (After a step with prefill chunks the pass ran over their rows too: not a decode
+        step's cost, so the step after is not measured.)"""
+        decode = bool(chunks) and all(c.wants_logits and c.num_tokens == 1 + len(c.draft) for c in chunks)
+        if decode and self._after_decode:
             speculated = any(c.draft for c in chunks)
             self.gate.record(len(chunks), speculated, seconds + self._draft_s, num_emitted / len(chunks))
+        self._after_decode = decode
 
     # ---- verification ---------------------------------------------------------------------
     def sample(
