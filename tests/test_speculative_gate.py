@@ -64,9 +64,9 @@ def test_auto_probes_plain_steps_then_keeps_the_faster_side_per_bucket(caplog):
 
 
 def test_auto_keeps_measuring_the_other_side_and_follows_a_change():
-    """Every refresh_every decisions the side not chosen runs for min_samples steps (a burst); when
-    the load makes speculating pay again (e.g. drafts accepted more often), the bucket turns back
-    on within a burst or two."""
+    """Every refresh_every decisions the side not chosen runs for min_samples steps (a burst), and is
+    measured over that burst; when the load makes speculating pay again (e.g. drafts accepted more
+    often), the bucket turns back on at the next burst."""
     gate = SpeculationGate(probe_every=4, min_samples=3, refresh_every=10, window=4)
     _drive(gate, 8, 40, spec_tok_s=50, plain_tok_s=100)
     assert gate.as_dict()["buckets"]["8"]["on"] is False

@@ -14,8 +14,9 @@ for the next step, whether that step speculates:
   decided after about min_samples * probe_every steps); after that a bucket speculates while its
   speculating steps emit at least as many tokens per sequence and second as its plain ones, and
   every `refresh_every` decisions it takes the other side for `min_samples` steps in a row (a
-  burst: enough fresh samples to move that side's measure), so a bucket's choice follows the load
-  and an early decision made on unlucky steps is revisited. A change of a bucket's choice is logged.
+  burst). The chosen side is measured over its last `window` steps, the other over its last
+  `min_samples` (its latest burst), so a bucket's choice follows the load and an early decision
+  made on unlucky steps is revisited at the next burst. A change of a bucket's choice is logged.
 
 Pure Python, no model: the engine records each pure decode step (`record`) and asks `speculate`.
 Greedy tokens do not depend on it: plain and speculative steps are interchangeable.
@@ -46,10 +47,11 @@ class BucketTimes:
     burst: int = 0  # decisions left that take the other side (refreshing its measure)
 
     @staticmethod
-    def rate(samples: deque) -> float | None:
-        """Tokens per sequence and second over the samples (None: none)."""
-        seconds = sum(s for s, _ in samples)
-        return sum(t for _, t in samples) / seconds if seconds > 0 else None
+    def rate(samples: deque, last: int | None = None) -> float | None:
+        """Tokens per sequence and second over the samples, or the `last` of them (None: none)."""
+        recent = list(samples)[-last:] if last else samples
+        seconds = sum(s for s, _ in recent)
+        return sum(t for _, t in recent) / seconds if seconds > 0 else None
 
 
 class SpeculationGate:
@@ -106,7 +108,7 @@ class SpeculationGate:
         (times.speculating if speculated else times.plain).append((seconds, tokens_per_seq))
         if not self.measured(times):
             return
-        spec, plain = times.rate(times.speculating), times.rate(times.plain)
+        spec, plain = self.rates(times)
         on = spec >= plain
         if on != times.on:
             times.on, times.burst = on, 0  # (a burst that changed the choice has done its work)
@@ -115,15 +117,21 @@ class SpeculationGate:
                      "speculating, %.1f plain", "on" if on else "off", lo, bucket_of(batch_size), spec,
                      plain)  # fmt: skip
 
+    def rates(self, times: BucketTimes) -> tuple[float | None, float | None]:
+        """(speculating, plain) tokens per sequence and second as the bucket compares them: the side
+        it chose over its window, the other over its last `min_samples` (its latest burst)."""
+        return (BucketTimes.rate(times.speculating, None if times.on else self.min_samples),
+                BucketTimes.rate(times.plain, self.min_samples if times.on else None))  # fmt: skip
+
     def as_dict(self) -> dict:
         """For the engine's stats: the setting, and per bucket each side's tokens per sequence and
         second, its samples and whether it speculates."""
         buckets = {}
         for b, t in sorted(self.buckets.items()):
-            rates = {k: BucketTimes.rate(getattr(t, k)) for k in ("speculating", "plain")}
+            spec, plain = self.rates(t)
             buckets[str(b)] = {
-                "speculating_tok_s": rates["speculating"],
-                "plain_tok_s": rates["plain"],
+                "speculating_tok_s": spec,
+                "plain_tok_s": plain,
                 "samples": [len(t.speculating), len(t.plain)],
                 "on": t.on if self.measured(t) else None,  # (None: still measuring, mostly speculating)
             }

@@ -325,7 +325,8 @@ class Speculator:
         step's `tally`."""
         t0 = time.perf_counter()
         try:
-            self._draft(parts, batches, tally, history_of, held_of, self.gate.speculate(num_running))
+            speculate = num_running > 0 and self.gate.speculate(num_running)  # (none left: nothing to ask)
+            self._draft(parts, batches, tally, history_of, held_of, speculate)
         finally:
             self._draft_s = time.perf_counter() - t0
 
