@@ -241,7 +241,7 @@ def cluster_rows(
 
     acc: dict[tuple[int, int], dict] = {}  # (k, batch) -> what its clusters measured, by round
     for r in range(rounds):
-        for k in (0, *ks):
+        for k in dict.fromkeys((0, *ks)):  # (plain once, whether or not ks names 0)
             cfg = ClusterConfig(model=str(model), served_model_name="small", port=free_port(), attention_workers=1,
                                 expert_workers=2, expert_transport="shm", balancer_period_s=0, max_num_seqs=64,
                                 speculative_tokens=k, speculative_disable_by_batch_size=1 << 20)  # fmt: skip
